@@ -1,0 +1,45 @@
+"""Packaging for vlrft. `pip install -e '.[dev]'` for development; see README.md for the tested stack."""
+
+from setuptools import find_packages, setup
+
+CORE = [
+    "torch>=2.4",
+    "transformers>=5.0,<6",
+    "tokenizers>=0.21",
+    "safetensors>=0.4",
+    "pillow>=10",
+    "numpy>=1.26",
+    "omegaconf>=2.3",
+    "pyyaml>=6",
+    "tqdm>=4.66",
+    "rich>=13",
+    "tensorboard>=2.15",
+    "datasets>=3.0",
+    "pyarrow>=15",
+    "math-verify[antlr4_13_2]>=0.7",
+    "aiohttp>=3.9",
+    "packaging>=23",
+]
+EXTRAS = {
+    # torchvision enables video and the fast image processors; install the build that matches your torch.
+    "video": ["torchvision", "av>=12", "qwen-vl-utils>=0.0.10"],
+    "vllm": ["vllm>=0.10"],
+    "sglang": ["sglang>=0.5"],
+    "deepspeed": ["deepspeed>=0.15"],
+    "wandb": ["wandb>=0.18"],
+    "peft": ["peft>=0.13"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+}
+
+setup(
+    name="vlrft",
+    version="0.1.0",
+    description="Reinforcement-learning fine-tuning (GRPO, RLOO, REINFORCE++, PPO) for vision-language models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["vlrft", "vlrft.*"]),
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["vlrft=vlrft.cli:main"]},
+)

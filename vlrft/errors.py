@@ -1,0 +1,28 @@
+"""User-facing errors.
+
+A `UserError` is a mistake the user can fix (bad config, missing file, bad sample). The CLI prints
+it as one line and exits non-zero; `--debug` shows the traceback. Anything else is a bug.
+"""
+
+
+class UserError(Exception):
+    """An error caused by user input; its message says what is wrong and how to fix it."""
+
+
+class ConfigError(UserError):
+    """A config file or override that cannot be loaded or does not validate."""
+
+
+class MissingDependencyError(UserError):
+    """An optional package is needed for the requested feature; the message names the extra."""
+
+
+def require(module: str, feature: str, extra: str | None = None):
+    """Import an optional module or raise a `MissingDependencyError` naming what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        hint = f"pip install 'vlrft[{extra}]'" if extra else f"pip install {module.split('.')[0]}"
+        raise MissingDependencyError(f"{feature} needs the package '{module.split('.')[0]}' ({exc}); install it with: {hint}") from exc

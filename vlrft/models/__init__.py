@@ -1,0 +1,1 @@
+"""Models: loading policies/processors, tiny local models, (later) ActorVL and the critic."""

@@ -1,0 +1,242 @@
+"""Build tiny Qwen-VL models locally: random weights, a locally trained tokenizer, the Qwen chat template.
+
+Tests, the demo and the benchmarks need a real `transformers` VLM and processor but no hub access.
+`build_tiny_vlm` writes a folder that `from_pretrained` (and `vlrft.models.load_policy`) reads like
+any Hub checkpoint. Everything is deterministic: the same spec gives bitwise the same folder content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from vlrft.models.chat_template import QWEN_VL_CHAT_TEMPLATE
+from vlrft.models.vision_stack import has_torchvision
+
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen's pre-tokenizer split (digits one by one, letters with an optional leading space or symbol).
+QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# Words the tokenizer learns as whole tokens: chat roles, the synthetic task's vocabulary, answer tags.
+_CORPUS_WORDS = (
+    "system user assistant You are a helpful assistant. "
+    "What color is the shape? Which shape is in the image? How many shapes are there? Where is the shape? "
+    "Answer with one word. Answer with a number. Think step by step and put the final answer in \\boxed{}. "
+    "red green blue yellow purple orange white black gray circle square triangle star left right top bottom "
+    "center middle small large big one two three four five six seven eight nine ten zero none yes no "
+    "<think> </think> <answer> </answer> The answer is A B C D E option choice count number image picture "
+    "video frame question solve find angle length area degree point line triangle ABC x y = + - * / ( ) [ ] "
+    "the of and a to in is that it for on with as was at by this be from or have an are not but what all were "
+    "when we there can been has more if will one so about which their would out up into them then its only "
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 100 0.5 3.14 \\frac{1}{2} \\sqrt{2} \\boxed{4} ,.;:!?'\" "
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Sizes of a tiny VLM. Defaults make a model of about 0.3 M parameters that builds in < 1 s."""
+
+    arch: Arch = "qwen2_vl"
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    vision_depth: int = 2
+    vision_hidden_size: int = 32
+    vision_heads: int = 2
+    vocab_size: int = 512
+    # Image processor bounds (pixels); small so tests and the demo stay fast.
+    min_pixels: int = 28 * 28
+    max_pixels: int = 28 * 28 * 16
+    seed: int = 0
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def patch_size(self) -> int:
+        return 16 if self.arch == "qwen3_vl" else 14
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@lru_cache(maxsize=4)
+def _train_tokenizer_json(vocab_size: int) -> str:
+    """Train a byte-level BPE with Qwen's pre-tokenizer on a fixed corpus; returns tokenizer.json text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS_WORDS] * 20, trainer)
+    return tok.to_str()
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A Qwen2 tokenizer (transformers class) over a BPE trained here, with the Qwen special tokens."""
+    from transformers import Qwen2Tokenizer
+
+    model = json.loads(_train_tokenizer_json(vocab_size))["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=merges,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=32768,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_processor(spec: TinySpec = TinySpec()):
+    """The real transformers processor for `spec.arch`, with the PIL image backend when torchvision is absent."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+
+    tokenizer = build_tokenizer(spec.vocab_size)
+    size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+    vision = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2)
+    if has_torchvision():
+        from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
+
+        image_processor = Qwen2VLImageProcessor(size=size, **vision)
+        video_cls = Qwen3VLVideoProcessor if spec.arch == "qwen3_vl" else Qwen2VLVideoProcessor
+        video_processor = video_cls(size=size, **vision)
+    else:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        image_processor = Qwen2VLImageProcessorPil(size=size, **vision)
+        video_processor = None
+    processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[spec.arch]
+    return processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+
+
+def build_config(spec: TinySpec, tokenizer):
+    """The transformers config for `spec`, with token ids taken from the tokenizer."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ]}
+    half = spec.head_dim // 2  # M-RoPE splits the rotary half-dim across (t, h, w)
+    mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    if spec.arch == "qwen2_vl":
+        vision = dict(depth=spec.vision_depth, embed_dim=spec.vision_hidden_size, hidden_size=spec.hidden_size,
+                      num_heads=spec.vision_heads, mlp_ratio=2, patch_size=spec.patch_size)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
+        cls = Qwen2VLConfig
+    elif spec.arch == "qwen2_5_vl":
+        vision = dict(depth=spec.vision_depth, hidden_size=spec.vision_hidden_size, out_hidden_size=spec.hidden_size,
+                      intermediate_size=2 * spec.vision_hidden_size, num_heads=spec.vision_heads,
+                      patch_size=spec.patch_size, window_size=112,
+                      fullatt_block_indexes=[spec.vision_depth - 1])
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
+        cls = Qwen2_5_VLConfig
+    else:
+        vision = dict(depth=spec.vision_depth, hidden_size=spec.vision_hidden_size, out_hidden_size=spec.hidden_size,
+                      intermediate_size=2 * spec.vision_hidden_size, num_heads=spec.vision_heads,
+                      patch_size=spec.patch_size, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0])
+        text["head_dim"] = spec.head_dim
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section,
+                                   "mrope_interleaved": True}
+        cls = Qwen3VLConfig
+    return cls(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings, **ids, **spec.extra)
+
+
+def build_tiny_model(spec: TinySpec, tokenizer):
+    """Random-weight model for `spec`, initialised under `spec.seed` so it is the same on every machine."""
+    from transformers import AutoModelForImageTextToText
+
+    config = build_config(spec, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = config.text_config.bos_token_id
+    return model
+
+
+def build_tiny_vlm(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Build a tiny `spec.arch` model + processor and save both to `out_dir` with `save_pretrained`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    processor = build_processor(spec)
+    model = build_tiny_model(spec, processor.tokenizer)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    (out / "vlrft_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python tools/build_tiny_vlm.py OUT --arch qwen2_5_vl` (also `vlrft tiny OUT`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a tiny random-weight Qwen-VL model + processor folder.")
+    parser.add_argument("out_dir", help="folder to write (created if missing)")
+    parser.add_argument("--arch", choices=ARCHES, default="qwen2_vl")
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vision_depth",
+                 "vision_hidden_size", "vision_heads", "vocab_size", "min_pixels", "max_pixels", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(TinySpec, name))
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out_dir")
+    path = build_tiny_vlm(out, TinySpec(**args))
+    print(f"wrote a tiny {args['arch']} model and processor to {path}")
+    return 0
