@@ -142,6 +142,10 @@ def build_processor(spec: TinySpec = TinySpec()):
         image_processor = Qwen2VLImageProcessorPil(size=size, **vision)
         video_processor = None
     processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[spec.arch]
+    if video_processor is None:
+        from vlrft.models.loading import _image_only_processor_class
+
+        processor_cls = _image_only_processor_class(processor_cls)
     return processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -223,20 +227,3 @@ def build_tiny_vlm(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     processor.save_pretrained(out)
     (out / "vlrft_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python tools/build_tiny_vlm.py OUT --arch qwen2_5_vl` (also `vlrft tiny OUT`)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Build a tiny random-weight Qwen-VL model + processor folder.")
-    parser.add_argument("out_dir", help="folder to write (created if missing)")
-    parser.add_argument("--arch", choices=ARCHES, default="qwen2_vl")
-    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vision_depth",
-                 "vision_hidden_size", "vision_heads", "vocab_size", "min_pixels", "max_pixels", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=getattr(TinySpec, name))
-    args = vars(parser.parse_args(argv))
-    out = args.pop("out_dir")
-    path = build_tiny_vlm(out, TinySpec(**args))
-    print(f"wrote a tiny {args['arch']} model and processor to {path}")
-    return 0

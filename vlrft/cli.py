@@ -1,0 +1,60 @@
+"""The `vlrft` command. Works the same as `vlrft ...`, `python -m vlrft ...` and under `torchrun`.
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`; the
+module is imported to build its parser, so keep heavy imports inside `run`. User errors
+(`vlrft.errors.UserError`) print as one line and exit 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from vlrft.errors import UserError
+
+# name -> (module, one-line help). Order is the order `vlrft --help` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
+    "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vlrft import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="vlrft", description="Reinforcement-learning fine-tuning for vision-language models."
+    )
+    parser.add_argument("--version", action="version", version=f"vlrft {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0])
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks for errors")
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        if getattr(args, "debug", False):
+            raise
+        print(f"vlrft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"vlrft {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `vlrft` subcommand (see vlrft/cli.py)."""

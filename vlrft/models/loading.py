@@ -1,0 +1,128 @@
+"""Load a VLM policy and its processor from a local folder or a Hub-format checkpoint.
+
+Works for any `AutoModelForImageTextToText` model with a processor. Without torchvision the
+processor is built image-only (PIL image backend) and asking it for video raises a clear error.
+Mistakes a user can make (wrong path, a folder without a processor, an unknown architecture)
+raise `UserError` with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vlrft.errors import UserError
+from vlrft.models.vision_stack import has_torchvision, require_video_support
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def _check_model_dir(path: str | Path) -> Path | None:
+    """Return the folder for a local path, None for a Hub id; raise when a local-looking path is missing."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"model folder '{path}' has no config.json; point model.path at a folder written by "
+                            "save_pretrained (or a Hub checkpoint)")
+        return p
+    if p.exists() or str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:
+        raise UserError(f"model path '{path}' is not a folder; pass a model folder (e.g. one made by "
+                        "`vlrft tiny DIR`) or a Hub id like Qwen/Qwen2.5-VL-3B-Instruct")
+    return None
+
+
+def model_type_of(path: str | Path) -> str:
+    """The `model_type` in a checkpoint's config.json (Hub ids are resolved through transformers)."""
+    local = _check_model_dir(path)
+    if local is not None:
+        try:
+            return json.loads((local / "config.json").read_text())["model_type"]
+        except (KeyError, json.JSONDecodeError) as exc:
+            raise UserError(f"'{local / 'config.json'}' is not a valid model config ({exc}); re-save the model") from None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path)).model_type
+
+
+def _check_architecture(path: str | Path) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    model_type = model_type_of(path)
+    if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        known = ", ".join(k for k in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if k.startswith("qwen"))
+        raise UserError(f"unknown architecture '{model_type}' in '{path}': vlrft trains models that "
+                        f"AutoModelForImageTextToText can load (e.g. {known}); check model.path")
+    return model_type
+
+
+def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
+                trust_remote_code: bool = False, device: str | torch.device = "cpu"):
+    """Load a vision-language model for training (`AutoModelForImageTextToText`)."""
+    from transformers import AutoModelForImageTextToText
+
+    _check_architecture(path)
+    if dtype not in DTYPES:
+        raise UserError(f"model.dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+    return model.to(device)
+
+
+def _image_only_processor_class(cls):
+    """Subclass of a processor class without the video sub-processor (it needs torchvision)."""
+
+    class ImageOnlyProcessor(cls):
+        @classmethod
+        def get_attributes(klass):
+            return [a for a in super().get_attributes() if a != "video_processor"]
+
+        def __call__(self, *args, videos=None, **kwargs):
+            if videos is not None:
+                require_video_support("processing video")
+            return super().__call__(*args, **kwargs)
+
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
+    return ImageOnlyProcessor
+
+
+def load_processor(path: str | Path, trust_remote_code: bool = False):
+    """Load the processor saved with a model; image-only (PIL backend) when torchvision is absent."""
+    local = _check_model_dir(path)
+    if local is not None and not any((local / f).is_file() for f in PROCESSOR_FILES):
+        raise UserError(f"model folder '{path}' has no processor (none of {', '.join(PROCESSOR_FILES)}); copy the "
+                        "processor files from the base checkpoint or run processor.save_pretrained on the folder")
+    import transformers
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    if has_torchvision():
+        return AutoProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    processor_name = _processor_class_name(path)
+    cls = getattr(transformers, processor_name, None)
+    if cls is None:
+        raise UserError(f"processor class '{processor_name}' of '{path}' is not in this transformers version; "
+                        "upgrade transformers or install torchvision")
+    image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    return _image_only_processor_class(cls)(image_processor=image_processor, tokenizer=tokenizer,
+                                             chat_template=getattr(tokenizer, "chat_template", None))
+
+
+def _processor_class_name(path: str | Path) -> str:
+    from transformers import AutoConfig
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    local = Path(path)
+    for name in PROCESSOR_FILES:
+        f = local / name
+        if f.is_file():
+            cls = json.loads(f.read_text()).get("processor_class")
+            if cls:
+                return cls
+    model_type = AutoConfig.from_pretrained(str(path)).model_type
+    if model_type not in PROCESSOR_MAPPING_NAMES:
+        raise UserError(f"no processor class is known for model type '{model_type}' ('{path}')")
+    return PROCESSOR_MAPPING_NAMES[model_type]
