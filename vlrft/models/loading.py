@@ -85,7 +85,8 @@ def _image_only_processor_class(cls):
                 require_video_support("processing video")
             return super().__call__(*args, **kwargs)
 
-    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{cls.__name__}"
+    # Keep the real class name: save_pretrained writes it as processor_class, which must stay loadable.
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = cls.__name__
     return ImageOnlyProcessor
 
 
