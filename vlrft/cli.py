@@ -16,6 +16,7 @@ from vlrft.errors import UserError
 # name -> (module, one-line help). Order is the order `vlrft --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
+    "generate": ("vlrft.commands.generate_cmd", "answer one prompt (with optional images) with a model folder"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
 }
 
@@ -38,7 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Keep library progress bars and info logs out of the user's terminal."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -1,0 +1,102 @@
+"""Config loading: YAML + dotted overrides, strict types, cross-field validation, saved without secrets."""
+
+import textwrap
+
+import pytest
+import yaml
+
+from vlrft.config import Config, load_config, save_config
+from vlrft.errors import ConfigError
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_yaml_and_overrides_merge_with_types(tmp_path):
+    path = write(tmp_path, """
+        model: {path: /models/tiny}
+        rollout: {n: 4, batch_size: 16}
+        train: {lr: 1.0e-5}
+    """)
+    cfg = load_config(path, ["train.lr=1e-6", "rollout.n=8", "algorithm.dual_clip=3", "data.train_files=[a.jsonl,b.jsonl]"])
+    assert cfg.model.path == "/models/tiny"
+    assert cfg.train.lr == pytest.approx(1e-6) and isinstance(cfg.train.lr, float)
+    assert cfg.rollout.n == 8 and cfg.rollout.batch_size == 16
+    assert cfg.algorithm.dual_clip == 3.0 and isinstance(cfg.algorithm.dual_clip, float)
+    assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert cfg.prompts_per_step == 2
+    # untouched sections keep their defaults
+    assert cfg.algorithm.advantage == Config().algorithm.advantage
+
+
+def test_nested_reward_functions_and_interpolation(tmp_path):
+    path = write(tmp_path, """
+        train: {output_dir: runs/x, total_steps: 7}
+        logging: {wandb_run_name: "run-${train.total_steps}"}
+        reward:
+          functions: [{name: accuracy, weight: 2}, {name: format, weight: 0.5}]
+          recipes: {geometry: [{name: math_accuracy}]}
+    """)
+    cfg = load_config(path)
+    assert [(f.name, f.weight) for f in cfg.reward.functions] == [("accuracy", 2.0), ("format", 0.5)]
+    assert cfg.reward.recipes["geometry"][0].name == "math_accuracy"
+    assert cfg.logging.wandb_run_name == "run-7"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lrr=1"], "config: unknown key 'train.lrr' (did you mean 'train.lr'?); allowed keys in 'train': output_dir,"),
+    (["trian.lr=1"], "config: unknown key 'trian' (did you mean 'train'?); allowed keys in the top level: model, data,"),
+    (["train.lr=abc"], "config: train.lr='abc' is invalid; expected a number"),
+    (["train.total_steps=1.5"], "config: train.total_steps=1.5 is invalid; expected an integer"),
+    (["model.freeze_vision_tower=maybe"], "config: model.freeze_vision_tower='maybe' is invalid; expected true/false"),
+    (["algorithm.advantage=ppo2"], "config: algorithm.advantage='ppo2' is invalid; expected one of 'grpo', 'drgrpo', 'rloo'"),
+    (["reward.functions=[{nam: acc}]"], "config: unknown key 'reward.functions[0].nam' (did you mean 'reward.functions[0].name'?)"),
+    (["rollout.n=3"], "config: rollout.batch_size=64 is not allowed; expected a multiple of rollout.n=3"),
+    (["rollout.n=0"], "config: rollout.n=0 is not allowed; expected a positive integer"),
+    (["train.mini_batch_size=48"], "config: train.mini_batch_size=48 is not allowed; expected a divisor of rollout.batch_size=64"),
+    (["algorithm.clip_eps_low=1.5"], "config: algorithm.clip_eps_low=1.5 is not allowed; expected a number in [0, 1)"),
+    (["algorithm.dual_clip=0.5"], "config: algorithm.dual_clip=0.5 is not allowed; expected a number > 1"),
+    (["algorithm.advantage=rloo", "rollout.n=1", "rollout.batch_size=8"], "config: rollout.n=1 is not allowed; expected at least 2"),
+    (["train.resume=/no/such/ckpt"], "config: train.resume='/no/such/ckpt' is not allowed; expected 'none', 'auto' or the path"),
+    (["lr"], "config: override 'lr' is not of the form section.key=value"),
+])
+def test_bad_values_fail_with_one_clear_message(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_batch_must_split_into_whole_groups_per_rank():
+    # 64 completions / n=8 -> 8 prompts; 3 ranks cannot each get whole groups
+    with pytest.raises(ConfigError, match=r"rollout.batch_size=64 .* multiple of rollout.n \* world_size = 24"):
+        load_config(None, ["train.strategy=ddp"], world_size=3)
+    assert load_config(None, ["train.strategy=ddp"], world_size=4).prompts_per_step == 8
+    with pytest.raises(ConfigError, match="train.strategy='single' is not allowed; expected 'ddp', 'fsdp2' or 'deepspeed'"):
+        load_config(None, [], world_size=2)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file '.*nope.yaml' not found; pass the path of a YAML file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = write(tmp_path, "train:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML at line \d+, column \d+"):
+        load_config(bad)
+    scalar = write(tmp_path, "just a string\n", name="s.yaml")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(scalar)
+
+
+def test_saved_config_round_trips_and_drops_secrets(tmp_path):
+    cfg = load_config(None, ["logging.wandb_api_key=sk-SECRET", "reward.remote_api_key=rk-SECRET", "train.lr=3e-6"])
+    saved = save_config(cfg, tmp_path / "run")
+    text = saved.read_text()
+    assert "SECRET" not in text
+    data = yaml.safe_load(text)
+    assert data["logging"]["wandb_api_key"] is None and data["reward"]["remote_api_key"] is None
+    again = load_config(saved)
+    assert again.train.lr == pytest.approx(3e-6)
+    assert again.rollout == cfg.rollout and again.algorithm == cfg.algorithm

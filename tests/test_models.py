@@ -1,0 +1,132 @@
+"""Tiny-VLM toolkit and model/processor loading, for all three Qwen-VL architectures."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlrft.errors import UserError
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.tiny import ARCHES, TinySpec, build_processor, build_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def image(h=60, w=90, seed=0):
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+def image_prompt(processor, n_images=1):
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": "What color is the shape?"}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_build_save_load_round_trip_gives_identical_logits(arch, tiny_vlm_dir):
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    inputs = processor(text=[image_prompt(processor)], images=[image()], return_tensors="pt")
+
+    fresh = build_tiny_model(TinySpec(arch=arch), build_processor(TinySpec(arch=arch)).tokenizer).eval()
+    loaded = load_policy(folder).eval()
+    assert type(loaded).__name__ == type(fresh).__name__
+    with torch.no_grad():
+        a = fresh(**inputs).logits
+        b = loaded(**inputs).logits
+    assert a.shape == (1, inputs["input_ids"].shape[1], len(processor.tokenizer))
+    assert torch.equal(a, b)
+    # the saved tokenizer is the one that was built: same ids for the same text
+    assert processor.tokenizer("What color is red?").input_ids == build_processor(TinySpec(arch=arch)).tokenizer(
+        "What color is red?").input_ids
+
+
+def test_build_is_deterministic_and_seeded(tmp_path):
+    tok = build_processor(TinySpec()).tokenizer
+    a = build_tiny_model(TinySpec(seed=3), tok).state_dict()
+    b = build_tiny_model(TinySpec(seed=3), tok).state_dict()
+    c = build_tiny_model(TinySpec(seed=4), tok).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_processor_rows_and_image_tokens_follow_grid_thw(arch, tiny_processor):
+    processor = tiny_processor(arch)
+    merge = processor.image_processor.merge_size
+    images = [image(60, 90, 0), image(120, 40, 1)]
+    inputs = processor(text=[image_prompt(processor, 2)], images=images, return_tensors="pt")
+    thw = inputs["image_grid_thw"]
+    assert thw.shape == (2, 3)
+    assert inputs["pixel_values"].shape[0] == int(thw.prod(dim=1).sum())
+    image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    n_tokens = int((inputs["input_ids"] == image_token_id).sum())
+    assert n_tokens == int(thw.prod(dim=1).sum()) // merge**2
+    # different image sizes give different grids: the count is per image, not a constant
+    assert thw[0].tolist() != thw[1].tolist()
+
+
+def test_hub_style_folder_loads_with_auto_classes(tiny_vlm_dir):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tiny_vlm_dir("qwen2_5_vl")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "processor_config.json", "chat_template.jinja"} <= {
+        p.name for p in folder.iterdir()}
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert model.config.text_config.eos_token_id == processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
+    with pytest.raises(UserError, match="model path '.*missing' is not a folder"):
+        load_policy(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no config.json"):
+        load_policy(tmp_path / "empty")
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    (weird / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(UserError, match="unknown architecture 'bert'"):
+        load_policy(weird)
+    no_proc = tmp_path / "no_proc"
+    no_proc.mkdir()
+    (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())
+    with pytest.raises(UserError, match="has no processor .* processor.save_pretrained"):
+        load_processor(no_proc)
+
+
+def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_dir, tmp_path):
+    folder = tiny_vlm_dir("qwen2_vl")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["torchvision"] = None  # as if torchvision were not installed
+        import numpy as np
+        from PIL import Image
+        from vlrft.errors import MissingDependencyError
+        from vlrft.models.loading import load_policy, load_processor
+        from vlrft.models.tiny import TinySpec, build_tiny_vlm
+        from vlrft.models.vision_stack import has_torchvision
+        assert not has_torchvision()
+        for folder in [{str(folder)!r}, str(build_tiny_vlm({str(tmp_path / 'built')!r}, TinySpec(arch="qwen3_vl")))]:
+            proc = load_processor(folder)
+            img = Image.fromarray((np.random.RandomState(0).rand(60, 90, 3) * 255).astype("uint8"))
+            text = "<|vision_start|><|image_pad|><|vision_end|>What color?"
+            inputs = proc(text=[text], images=[img], return_tensors="pt")
+            assert inputs["pixel_values"].shape[0] == int(inputs["image_grid_thw"].prod(-1).sum())
+            load_policy(folder)(**inputs)
+            try:
+                proc(text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[[img, img]])
+            except MissingDependencyError as exc:
+                assert "torchvision" in str(exc), exc
+            else:
+                raise AssertionError("video without torchvision did not raise")
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
