@@ -15,6 +15,8 @@ from vlrft.errors import UserError
 
 # name -> (module, one-line help). Order is the order `vlrft --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("vlrft.commands.train_cmd", "train a policy with RL from a YAML config (also under torchrun)"),
+    "eval": ("vlrft.commands.eval_cmd", "evaluate a model on the config's eval set"),
     "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
     "generate": ("vlrft.commands.generate_cmd", "answer one prompt (with optional images) with a model folder"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),

@@ -152,8 +152,7 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
     micro_batch_size: int = 4  # completions per forward pass per rank
-    strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = "single"
-    zero_stage: int = 2
+    strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
@@ -162,6 +161,7 @@ class TrainConfig:
     eval_n: int = 1  # samples per eval prompt (pass@k uses them)
     eval_temperature: float = 0.0  # 0 = greedy
     eval_batch_size: int = 32  # prompts per eval generate call
+    eval_accuracy_reward: str | None = None  # reward function whose value > 0.5 means correct; default: the first
 
 
 @dataclass
@@ -234,9 +234,7 @@ class Config:
         if t.resume not in ("none", "auto") and not Path(t.resume).exists():
             _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
         if t.strategy == "single" and world > 1:
-            _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
-        if t.zero_stage not in (0, 1, 2, 3):
-            _fail("train.zero_stage", t.zero_stage, "0, 1, 2 or 3")
+            _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
         return self
 
 

@@ -1,0 +1,147 @@
+"""Run tracking on the main rank: metrics.jsonl, TensorBoard event files, wandb, completion tables, progress.
+
+Metrics arrive already reduced over ranks (the trainer reduces sums and counts); only rank 0
+builds a `RunLogger`. wandb is imported only when `logging.wandb` is on; its API key comes from the
+WANDB_API_KEY variable or the config and is never written to disk by vlrft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlrft.config import Config, LoggingConfig, to_dict
+from vlrft.errors import MissingDependencyError
+
+HEADLINE = ("reward/mean", "eval/accuracy", "kl", "entropy", "completions/mean_length")
+
+
+@dataclass
+class CompletionRow:
+    """One line of a completion table."""
+
+    prompt: str
+    completion: str
+    rewards: dict[str, float | None]
+    advantage: float
+    image: str | None = None  # path of a thumbnail written next to the table
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLogger:
+    """Writes every tracker the config asks for; call `log(step, metrics)` once per step on rank 0."""
+
+    def __init__(self, cfg: Config, output_dir: str | Path, total_steps: int, start_step: int = 0):
+        self.cfg: LoggingConfig = cfg.logging
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.completions_path = self.dir / "completions.jsonl"
+        _truncate_after(self.metrics_path, start_step)  # a resumed run rewrites the steps after its checkpoint
+        _truncate_after(self.completions_path, start_step)
+        self._tb = None
+        if self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        self._wandb = self._init_wandb(cfg) if self.cfg.wandb else None
+        self._bar = None
+        if self.cfg.progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="vlrft", dynamic_ncols=True)
+
+    def _init_wandb(self, cfg: Config):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise MissingDependencyError(f"logging.wandb=true needs the package 'wandb' ({exc}); install it with: "
+                                         "pip install 'vlrft[wandb]'") from exc
+        if self.cfg.wandb_api_key and not os.environ.get("WANDB_API_KEY"):
+            os.environ["WANDB_API_KEY"] = self.cfg.wandb_api_key
+        return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, dir=str(self.dir),
+                          config=to_dict(cfg, redact_secrets=True), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix({k.split("/")[-1] if k != "eval/accuracy" else "eval_acc": f"{metrics[k]:.3g}"
+                                   for k in HEADLINE if isinstance(metrics.get(k), (int, float))}, refresh=True)
+
+    def log_completions(self, step: int, rows: list[CompletionRow]) -> None:
+        with self.completions_path.open("a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, "prompt": row.prompt, "completion": row.completion,
+                                    "rewards": {k: _clean(v) for k, v in row.rewards.items()},
+                                    "advantage": _clean(row.advantage), "image": row.image, **row.extra}) + "\n")
+        if self._tb is not None:
+            header = "| prompt | image | completion | rewards | advantage |\n|---|---|---|---|---|\n"
+            body = "".join(
+                f"| {_md(row.prompt[-200:])} | {row.image or ''} | {_md(row.completion[:300])} | "
+                f"{_md(json.dumps({k: _clean(v) for k, v in row.rewards.items()}))} | {row.advantage:.3f} |\n"
+                for row in rows)
+            self._tb.add_text("completions", header + body, step)
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "completion", "rewards", "advantage"])
+            for row in rows:
+                table.add_data(step, row.prompt, row.completion, json.dumps(row.rewards), row.advantage)
+            self._wandb.log({"completions": table}, step=step)
+
+    def message(self, text: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop lines of a jsonl log whose step is after `step` (they belong to work lost in a crash)."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """The metrics.jsonl records of a run, in order."""
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

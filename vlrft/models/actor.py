@@ -1,0 +1,190 @@
+"""ActorVL: the policy being trained, and the optional critic (value head) for PPO with GAE.
+
+`ActorVL.logprobs(batch)` returns per-token logprobs and entropy of completion tokens only. The
+vision encoder runs once per distinct prompt in a micro-batch (its features are shared by the
+group's rows through transformers' `mm_encoder_outputs`, so gradients from every row reach it),
+the LM head sees only completion positions, a chunk at a time (`vlrft.models.logprobs`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vlrft.errors import MissingDependencyError
+from vlrft.models.logprobs import token_logprobs
+from vlrft.trainer.sequences import SequenceBatch
+from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
+
+VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    logprobs: torch.Tensor  # [B, C], zero where completion_mask == 0
+    entropy: torch.Tensor  # [B, C]
+
+
+def base_of(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA layers are injected in place, so they stay active)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone returning hidden states, LM head) of an image-text-to-text model."""
+    base = base_of(model)
+    backbone, head = getattr(base, "model", None), getattr(base, "lm_head", None)
+    if backbone is None or head is None:
+        raise TypeError(f"{type(base).__name__} has no .model/.lm_head pair; vlrft needs the standard transformers "
+                        "layout of AutoModelForImageTextToText models")
+    return backbone, head
+
+
+def vision_module(model: nn.Module) -> nn.Module | None:
+    backbone, _ = split_head(model)
+    for name in VISION_MODULE_NAMES:
+        if isinstance(getattr(backbone, name, None), nn.Module):
+            return getattr(backbone, name)
+    return None
+
+
+def _select_encoder_output(output, order: list[int]):
+    """A copy of a transformers vision-encoder output keeping per-item features in `order` (repeats allowed)."""
+    fields = {"pooler_output": [output.pooler_output[i] for i in order]}
+    deepstack = getattr(output, "deepstack_features", None)
+    if deepstack is not None:
+        fields["deepstack_features"] = [[layer[i] for i in order] for layer in deepstack]
+    return type(output)(**fields)
+
+
+def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[int]:
+    """Indices of images (or videos) in a batch of distinct prompts, repeated for every row using them."""
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+    return [starts[p] + k for p in row_prompt for k in range(counts[p])]
+
+
+class VisionInputs:
+    """Builds the visual keyword arguments of a training forward for rows sharing prompts."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        backbone, _ = split_head(model)
+        self.shared = "mm_encoder_outputs" in inspect.signature(backbone.forward).parameters
+
+    def __call__(self, visual: VisualBatch, row_prompt: tuple[int, ...]) -> dict:
+        extra_rows = any(SLICING_RULES.get(k, None) is None or SLICING_RULES[k].layout in (Layout.IMAGE_ROWS,
+                         Layout.VIDEO_ROWS) for k in visual.extra)
+        if not self.shared or extra_rows:
+            return visual.select(list(row_prompt)).model_inputs()  # generic path: pixels repeated per row
+        base = base_of(self.model)
+        kwargs: dict = {}
+        encoded: dict = {}
+        if visual.pixel_values is not None and visual.num_images:
+            order = _item_order(visual.images_per_sample, row_prompt)
+            features = base.get_image_features(pixel_values=visual.pixel_values, image_grid_thw=visual.image_grid_thw,
+                                               return_dict=True)
+            encoded["image"] = _select_encoder_output(features, order)
+            kwargs["image_grid_thw"] = visual.image_grid_thw[order]
+            image_order = order
+        else:
+            image_order = []
+        if visual.pixel_values_videos is not None and visual.num_videos:
+            order = _item_order(visual.videos_per_sample, row_prompt)
+            features = base.get_video_features(pixel_values_videos=visual.pixel_values_videos,
+                                               video_grid_thw=visual.video_grid_thw, return_dict=True)
+            encoded["video"] = _select_encoder_output(features, order)
+            kwargs["video_grid_thw"] = visual.video_grid_thw[order]
+            video_order = order
+        else:
+            video_order = []
+        for key, value in visual.extra.items():
+            layout = SLICING_RULES[key].layout
+            index = {Layout.PER_IMAGE: image_order, Layout.PER_VIDEO: video_order,
+                     Layout.PER_SAMPLE: list(row_prompt)}[layout]
+            kwargs[key] = value[index]
+        if encoded:
+            kwargs["mm_encoder_outputs"] = encoded
+        return kwargs
+
+
+class ActorVL(nn.Module):
+    """The policy: an `AutoModelForImageTextToText` model (optionally LoRA-wrapped) with completion logprobs."""
+
+    def __init__(self, model: nn.Module, image_token_id: int, video_token_id: int, chunk_tokens: int = 1024):
+        super().__init__()
+        self.model = model
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.chunk_tokens = chunk_tokens
+        self._vision = VisionInputs(model)
+
+    def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
+        """Final-layer hidden states [B, P + C, H] of the rows."""
+        backbone, _ = split_head(self.model)
+        kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
+                      mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
+        kwargs.update(self._vision(batch.visual, batch.row_prompt))
+        return backbone(**kwargs).last_hidden_state
+
+    def logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
+        """Logprob and entropy of each completion token under softmax(logits / temperature)."""
+        _, head = split_head(self.model)
+        hidden = self.hidden_states(batch)
+        p, c = batch.prompt_width, batch.completion_width
+        mask = batch.completion_mask.bool()
+        predicting = hidden[:, p - 1:p - 1 + c][mask]  # hidden state before each completion token
+        targets = batch.input_ids[:, p:p + c][mask]
+        lp, ent = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens)
+        logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, lp)
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, ent)
+        return TokenLogprobs(logprobs, entropy)
+
+    def forward(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
+        return self.logprobs(batch, temperature)
+
+
+class CriticVL(nn.Module):
+    """Value model for GAE: a VLM backbone with a scalar head; V(state before each completion token)."""
+
+    def __init__(self, model: nn.Module, image_token_id: int, video_token_id: int):
+        super().__init__()
+        self.actor_like = ActorVL(model, image_token_id, video_token_id)
+        backbone, head = split_head(model)
+        self.value_head = nn.Linear(head.weight.shape[1], 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, batch: SequenceBatch) -> torch.Tensor:
+        hidden = self.actor_like.hidden_states(batch)
+        p, c = batch.prompt_width, batch.completion_width
+        values = self.value_head(hidden[:, p - 1:p - 1 + c].float()).squeeze(-1)
+        return values * batch.completion_mask
+
+
+def freeze_vision(model: nn.Module) -> int:
+    """Stop gradients into the vision tower (and its merger); returns how many parameters were frozen."""
+    vision = vision_module(model)
+    if vision is None:
+        return 0
+    count = 0
+    for param in vision.parameters():
+        param.requires_grad_(False)
+        count += param.numel()
+    return count
+
+
+def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: list[str]) -> nn.Module:
+    """Wrap the model with PEFT LoRA adapters (only the adapters train)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise MissingDependencyError(f"model.lora.rank > 0 needs the package 'peft' ({exc}); install it with: "
+                                     "pip install 'vlrft[peft]'") from exc
+    targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+    return get_peft_model(model, config)

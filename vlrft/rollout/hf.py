@@ -1,0 +1,188 @@
+"""The embedded engine: batched sampling with transformers `generate` (KV cache), on the policy itself.
+
+It shares the policy's parameters, so `update_weights` has nothing to copy. Vision inputs are
+encoded once per prompt (transformers encodes before expanding to `num_return_sequences`), and
+every sampling option is mapped explicitly onto a `GenerationConfig`. Per-token logprobs are those
+of the distribution the token was sampled from (after temperature / top-k / top-p / min-p /
+repetition penalty), recorded step by step without keeping every step's full-vocabulary scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from vlrft.rollout.base import Rollouts, SamplingParams, cut_at_stop
+
+if TYPE_CHECKING:
+    from vlrft.data import PromptBatch
+
+
+@dataclass(frozen=True)
+class TokenSpec:
+    """Token ids every engine and the trainer agree on, read from the processor and the model config."""
+
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    image_token_id: int
+    video_token_id: int
+
+    @classmethod
+    def from_model(cls, processor, model_config, generation_config=None, extra_stop_ids=()) -> "TokenSpec":
+        tok = processor.tokenizer
+        eos: list[int] = []
+        for source in (getattr(generation_config, "eos_token_id", None), tok.eos_token_id,
+                       getattr(getattr(model_config, "text_config", model_config), "eos_token_id", None)):
+            for value in (source if isinstance(source, (list, tuple)) else [source]):
+                if value is not None and value not in eos:
+                    eos.append(int(value))
+        eos.extend(int(i) for i in extra_stop_ids if int(i) not in eos)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        return cls(pad_id=int(pad), eos_ids=tuple(eos),
+                   image_token_id=int(getattr(model_config, "image_token_id", -1) or -1),
+                   video_token_id=int(getattr(model_config, "video_token_id", -1) or -1))
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists into (input_ids, attention_mask), as generation wants."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+class _LogprobRecorder:
+    """Logits processor (placed last) recording the logprob of each sampled token under the final scores.
+
+    At step t it keeps log_softmax(scores_t); at step t+1 the token sampled at t is the last column
+    of `input_ids`, so only one [batch, vocab] tensor is alive at a time.
+    """
+
+    def __init__(self) -> None:
+        self._last: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._last is not None:
+            self.steps.append(self._last.gather(1, tokens[:, None].to(self._last.device)).squeeze(1))
+            self._last = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[batch, generated] logprobs once generation is done."""
+        self._take(sequences[:, -1])
+        if not self.steps:
+            return torch.zeros((sequences.shape[0], 0))
+        return torch.stack(self.steps, dim=1).cpu()
+
+
+class HFEngine:
+    """Rollouts with `model.generate` on the (unwrapped) policy; `max_batch_prompts` prompts per call."""
+
+    def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
+                 max_batch_prompts: int = 16, record_logprobs: bool = True):
+        self._get_model = get_model
+        self.processor = processor
+        self.tokens = tokens
+        self.max_batch_prompts = max_batch_prompts
+        self.record_logprobs = record_logprobs
+
+    def generation_config(self, sampling: SamplingParams):
+        from transformers import GenerationConfig
+
+        options = dict(
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
+            num_return_sequences=sampling.n,
+            eos_token_id=list(self.tokens.eos_ids) + [i for i in sampling.stop_token_ids if i not in self.tokens.eos_ids],
+            pad_token_id=self.tokens.pad_id,
+            repetition_penalty=sampling.repetition_penalty,
+            use_cache=True,
+        )
+        if sampling.greedy:
+            options.update(do_sample=False)
+        else:
+            options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=sampling.top_k if sampling.top_k > 0 else None,
+                           min_p=sampling.min_p if sampling.min_p > 0 else None)
+        if sampling.stop:
+            options["stop_strings"] = list(sampling.stop)
+        return GenerationConfig(**options)
+
+    @torch.no_grad()
+    def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        from transformers import LogitsProcessorList
+
+        from vlrft.vision import mm_token_type_ids
+
+        model = self._get_model()
+        was_training = model.training
+        model.eval()
+        config = self.generation_config(sampling)
+        device = next(model.parameters()).device
+        stop_ids = set(config.eos_token_id)
+        completions: list[list[int]] = []
+        reasons: list[str] = []
+        logprobs: list[list[float]] = []
+        try:
+            for start in range(0, len(batch), self.max_batch_prompts):
+                index = list(range(start, min(start + self.max_batch_prompts, len(batch))))
+                input_ids, attention = left_pad([batch.prompt_ids[i] for i in index], self.tokens.pad_id)
+                kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                              mm_token_type_ids=mm_token_type_ids(input_ids, self.tokens.image_token_id,
+                                                                  self.tokens.video_token_id).to(device))
+                kwargs.update(batch.visual.select(index).to(device).model_inputs())
+                recorder = _LogprobRecorder() if self.record_logprobs else None
+                out = model.generate(**kwargs, generation_config=config,
+                                     logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                                     tokenizer=self.processor.tokenizer if sampling.stop else None)
+                new = out[:, input_ids.shape[1]:].cpu()
+                step_lp = recorder.finish(out) if recorder else None
+                for row in range(new.shape[0]):
+                    ids, reason = cut_at_stop(new[row].tolist(), stop_ids, sampling.max_new_tokens)
+                    if sampling.stop:  # generate pads after a stop string: cut right after the string
+                        ids, reason = self._cut_at_stop_string(ids, sampling, reason)
+                    completions.append(ids)
+                    reasons.append(reason)
+                    if step_lp is not None:
+                        logprobs.append(step_lp[row, : len(ids)].tolist())
+        finally:
+            model.train(was_training)
+        texts = self.processor.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return Rollouts(n=sampling.n, completion_ids=completions, finish_reasons=reasons,
+                        logprobs=logprobs if self.record_logprobs else None, texts=texts)
+
+    def _cut_at_stop_string(self, ids: list[int], sampling: SamplingParams, reason: str) -> tuple[list[int], str]:
+        """Cut after the first token whose prefix text contains a stop string (generate pads past it)."""
+        decode = self.processor.tokenizer.decode
+        text = decode(ids)
+        hits = [text.find(s) + len(s) for s in sampling.stop if s in text]
+        if not hits:
+            return ids, reason
+        end = min(hits)
+        lo, hi = 1, len(ids)
+        while lo < hi:  # smallest prefix whose decoded text reaches the end of the stop string
+            mid = (lo + hi) // 2
+            if len(decode(ids[:mid])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return ids[:lo], "stop"
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to copy: generation runs on the policy's own parameters."""
+
+    def sleep(self) -> None:
+        """Nothing to release: transformers keeps no cache between `generate` calls."""
+
+    def wake(self) -> None:
+        """Nothing to restore."""

@@ -1,0 +1,122 @@
+"""Checkpoints that resume exactly: weights (HF format), optimizer, scheduler, every rank's RNG, trainer state.
+
+A checkpoint is written into a temporary folder and renamed into place only when complete, so a
+crash while saving never touches the previous one; older ones are pruned after that (keep-last-k).
+Layout of `<output_dir>/checkpoints/step_<k>/`: `model/` (save_pretrained + processor; for LoRA the
+adapter), `optimizer.pt`, `scheduler.pt`, `critic.pt` (PPO), `trainer_state.json`, `rng/rank<r>.pt`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlrft.errors import UserError
+
+PREFIX = "step_"
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+    """The checkpoint folder `train.resume` names: "none", "auto" (latest in output_dir, if any) or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"train.resume='{resume}' is not a complete checkpoint (no {STATE_FILE}); pass a "
+                        f"'{checkpoint_root(output_dir)}/{PREFIX}<k>' folder, 'auto' or 'none'")
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(output_dir: str | Path, step: int, *, strategy, model, processor, optimizer, scheduler,
+                    trainer_state: dict, critic=None, critic_optimizer=None, keep_last: int = 2) -> Path:
+    """Write checkpoint `step` atomically on all ranks (every rank must call this)."""
+    root = checkpoint_root(output_dir)
+    final = root / f"{PREFIX}{step}"
+    tmp = root / f".tmp-{PREFIX}{step}"
+    if strategy.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    strategy.barrier()
+    torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
+    if strategy.is_main:
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        processor.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if critic is not None:
+            torch.save({"model": critic.state_dict(), "optimizer": critic_optimizer.state_dict()}, tmp / "critic.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        _fsync_tree(tmp)
+    strategy.barrier()
+    if strategy.is_main:
+        if final.exists():  # the same step saved again (a resumed run): replace it
+            old = root / f".old-{PREFIX}{step}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        for stale in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(stale, ignore_errors=True)
+    strategy.barrier()
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush file contents to disk before the rename makes the checkpoint visible."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def load_rank_rng(checkpoint: Path, rank: int) -> None:
+    path = checkpoint / "rng" / f"rank{rank}.pt"
+    if not path.is_file():
+        raise UserError(f"checkpoint '{checkpoint}' has no RNG state for rank {rank}; resume with the same number "
+                        "of processes it was saved with")
+    set_rng_state(torch.load(path, weights_only=False))

@@ -1,0 +1,131 @@
+"""Collecting one step's rollouts: prompts -> completions -> rewards, with refills that keep groups whole.
+
+Prompts a rank could not use (skipped as too long with `data.on_bad_sample=skip`) and, with
+`algorithm.dynamic_sampling`, groups whose rewards all agree (zero variance: no learning signal)
+are replaced by fresh prompts, round after round. Every rank runs the same number of rounds (the
+decision is all-reduced), so the prompt stream and later collectives stay in step. If the refill
+budget runs out, zero-variance groups fill the gap: they get zero advantage, never a 0/0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vlrft.algo import clip_rewards, overlong_penalty, zero_variance_groups
+from vlrft.data import PromptBatch
+from vlrft.errors import UserError
+from vlrft.rollout.base import Rollouts
+
+MAX_ROUNDS_FOR_SKIPS = 32  # rounds allowed to replace skipped prompts before giving up
+
+
+@dataclass
+class Collected:
+    """This rank's share of a step: whole groups, rewards already shaped (NaN = not applicable)."""
+
+    prompts: PromptBatch
+    rollouts: Rollouts
+    rewards: torch.Tensor  # [N] shaped scalar reward per completion
+    per_function: dict[str, torch.Tensor]  # [N] raw reward per function (NaN = not applicable / not routed)
+    groups_seen: int  # groups generated this step (all rounds)
+    zero_std_groups: int  # of those, groups with zero reward variance
+    filled_zero_std: int  # zero-variance groups kept because refills ran out
+    skipped_prompts: int
+    rounds: int
+
+
+def shape_rewards(total: torch.Tensor, rollouts: Rollouts, cfg) -> torch.Tensor:
+    """Overlong penalty and clipping of the combined reward (running normalisation happens per step)."""
+    rewards = total.clone()
+    if cfg.algorithm.overlong_buffer > 0:
+        lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algorithm.overlong_buffer,
+                                             cfg.algorithm.overlong_penalty)
+    return clip_rewards(rewards, cfg.algorithm.reward_clip)
+
+
+def score(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int):
+    """Run the reward functions on every completion, with its prompt's columns repeated by index."""
+    index = rollouts.prompt_index
+    samples = [prompts.samples[i] for i in index]
+    return reward_set.score(
+        rollouts.texts,
+        prompts=[prompts.prompt_texts[i] for i in index],
+        completion_ids=rollouts.completion_ids,
+        images=[prompts.images[i] for i in index],
+        references=[s.answer for s in samples],
+        labels=[s.label for s in samples],
+        extras=[s.extra for s in samples],
+        step=step,
+    )
+
+
+def collect(trainer, step: int) -> Collected:
+    """Generate and score until this rank has `prompts_per_rank` usable groups (see the module docstring)."""
+    cfg, n = trainer.cfg, trainer.cfg.rollout.n
+    need = trainer.prompts_per_rank
+    dynamic = cfg.algorithm.dynamic_sampling
+    kept: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
+    spare: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
+    have = groups_seen = zero_groups = skipped = rounds = 0
+    max_rounds = (1 + cfg.algorithm.max_refill_rounds) if dynamic else MAX_ROUNDS_FOR_SKIPS
+    while True:
+        short = torch.tensor([float(have < need)])
+        if rounds >= max_rounds or trainer.strategy.all_reduce(short, "max").item() == 0:
+            break
+        rounds += 1
+        indices = trainer.sampler.next_indices()
+        encoded = trainer.encoder.encode([trainer.train_samples[i] for i in indices])
+        skipped += len(encoded.skipped)
+        batch = encoded.batch
+        if len(batch) == 0:
+            continue
+        with trainer.timer("time/generate"):
+            rollouts = trainer.engine.generate(batch, trainer.sampling)
+        with trainer.timer("time/reward"):
+            result = score(trainer.rewards, batch, rollouts, step)
+        rewards = shape_rewards(result.total, rollouts, cfg)
+        zero = zero_variance_groups(rewards, n)
+        groups_seen += len(batch)
+        zero_groups += int(zero.sum())
+        good = [g for g in range(len(batch)) if not (dynamic and bool(zero[g]))]
+        bad = [g for g in range(len(batch)) if dynamic and bool(zero[g])]
+        part = (batch, rollouts, rewards, result.per_function)
+        if good:
+            kept.append((*part, good))
+            have += len(good)
+        if bad:
+            spare.append((*part, bad))
+    filled = 0
+    if have < need:
+        available = sum(len(s[-1]) for s in spare)
+        if have + available < need:
+            raise UserError(f"could not collect {need} usable prompts for this rank in {rounds} rounds "
+                            f"({skipped} prompts skipped as bad); check the data with `vlrft data check` or set "
+                            "data.on_bad_sample=error to see why")
+        filled = need - have
+        kept.extend(spare)
+    return _assemble(kept, need, n, groups_seen, zero_groups, filled, skipped, rounds)
+
+
+def _assemble(parts, need: int, n: int, groups_seen: int, zero_groups: int, filled: int, skipped: int,
+              rounds: int) -> Collected:
+    batches, rollouts, rewards, functions = [], [], [], []
+    left = need
+    for batch, ro, rw, per_fn, groups in parts:
+        groups = groups[:left]
+        if not groups:
+            break
+        left -= len(groups)
+        rows = torch.tensor([g * n + j for g in groups for j in range(n)])
+        batches.append(batch.select(groups))
+        rollouts.append(ro.select_groups(groups))
+        rewards.append(rw[rows])
+        functions.append({name: values[rows] for name, values in per_fn.items()})
+    names = sorted({name for f in functions for name in f})
+    per_function = {name: torch.cat([f.get(name, torch.full((len(r),), float("nan")))
+                                     for f, r in zip(functions, rewards)]) for name in names}
+    return Collected(PromptBatch.concat(batches), Rollouts.concat(rollouts), torch.cat(rewards), per_function,
+                     groups_seen, zero_groups, filled, skipped, rounds)

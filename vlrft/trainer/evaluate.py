@@ -1,0 +1,60 @@
+"""Held-out evaluation: accuracy (greedy or sampled), pass@k and mean reward, reduced over ranks.
+
+A completion is correct when the accuracy reward (`train.eval_accuracy_reward`, default the first
+configured reward function) gives it more than 0.5; with `train.eval_n = k > 1` samples per prompt,
+pass@k is the share of prompts with at least one correct sample. Every rank evaluates its own
+slice of the eval set; sums and counts are reduced so the numbers are exact over all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.algo import Stats
+from vlrft.rollout.base import SamplingParams
+from vlrft.trainer.collect import score
+
+
+def accuracy_reward_name(cfg) -> str:
+    if cfg.train.eval_accuracy_reward:
+        return cfg.train.eval_accuracy_reward
+    functions = cfg.reward.functions or [f for recipe in cfg.reward.recipes.values() for f in recipe]
+    if not functions:
+        return ""
+    return functions[0].name
+
+
+def evaluate(trainer, step: int) -> dict[str, float]:
+    cfg = trainer.cfg
+    samples = trainer.eval_samples[trainer.strategy.rank::trainer.strategy.world_size]
+    sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
+    key = trainer.accuracy_key
+    stats = Stats()
+    for start in range(0, len(samples), cfg.train.eval_batch_size):
+        encoded = trainer.encoder.encode(samples[start:start + cfg.train.eval_batch_size])
+        stats.add("eval/skipped", float(len(encoded.skipped)), 1.0)
+        batch = encoded.batch
+        if len(batch) == 0:
+            continue
+        rollouts = trainer.engine.generate(batch, sampling)
+        result = score(trainer.rewards, batch, rollouts, step)
+        correct = torch.nan_to_num(result.per_function.get(key, torch.full((len(rollouts),), float("nan"))),
+                                   nan=0.0) > 0.5
+        valid = ~torch.isnan(result.total)
+        stats.add("eval/accuracy", correct.float().sum(), len(rollouts))
+        stats.add("eval/reward/mean", torch.where(valid, result.total, torch.zeros(())).sum(), valid.sum())
+        lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        stats.add("eval/completions/mean_length", lengths.sum(), len(rollouts))
+        if sampling.n > 1:
+            solved = correct.view(-1, sampling.n).any(dim=1)
+            stats.add(f"eval/pass@{sampling.n}", solved.float().sum(), solved.numel())
+    stats.add("eval/accuracy", 0.0, 0.0)  # same keys on every rank, even one without eval samples
+    stats.add("eval/reward/mean", 0.0, 0.0)
+    stats.add("eval/completions/mean_length", 0.0, 0.0)
+    stats.add("eval/skipped", 0.0, 0.0)
+    if sampling.n > 1:
+        stats.add(f"eval/pass@{sampling.n}", 0.0, 0.0)
+    reduced = stats.reduce(trainer.sum_reduce)
+    metrics = reduced.means()
+    metrics["eval/skipped"] = float(reduced.sums["eval/skipped"])
+    return metrics

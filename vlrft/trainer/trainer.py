@@ -1,0 +1,351 @@
+"""The SPMD trainer: one process per device (or one in all), the same code path for both.
+
+One step (DESIGN.md §2): collect prompts -> rollouts -> rewards (`collect`), old/ref logprobs and
+advantages (`make_experience`), PPO epochs over mini/micro-batches (`update`), weights to the
+engine, metrics reduced over ranks, then evaluation and checkpoints when due.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlrft.algo import RunningMoments, Stats, make_kl_controller
+from vlrft.config import Config, save_config
+from vlrft.data import PromptEncoder, PromptSampler, read_samples
+from vlrft.dist.strategy import Strategy, make_strategy
+from vlrft.errors import UserError
+from vlrft.logging import CompletionRow, RunLogger
+from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout import make_engine
+from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.hf import TokenSpec
+from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer.collect import Collected, collect
+from vlrft.trainer.evaluate import accuracy_reward_name, evaluate
+from vlrft.trainer.experience import Experience, make_experience
+from vlrft.trainer.update import update
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds everything a run needs from a `Config`; `fit()` trains, evaluates and checkpoints."""
+
+    def __init__(self, cfg: Config, strategy: Strategy | None = None):
+        self.cfg = cfg
+        self.strategy = strategy or make_strategy(cfg.train.strategy)
+        self.device = self.strategy.device
+        world, rank = self.strategy.world_size, self.strategy.rank
+        cfg.validate(world)
+        seed_everything(cfg.train.seed + rank)
+        self.output_dir = Path(cfg.train.output_dir)
+        self.resume_from = ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        self.step_count = 0
+        self._times: dict[str, float] = defaultdict(float)
+
+        self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
+        self.actor = self._build_actor()
+        self.wrapped = self.strategy.wrap(self.actor)
+        self.tokens = TokenSpec.from_model(self.processor, self.actor.model.config,
+                                           getattr(self.actor.model, "generation_config", None),
+                                           cfg.rollout.stop_token_ids)
+        self.ref = self._build_ref()
+        self.critic, self.critic_wrapped, self.critic_optimizer = self._build_critic()
+        self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                           betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+        self.scheduler = self._build_scheduler()
+
+        self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
+        self.train_samples = self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
+        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
+                             if cfg.data.eval_files else [])
+        self.prompts_per_rank = cfg.prompts_per_step // world
+        self.mini_batch_per_rank = (cfg.train.mini_batch_size or cfg.rollout.batch_size) // world
+        self.sampler = PromptSampler(len(self.train_samples), cfg.prompts_per_step, cfg.train.seed,
+                                     cfg.data.shuffle, rank, world)
+        self.rewards = self._build_rewards()
+        self.accuracy_key = accuracy_reward_name(cfg)
+        self.sampling = SamplingParams.from_config(cfg.rollout)
+        self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.engine = make_engine(cfg, self)
+        self.kl_controller = make_kl_controller(cfg.algorithm)
+        self.reward_moments = RunningMoments()
+        single_update = cfg.train.ppo_epochs == 1 and self.mini_batch_per_rank * world == cfg.rollout.batch_size
+        kl_shaped = cfg.algorithm.kl_in == "reward" and self.ref is not None
+        self.needs_old_logprobs = not single_update or kl_shaped or self.critic is not None
+        self.logger: RunLogger | None = None
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+
+    # ------------------------------------------------------------------ setup
+
+    def _read(self, files: list[str], limit: int | None, key: str) -> list:
+        samples = []
+        for path in files:
+            samples.extend(read_samples(path, self.cfg.data.format, self.cfg.data.image_root,
+                                        self.cfg.data.on_bad_sample))
+        if not samples:
+            raise UserError(f"config: {key}={files!r} holds no samples; list JSONL/parquet/HF-dataset files "
+                            "(check them with `vlrft data check FILE`)")
+        return samples[:limit] if limit else samples
+
+    def _build_actor(self) -> ActorVL:
+        cfg = self.cfg.model
+        lora = cfg.lora.rank > 0
+        weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
+        model = load_policy(weights, dtype="float32", attn_implementation=cfg.attn_implementation,
+                            trust_remote_code=cfg.trust_remote_code, device=self.device)
+        if cfg.freeze_vision_tower:
+            freeze_vision(model)
+        if lora:
+            if self.resume_from is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, self.resume_from / "model", is_trainable=True)
+            else:
+                model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model.train()
+        config = model.config
+        return ActorVL(model, int(getattr(config, "image_token_id", -1) or -1),
+                       int(getattr(config, "video_token_id", -1) or -1))
+
+    def _build_ref(self) -> ActorVL | None:
+        if self.cfg.algorithm.kl_coef <= 0:
+            return None  # no reference model when beta == 0
+        cfg = self.cfg.model
+        dtype = cfg.dtype if self.device.type == "cuda" else "float32"
+        model = load_policy(cfg.ref_path or cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation,
+                            trust_remote_code=cfg.trust_remote_code, device=self.device).eval()
+        model.requires_grad_(False)
+        return ActorVL(model, self.actor.image_token_id, self.actor.video_token_id)
+
+    def _build_critic(self):
+        if self.cfg.algorithm.advantage != "gae":
+            return None, None, None
+        cfg = self.cfg.model
+        model = load_policy(cfg.critic_path or cfg.path, dtype="float32", attn_implementation=cfg.attn_implementation,
+                            trust_remote_code=cfg.trust_remote_code, device=self.device)
+        critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id).to(self.device)
+        critic.train()
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=self.cfg.train.lr, betas=tuple(self.cfg.train.adam_betas),
+                                      weight_decay=self.cfg.train.weight_decay)
+        return critic, self.strategy.wrap(critic), optimizer
+
+    def _build_scheduler(self):
+        from transformers import get_scheduler
+
+        cfg = self.cfg
+        updates_per_step = cfg.train.ppo_epochs * (cfg.rollout.batch_size // (cfg.train.mini_batch_size or cfg.rollout.batch_size))
+        return get_scheduler(cfg.train.lr_scheduler, self.optimizer,
+                             num_warmup_steps=cfg.train.warmup_steps * updates_per_step,
+                             num_training_steps=cfg.train.total_steps * updates_per_step)
+
+    def _build_rewards(self):
+        from vlrft.rewards import RewardSet
+
+        return RewardSet.from_config(self.cfg.reward)
+
+    # ------------------------------------------------------------------ helpers
+
+    def sum_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.strategy.all_reduce(tensor, "sum")
+
+    def max_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.strategy.all_reduce(tensor, "max")
+
+    def autocast(self):
+        if self.device.type == "cuda" and self.cfg.model.dtype in ("bfloat16", "float16"):
+            return torch.autocast("cuda", dtype=getattr(torch, self.cfg.model.dtype))
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def timer(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] += time.perf_counter() - start
+
+    def message(self, text: str) -> None:
+        if self.strategy.is_main:
+            if self.logger is not None:
+                self.logger.message(text)
+            else:
+                print(text, flush=True)
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self) -> dict[str, float]:
+        """Collect, score, update, sync weights; returns this step's metrics (reduced over ranks)."""
+        step = self.step_count + 1
+        self._times.clear()
+        start = time.perf_counter()
+        self.engine.wake()
+        collected = collect(self, step)
+        self.engine.sleep()
+        if self.cfg.algorithm.normalize_rewards:
+            self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
+            collected.rewards = self.reward_moments.normalize(collected.rewards)
+        experience = make_experience(self, collected)
+        with self.timer("time/train"):
+            loss_stats, skipped = update(self, collected, experience)
+        self.engine.update_weights(self.strategy.unwrap(self.wrapped))
+        metrics = self._step_metrics(collected, experience, loss_stats, skipped)
+        self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
+        metrics["time/step"] = time.perf_counter() - start
+        for name, seconds in self._times.items():
+            metrics[name] = seconds
+        self.step_count = step
+        if self.strategy.is_main and self.logger is not None and self.cfg.logging.completions_every and \
+                step % self.cfg.logging.completions_every == 0:
+            self.logger.log_completions(step, self._completion_rows(collected, experience, step))
+        return metrics
+
+    def _step_metrics(self, collected: Collected, exp: Experience, loss_stats: Stats, skipped: int) -> dict:
+        stats = Stats()
+        rewards = collected.rewards
+        valid = ~torch.isnan(rewards)
+        stats.add("reward/mean", torch.where(valid, rewards, torch.zeros(())).sum(), valid.sum())
+        stats.add("reward/frac_not_applicable", (~valid).float().sum(), rewards.numel())
+        for name, values in collected.per_function.items():
+            ok = ~torch.isnan(values)
+            stats.add(f"reward/{name}/mean", torch.where(ok, values, torch.zeros(())).sum(), ok.sum())
+        lengths = torch.tensor([len(c) for c in collected.rollouts.completion_ids], dtype=torch.float32)
+        truncated = torch.tensor(collected.rollouts.truncated, dtype=torch.float32)
+        stats.add("completions/mean_length", lengths.sum(), lengths.numel())
+        stats.add("completions/clipped_ratio", truncated.sum(), truncated.numel())
+        stats.add_max("completions/max_length", lengths)
+        stats.add("frac_reward_zero_std", float(collected.zero_std_groups), float(collected.groups_seen))
+        stats.add("dynamic_sampling/filled_zero_std", float(collected.filled_zero_std))
+        stats.add("data/skipped_prompts", float(collected.skipped_prompts))
+        stats.add("rollout/rounds", float(collected.rounds))
+        stats.add("optimizer/skipped_steps", float(skipped))
+        stats = stats.merge(loss_stats).merge(exp.advantage_stats)
+        reduced = stats.reduce(self.sum_reduce, self.max_reduce)
+        metrics = reduced.means()
+        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std"):
+            metrics[name] = float(reduced.sums[name])
+        # headline names
+        for alias, source in (("kl", "actor/kl_ref"), ("entropy", "actor/entropy"), ("clip_ratio/region", "actor/clipfrac")):
+            if source in metrics:
+                metrics[alias] = metrics[source]
+        metrics["kl_coef"] = self.kl_controller.value
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _completion_rows(self, collected: Collected, exp: Experience, step: int) -> list[CompletionRow]:
+        rows = []
+        image_dir = self.output_dir / "completions" / f"step_{step}"
+        for r in range(min(self.cfg.logging.completions_rows, len(collected.rollouts))):
+            p = collected.rollouts.prompt_index[r]
+            image_ref = None
+            if collected.prompts.images[p]:
+                image_dir.mkdir(parents=True, exist_ok=True)
+                thumb = collected.prompts.images[p][0].copy()
+                thumb.thumbnail((128, 128))
+                image_ref = str((image_dir / f"{r}.png").relative_to(self.output_dir))
+                thumb.save(self.output_dir / image_ref)
+            n_tokens = int(exp.token_mask[r].sum())
+            rows.append(CompletionRow(
+                prompt=_readable_prompt(collected.prompts.prompt_texts[p]),
+                completion=collected.rollouts.texts[r],
+                rewards={name: _float_or_none(v[r]) for name, v in collected.per_function.items()},
+                advantage=float(exp.advantages[r, :max(n_tokens, 1)].mean()) if n_tokens else 0.0,
+                image=image_ref,
+                extra={"reward": _float_or_none(collected.rewards[r]),
+                       "finish_reason": collected.rollouts.finish_reasons[r],
+                       "answer": collected.prompts.samples[p].answer}))
+        return rows
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train to `train.total_steps`; returns the metrics of every step run by this call."""
+        cfg = self.cfg
+        history = []
+        if self.strategy.is_main:
+            save_config(cfg, self.output_dir)
+            self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count)
+            if self.resume_from is not None:
+                self.message(f"resumed from {self.resume_from} at step {self.step_count}")
+        try:
+            if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
+                metrics = evaluate(self, 0)
+                self._log(0, metrics)
+                history.append({"step": 0, **metrics})
+            while self.step_count < cfg.train.total_steps:
+                metrics = self.train_step()
+                step = self.step_count
+                if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
+                                                                   step == cfg.train.total_steps):
+                    metrics.update(evaluate(self, step))
+                self._log(step, metrics)
+                history.append({"step": step, **metrics})
+                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps:
+                    self.save()
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+        return history
+
+    def _log(self, step: int, metrics: dict) -> None:
+        if self.strategy.is_main and self.logger is not None and (step % self.cfg.logging.log_every == 0 or
+                                                                   any(k.startswith("eval/") for k in metrics)):
+            self.logger.log(step, metrics)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def trainer_state(self) -> dict:
+        return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+                "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size}
+
+    def save(self) -> Path:
+        return ckpt.save_checkpoint(
+            self.output_dir, self.step_count, strategy=self.strategy, model=self.strategy.unwrap(self.wrapped).model,
+            processor=self.processor, optimizer=self.optimizer, scheduler=self.scheduler,
+            trainer_state=self.trainer_state(), critic=self.critic, critic_optimizer=self.critic_optimizer,
+            keep_last=self.cfg.train.keep_last)
+
+    def _restore(self, folder: Path) -> None:
+        state = ckpt.load_trainer_state(folder)
+        if state.get("world_size", 1) != self.strategy.world_size:
+            raise UserError(f"checkpoint '{folder}' was written by {state.get('world_size')} processes; resume it "
+                            f"with the same number (this run has {self.strategy.world_size})")
+        self.step_count = int(state["step"])
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        if self.critic is not None:
+            saved = torch.load(folder / "critic.pt", weights_only=False)
+            self.critic.load_state_dict(saved["model"])
+            self.critic_optimizer.load_state_dict(saved["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.reward_moments.load_state_dict(state["reward_moments"])
+        ckpt.load_rank_rng(folder, self.strategy.rank)  # last: nothing after this consumes randomness
+
+
+def _readable_prompt(text: str) -> str:
+    """The templated prompt with each run of vision pad tokens shown once."""
+    import re
+
+    return re.sub(r"(<\|(?:image|video)_pad\|>)+", lambda m: m.group(1), text)
+
+
+def _float_or_none(value) -> float | None:
+    value = float(value)
+    return None if value != value else value
