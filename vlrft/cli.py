@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
     "generate": ("vlrft.commands.generate_cmd", "answer one prompt (with optional images) with a model folder"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
+    "data": ("vlrft.commands.data_cmd", "check, convert or generate datasets (data check|convert|synth)"),
 }
 
 

@@ -61,6 +61,8 @@ class DataConfig:
     video_fps: float = 2.0
     video_max_frames: int = 32
     on_bad_sample: Literal["error", "skip"] = "error"
+    max_source_pixels: int = 89_478_485  # images larger than this (width*height) are refused before decoding (bombs)
+    max_aspect_ratio: float = 200.0  # images longer than this ratio are refused (Qwen-VL cannot patch them)
     shuffle: bool = True
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
@@ -201,6 +203,16 @@ class Config:
         _positive("train.micro_batch_size", t.micro_batch_size)
         _positive("train.ppo_epochs", t.ppo_epochs)
         _positive("data.max_prompt_length", self.data.max_prompt_length)
+        d = self.data
+        _positive("data.min_pixels", d.min_pixels)
+        _positive("data.video_max_frames", d.video_max_frames)
+        _positive("data.max_source_pixels", d.max_source_pixels)
+        if d.max_pixels < d.min_pixels:
+            _fail("data.max_pixels", d.max_pixels, f"at least data.min_pixels={d.min_pixels}")
+        if d.video_fps <= 0:
+            _fail("data.video_fps", d.video_fps, "a number > 0 (frames sampled per second of video)")
+        if d.max_aspect_ratio < 1:
+            _fail("data.max_aspect_ratio", d.max_aspect_ratio, "a number >= 1")
         if r.batch_size % r.n:
             _fail("rollout.batch_size", r.batch_size,
                   f"a multiple of rollout.n={r.n} (each prompt's group of {r.n} completions stays whole)")

@@ -1,0 +1,107 @@
+"""Check, convert or generate datasets: `vlrft data check|convert|synth`.
+
+  vlrft data check train.jsonl --model runs/tiny     every bad row with its reason, then a summary;
+                                                      exit code 1 when any row is bad
+  vlrft data convert geo3k/train.parquet out/train.jsonl
+                                                      any supported layout -> native JSONL + media files
+  vlrft data synth data/shapes --tasks color --num-colors 4
+                                                      the synthetic shapes task (train/test splits)
+
+Layouts (--format): auto, native, easyr1, verl, trl, openrlhf; see vlrft/data/presets.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+FORMATS = ("auto", "native", "easyr1", "verl", "trl", "openrlhf")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    check = sub.add_parser("check", help="report every bad row and summarise a dataset (exit 1 if any row is bad)")
+    check.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl, .json, .parquet or save_to_disk folder")
+    check.add_argument("--model", help="model folder whose processor counts prompt tokens (vision tokens included)")
+    check.add_argument("--config", help="take data settings (and model.path) from this training config")
+    check.add_argument("--format", choices=FORMATS, help="dataset layout (default: auto-detect)")
+    check.add_argument("--image-root", help="folder that relative image paths resolve against")
+    check.add_argument("--max-prompt-length", type=int, help="token limit to check against (default: the config's)")
+    check.add_argument("--system-prompt", help="system prompt added to prompts without one")
+    check.add_argument("--prompt-suffix", help="text appended to every user prompt")
+    check.add_argument("--allow-missing-answer", action="store_true",
+                       help="rows without a reference answer are fine (rewards that do not need one)")
+
+    convert = sub.add_parser("convert", help="convert a dataset to native JSONL with images written as files")
+    convert.add_argument("source", metavar="SRC")
+    convert.add_argument("target", metavar="DST", help="output .jsonl path; media go to <DST stem>_media/ beside it")
+    convert.add_argument("--format", choices=FORMATS, default="auto", help="layout of SRC (default: auto-detect)")
+    convert.add_argument("--image-root", help="folder that relative image paths in SRC resolve against")
+    convert.add_argument("--skip-bad", action="store_true", help="leave bad rows out (counted) instead of failing")
+
+    # Defaults live in vlrft.data.synthetic.ShapesSpec (not imported here: parsers stay light).
+    synth = sub.add_parser("synth", help="generate the synthetic shapes task (PNG files + train/test JSONL)")
+    synth.add_argument("out_dir", metavar="OUT")
+    synth.add_argument("--tasks", help="comma-separated subset of color,shape,count,position (default: color)")
+    for name in ("num_colors", "num_shapes", "max_count", "image_size", "train_size", "test_size", "seed"):
+        synth.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    synth.add_argument("--blank-images", action="store_true", help="same questions and answers over empty images")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"check": _check, "convert": _convert, "synth": _synth}[args.data_command](args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from vlrft.config import DataConfig, load_config
+    from vlrft.data.check import check_dataset
+
+    cfg, model = DataConfig(), args.model
+    if args.config:
+        full = load_config(args.config, validate=False)
+        cfg, model = full.data, model or full.model.path or None
+    overrides = {"format": args.format, "image_root": args.image_root, "max_prompt_length": args.max_prompt_length,
+                 "system_prompt": args.system_prompt, "prompt_suffix": args.prompt_suffix}
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    processor = None
+    if model:
+        from vlrft.models.loading import load_processor
+
+        processor = load_processor(model)
+    any_bad = False
+    for path in args.paths:
+        report = check_dataset(path, cfg, processor, require_answer=not args.allow_missing_answer)
+        print(report.summary())
+        any_bad |= not report.ok
+    return 1 if any_bad else 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from vlrft.data.convert import convert_dataset
+
+    report = convert_dataset(args.source, args.target, args.format, args.image_root,
+                             on_bad_sample="skip" if args.skip_bad else "error")
+    for skipped in report.skipped:
+        print(f"SKIPPED {skipped}")
+    print(f"converted {report.source} ({report.layout} layout) -> {report.target}: {report.written} rows, "
+          f"{report.media_files} media files, {len(report.skipped)} rows skipped")
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    fields = {name: getattr(args, name) for name in ("num_colors", "num_shapes", "max_count", "image_size",
+                                                     "train_size", "test_size", "seed")}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if args.tasks:
+        fields["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    spec = ShapesSpec(**fields, blank_images=args.blank_images)
+    paths = make_shapes(args.out_dir, spec)
+    print(f"wrote {spec.train_size} train and {spec.test_size} test samples ({', '.join(spec.tasks)}) to "
+          f"{paths['train']} and {paths['test']}")
+    return 0

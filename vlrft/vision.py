@@ -1,0 +1,334 @@
+"""The one place that knows how visual tensors are laid out (DESIGN.md §3).
+
+Qwen-VL processors flatten every patch of every image in a batch into one `pixel_values` tensor of
+shape `[sum_i t_i*h_i*w_i, D]`, with `image_grid_thw` `[num_images, 3]` (videos likewise).
+`VisualBatch` keeps those tensors together with how many images/videos each sample owns, so a
+micro-batch, a group repeat or a concatenation is pure row slicing by cumulative `prod(thw)`.
+Keys of other model families plug in through `SLICING_RULES` (how dim 0 of a key is indexed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+
+import torch
+
+from vlrft.errors import UserError
+
+
+class VisualMismatchError(UserError):
+    """Prompt token ids and visual tensors disagree (e.g. image-token count != merged patches)."""
+
+
+class Layout(Enum):
+    """What dim 0 of a visual tensor indexes."""
+
+    IMAGE_ROWS = "image_rows"  # prod(thw) rows per image (one row per image when there is no grid)
+    VIDEO_ROWS = "video_rows"  # prod(thw) rows per video
+    PER_IMAGE = "per_image"  # one entry per image
+    PER_VIDEO = "per_video"  # one entry per video
+    PER_SAMPLE = "per_sample"  # one entry per sample
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """How to slice one processor output key, and whether `to(dtype=...)` casts it (pixel data only)."""
+
+    layout: Layout
+    pixels: bool = False
+
+
+# Processor output key -> slicing rule. The four Qwen-VL keys are fields of VisualBatch; any other
+# key listed here travels in `VisualBatch.extra`. A new model family registers its keys here.
+SLICING_RULES: dict[str, KeyRule] = {
+    "pixel_values": KeyRule(Layout.IMAGE_ROWS, pixels=True),
+    "image_grid_thw": KeyRule(Layout.PER_IMAGE),
+    "pixel_values_videos": KeyRule(Layout.VIDEO_ROWS, pixels=True),
+    "video_grid_thw": KeyRule(Layout.PER_VIDEO),
+    "second_per_grid_ts": KeyRule(Layout.PER_VIDEO),  # Qwen2.5-VL: seconds per temporal patch, for M-RoPE
+    "image_sizes": KeyRule(Layout.PER_IMAGE),  # LLaVA-style families
+    "pixel_attention_mask": KeyRule(Layout.PER_IMAGE),  # Idefics/SmolVLM-style families
+}
+# Processor outputs that belong to the text side, not to VisualBatch.
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "video_metadata"})
+_FIELD_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_id: int) -> torch.Tensor:
+    """Per-token modality ids (0 text, 1 image, 2 video), as transformers' Qwen-VL forward requires with grids."""
+    return (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(counts, 0) - counts
+
+
+def _expand_segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenate `arange(s, s + n)` for every (s, n) pair without a Python loop."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.long)
+    offsets = torch.repeat_interleave(starts - _exclusive_cumsum(lengths), lengths)
+    return offsets + torch.arange(total, dtype=torch.long)
+
+
+def _take(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """`tensor[index]` along dim 0; a view (no copy) when `index` is one ascending contiguous run."""
+    if tensor is None:
+        return None
+    n = index.numel()
+    if n == 0:
+        return tensor[:0]
+    first = int(index[0])
+    if int(index[-1]) - first + 1 == n and (n == 1 or bool((index[1:] - index[:-1] == 1).all())):
+        return tensor.narrow(0, first, n)
+    return tensor.index_select(0, index.to(tensor.device))
+
+
+@dataclass(frozen=True, eq=False)
+class VisualBatch:
+    """Visual tensors of a batch of samples plus how many images/videos each sample owns.
+
+    A text-only sample owns zero images and zero rows. `merge_size` comes from the processor
+    (`image_processor.merge_size`); one prompt token stands for `merge_size**2` patch rows.
+    """
+
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None
+    video_grid_thw: torch.Tensor | None
+    images_per_sample: tuple[int, ...]
+    videos_per_sample: tuple[int, ...]
+    merge_size: int
+    extra: Mapping[str, torch.Tensor] = field(default_factory=dict)  # other keys listed in SLICING_RULES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "images_per_sample", tuple(int(c) for c in self.images_per_sample))
+        object.__setattr__(self, "videos_per_sample", tuple(int(c) for c in self.videos_per_sample))
+        if len(self.images_per_sample) != len(self.videos_per_sample):
+            raise ValueError(f"images_per_sample has {len(self.images_per_sample)} entries but videos_per_sample "
+                             f"has {len(self.videos_per_sample)}; both need one entry per sample")
+        for key in self.extra:
+            if key not in SLICING_RULES or key in _FIELD_KEYS:
+                raise ValueError(f"VisualBatch.extra key '{key}' has no slicing rule; add it to vlrft.vision.SLICING_RULES")
+        self._check_counts("image", sum(self.images_per_sample), self.pixel_values, self.image_grid_thw, Layout.PER_IMAGE)
+        self._check_counts("video", sum(self.videos_per_sample), self.pixel_values_videos, self.video_grid_thw,
+                           Layout.PER_VIDEO)
+
+    def _check_counts(self, kind: str, count: int, pixels, grid, per_item: Layout) -> None:
+        if count and pixels is None:
+            raise VisualMismatchError(f"the samples own {count} {kind}(s) but there are no {kind} pixels")
+        if grid is not None and grid.shape[0] != count:
+            raise VisualMismatchError(f"{kind}_grid_thw has {grid.shape[0]} rows but the samples own {count} {kind}(s)")
+        rows = self._rows_per_item(grid, pixels, count)
+        if pixels is not None and int(rows.sum()) != pixels.shape[0]:
+            raise VisualMismatchError(f"{kind} pixel tensor has {pixels.shape[0]} rows but the grids need "
+                                      f"sum(prod(thw)) = {int(rows.sum())}")
+        for key, value in self.extra.items():
+            if SLICING_RULES[key].layout is per_item and value.shape[0] != count:
+                raise VisualMismatchError(f"'{key}' has {value.shape[0]} entries but the samples own {count} {kind}(s)")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def empty(cls, num_samples: int, merge_size: int) -> "VisualBatch":
+        """A batch of `num_samples` text-only samples."""
+        zeros = (0,) * num_samples
+        return cls(None, None, None, None, zeros, zeros, merge_size)
+
+    @classmethod
+    def from_processor_output(cls, outputs: Mapping, images_per_sample: Sequence[int],
+                              videos_per_sample: Sequence[int], merge_size: int) -> "VisualBatch":
+        """Wrap the visual keys of one processor call (images/videos flattened in sample order)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in outputs.items():
+            if key in TEXT_KEYS or value is None:
+                continue
+            if key not in SLICING_RULES:
+                raise ValueError(f"the processor returned '{key}', which VisualBatch cannot slice; "
+                                 "register its layout in vlrft.vision.SLICING_RULES")
+            tensor = torch.as_tensor(value)
+            if key == "second_per_grid_ts":
+                tensor = tensor.to(torch.float32)
+            tensors[key] = tensor
+        fields = {k: tensors.pop(k, None) for k in _FIELD_KEYS}
+        return cls(**fields, images_per_sample=tuple(images_per_sample), videos_per_sample=tuple(videos_per_sample),
+                   merge_size=merge_size, extra=tensors)
+
+    @classmethod
+    def concat(cls, batches: Sequence["VisualBatch"]) -> "VisualBatch":
+        """Stack batches sample-wise (the result's samples are batch 0's, then batch 1's, ...)."""
+        if not batches:
+            raise ValueError("VisualBatch.concat needs at least one batch")
+        merge = {b.merge_size for b in batches}
+        if len(merge) != 1:
+            raise ValueError(f"cannot concatenate visual batches with different merge sizes {sorted(merge)}")
+
+        def cat(values: list[torch.Tensor | None]) -> torch.Tensor | None:
+            present = [v for v in values if v is not None]
+            return torch.cat(present) if present else None
+
+        extra = {}
+        for key in sorted({k for b in batches for k in b.extra}):
+            layout = SLICING_RULES[key].layout
+            parts = []
+            for b in batches:
+                if key in b.extra:
+                    parts.append(b.extra[key])
+                elif b._item_count(layout):
+                    raise ValueError(f"cannot concatenate: one batch has '{key}' and another with "
+                                     f"{layout.value} data lacks it")
+            extra[key] = torch.cat(parts)
+        return cls(
+            pixel_values=cat([b.pixel_values for b in batches]),
+            image_grid_thw=cat([b.image_grid_thw for b in batches]),
+            pixel_values_videos=cat([b.pixel_values_videos for b in batches]),
+            video_grid_thw=cat([b.video_grid_thw for b in batches]),
+            images_per_sample=sum((b.images_per_sample for b in batches), ()),
+            videos_per_sample=sum((b.videos_per_sample for b in batches), ()),
+            merge_size=batches[0].merge_size,
+            extra=extra,
+        )
+
+    # ------------------------------------------------------------------ counts and offsets
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.images_per_sample)
+
+    @property
+    def num_images(self) -> int:
+        return sum(self.images_per_sample)
+
+    @property
+    def num_videos(self) -> int:
+        return sum(self.videos_per_sample)
+
+    def _item_count(self, layout: Layout) -> int:
+        if layout in (Layout.IMAGE_ROWS, Layout.PER_IMAGE):
+            return self.num_images
+        if layout in (Layout.VIDEO_ROWS, Layout.PER_VIDEO):
+            return self.num_videos
+        return self.num_samples
+
+    @staticmethod
+    def _rows_per_item(grid: torch.Tensor | None, pixels: torch.Tensor | None, count: int) -> torch.Tensor:
+        if grid is not None:
+            return grid.to(torch.long).prod(-1).cpu()
+        return torch.ones(count, dtype=torch.long)  # families without grids: one pixel entry per image
+
+    @cached_property
+    def _image_rows(self) -> torch.Tensor:
+        return self._rows_per_item(self.image_grid_thw, self.pixel_values, self.num_images)
+
+    @cached_property
+    def _video_rows(self) -> torch.Tensor:
+        return self._rows_per_item(self.video_grid_thw, self.pixel_values_videos, self.num_videos)
+
+    def _tokens_per_sample(self, rows: torch.Tensor, per_sample: tuple[int, ...]) -> list[int]:
+        owner = torch.repeat_interleave(torch.arange(len(per_sample)), torch.tensor(per_sample, dtype=torch.long))
+        sums = torch.zeros(len(per_sample), dtype=torch.long).index_add_(0, owner, rows // self.merge_size**2)
+        return sums.tolist()
+
+    def image_tokens_per_sample(self) -> list[int]:
+        """Image tokens each sample's prompt must hold: sum over its images of prod(thw) / merge_size**2."""
+        return self._tokens_per_sample(self._image_rows, self.images_per_sample)
+
+    def video_tokens_per_sample(self) -> list[int]:
+        """Video tokens each sample's prompt must hold: sum over its videos of prod(thw) / merge_size**2."""
+        return self._tokens_per_sample(self._video_rows, self.videos_per_sample)
+
+    # ------------------------------------------------------------------ slicing
+
+    def select(self, indices: Sequence[int]) -> "VisualBatch":
+        """The samples at `indices`, in that order; repeats allowed (a group of n completions can share
+        its prompt's pixels by repeating its index). Contiguous selections are views, not copies."""
+        idx = torch.as_tensor([int(i) for i in indices], dtype=torch.long)
+        n = self.num_samples
+        if idx.numel() and (int(idx.min()) < -n or int(idx.max()) >= n):
+            raise IndexError(f"VisualBatch.select: index out of range for {n} samples: {list(indices)}")
+        idx = idx % max(n, 1)
+        images = torch.tensor(self.images_per_sample, dtype=torch.long)
+        videos = torch.tensor(self.videos_per_sample, dtype=torch.long)
+        image_idx = _expand_segments(_exclusive_cumsum(images)[idx], images[idx])
+        video_idx = _expand_segments(_exclusive_cumsum(videos)[idx], videos[idx])
+        image_rows = _expand_segments(_exclusive_cumsum(self._image_rows)[image_idx], self._image_rows[image_idx])
+        video_rows = _expand_segments(_exclusive_cumsum(self._video_rows)[video_idx], self._video_rows[video_idx])
+        by_layout = {Layout.IMAGE_ROWS: image_rows, Layout.VIDEO_ROWS: video_rows, Layout.PER_IMAGE: image_idx,
+                     Layout.PER_VIDEO: video_idx, Layout.PER_SAMPLE: idx}
+        taken = {key: _take(getattr(self, key), by_layout[SLICING_RULES[key].layout]) for key in _FIELD_KEYS}
+        extra = {key: _take(value, by_layout[SLICING_RULES[key].layout]) for key, value in self.extra.items()}
+        return VisualBatch(
+            **taken,
+            images_per_sample=tuple(images[idx].tolist()),
+            videos_per_sample=tuple(videos[idx].tolist()),
+            merge_size=self.merge_size,
+            extra=extra,
+        )
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "VisualBatch":
+        """Move every tensor to `device`; `dtype` casts only the floating pixel tensors (not grids or timings)."""
+
+        def move(key: str, value: torch.Tensor | None) -> torch.Tensor | None:
+            if value is None:
+                return None
+            cast = dtype if dtype is not None and SLICING_RULES[key].pixels and value.is_floating_point() else None
+            return value.to(device=device, dtype=cast) if cast is not None else value.to(device)
+
+        return dataclasses.replace(
+            self,
+            **{key: move(key, getattr(self, key)) for key in _FIELD_KEYS},
+            extra={key: move(key, value) for key, value in self.extra.items()},
+        )
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keys present in this batch, named as the Hugging Face model's forward expects them."""
+        out = {key: getattr(self, key) for key in _FIELD_KEYS if getattr(self, key) is not None}
+        out.update(self.extra)
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, input_ids: Sequence[Sequence[int]] | torch.Tensor, image_token_id: int, video_token_id: int,
+              sample_names: Sequence[str] | None = None) -> None:
+        """Raise `VisualMismatchError` naming the first sample whose prompt ids disagree with its pixels.
+
+        Checks pixel rows == sum(prod(thw)), every grid divisible by merge_size**2, and per sample that
+        the number of image (video) tokens in `input_ids` equals its grids' prod(thw) / merge_size**2.
+        """
+        if len(input_ids) != self.num_samples:
+            raise VisualMismatchError(f"{len(input_ids)} prompts but the visual batch holds {self.num_samples} samples")
+        names = list(sample_names) if sample_names is not None else [f"#{i}" for i in range(self.num_samples)]
+        unit = self.merge_size**2
+        for kind, rows, per_sample, pixels in (("image", self._image_rows, self.images_per_sample, self.pixel_values),
+                                               ("video", self._video_rows, self.videos_per_sample,
+                                                self.pixel_values_videos)):
+            if pixels is not None and int(rows.sum()) != pixels.shape[0]:
+                raise VisualMismatchError(f"{kind} pixel tensor has {pixels.shape[0]} rows but the grids need "
+                                          f"{int(rows.sum())}")
+            bad = (rows % unit).nonzero()
+            if bad.numel():
+                raise VisualMismatchError(f"{kind} {int(bad[0])} has {int(rows[bad[0]])} patches, not a multiple "
+                                          f"of merge_size**2 = {unit}")
+        counts = self._count_tokens(input_ids, (image_token_id, video_token_id))
+        expected = (self.image_tokens_per_sample(), self.video_tokens_per_sample())
+        for kind, k in (("image", 0), ("video", 1)):
+            per_sample = self.images_per_sample if k == 0 else self.videos_per_sample
+            for i, (have, want) in enumerate(zip(counts[k], expected[k])):
+                if have != want:
+                    raise VisualMismatchError(
+                        f"sample {names[i]}: its prompt ids hold {have} {kind} tokens but its {per_sample[i]} "
+                        f"{kind}(s) need {want} (= prod(thw) / merge_size**2 with merge_size {self.merge_size}); "
+                        "the prompt ids and pixels were not produced together by one processor call"
+                    )
+
+    @staticmethod
+    def _count_tokens(input_ids, token_ids: tuple[int, int]) -> tuple[list[int], list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            return tuple((input_ids == t).sum(-1).tolist() for t in token_ids)
+        rows = [ids.tolist() if isinstance(ids, torch.Tensor) else list(ids) for ids in input_ids]
+        return tuple([row.count(t) for row in rows] for t in token_ids)
