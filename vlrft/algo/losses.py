@@ -265,7 +265,9 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, ad
                             "the trainer must pass `entropy`")
         pg_mask, share = high_entropy_mask(entropy, mask, cfg.high_entropy_token_frac), cfg.high_entropy_token_frac
 
-    agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_tokens=max_tokens)
+    # defaults count the full mask: with entropy masking pg_mask is smaller, and token_share accounts for that
+    agg = dict(num_tokens=mask.sum() if num_tokens is None else num_tokens,
+               num_seqs=mask.any(dim=1).sum() if num_seqs is None else num_seqs, max_tokens=max_tokens)
     loss = aggregate(pg, pg_mask, cfg.loss_agg, lengths=mask.sum(dim=1), token_share=share, **agg)
     if sur.regularizer is not None:
         loss = loss + aggregate(sur.regularizer, mask, cfg.loss_agg, **agg)
