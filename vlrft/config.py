@@ -234,8 +234,10 @@ class Config:
             _fail("algorithm.dual_clip", a.dual_clip, "a number > 1 (e.g. 3.0) or null to disable")
         if a.kl_coef < 0:
             _fail("algorithm.kl_coef", a.kl_coef, "a number >= 0")
-        _check_registered("algorithm.advantage", a.advantage, BUILTIN_ADVANTAGES, "advantages", "ADVANTAGE_ESTIMATORS")
-        _check_registered("algorithm.policy_loss", a.policy_loss, BUILTIN_POLICY_LOSSES, "losses", "POLICY_LOSSES")
+        _check_registered("algorithm.advantage", a.advantage, BUILTIN_ADVANTAGES, "advantages", "ADVANTAGE_ESTIMATORS",
+                          "register_advantage")
+        _check_registered("algorithm.policy_loss", a.policy_loss, BUILTIN_POLICY_LOSSES, "losses", "POLICY_LOSSES",
+                          "register_policy_loss")
         if a.advantage == "rloo" and r.n < 2:
             _fail("rollout.n", r.n, "at least 2 for algorithm.advantage=rloo (leave-one-out needs siblings)")
         if a.high_entropy_token_frac is not None and not 0 < a.high_entropy_token_frac <= 1:
@@ -281,7 +283,8 @@ BUILTIN_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_ba
 BUILTIN_POLICY_LOSSES = ("ppo", "gspo", "cpgd")
 
 
-def _check_registered(key: str, name: str, builtins: tuple[str, ...], module: str, registry: str) -> None:
+def _check_registered(key: str, name: str, builtins: tuple[str, ...], module: str, registry: str,
+                      decorator: str) -> None:
     """Accept a built-in name at once; only for other names import the (torch-based) registry to look it up."""
     if name in builtins:
         return
@@ -289,7 +292,9 @@ def _check_registered(key: str, name: str, builtins: tuple[str, ...], module: st
 
     known = getattr(importlib.import_module(f"vlrft.algo.{module}"), registry)
     if name not in known:
-        _fail(key, name, f"one of {', '.join(sorted(known))} (or register your own before loading the config)")
+        names = [*builtins, *sorted(set(known) - set(builtins))]
+        raise ConfigError(f"config: {key}={name!r} is invalid; expected one of {', '.join(map(repr, names))} "
+                          f"(or a name registered with vlrft.algo.{decorator})")
 
 
 def _positive(key: str, value: int) -> None:

@@ -237,13 +237,17 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, ad
     - high_entropy_token_frac: only that top share of tokens by entropy gets the policy gradient.
     - KL to the reference is added only when cfg.kl_in == "loss" and kl_coef > 0 (kl_coef comes from
       the KL controller); with kl_in == "reward" it was already shaped into the rewards and is only logged.
-    See the module docstring for `num_tokens` / `num_seqs` / `world_size`.
+    See the module docstring for `num_tokens` / `num_seqs` / `world_size`; count the denominators
+    over the same mask passed here (e.g. `mask & advantages.valid[:, None]` to drop not-applicable rows).
     """
     if cfg.policy_loss not in POLICY_LOSSES:
         raise UserError(f"config: algorithm.policy_loss={cfg.policy_loss!r} is not registered; "
                         f"expected one of {', '.join(sorted(POLICY_LOSSES))}")
     mask = mask.bool()
-    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
+    # float32 throughout: bf16 log-ratios near 0 lose the precision the clip decisions depend on
+    logprobs = logprobs.float()
+    old_logprobs, advantages = old_logprobs.detach().float(), advantages.detach().float()
+    entropy = None if entropy is None else entropy.float()
     sur = POLICY_LOSSES[cfg.policy_loss](cfg, logprobs, old_logprobs, advantages, mask)
     pg = sur.per_token
     stats = Stats()
@@ -320,7 +324,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     Multiply by `algorithm.value_coef` when adding it to a shared loss.
     """
     mask = mask.bool()
-    old_values, returns = old_values.detach(), returns.detach()
+    values, old_values, returns = values.float(), old_values.detach().float(), returns.detach().float()
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     plain, clipped = (values - returns).square(), (clipped_values - returns).square()
     per_token = 0.5 * torch.maximum(plain, clipped)

@@ -108,14 +108,13 @@ class Stats:
         A metric with nothing recorded (count 0, or no finite maximum) is left out rather than
         reported as NaN.
         """
-        names = sorted(self.sums)
-        out: dict[str, float] = {}
-        if names:
-            sums = torch.stack([self.sums[n].cpu() for n in names]).tolist()
-            counts = torch.stack([self.counts[n].cpu() for n in names]).tolist()
-            out.update({n: s / c for n, s, c in zip(names, sums, counts) if c > 0})
-        if self.maxima:
-            max_names = sorted(self.maxima)
-            values = torch.stack([self.maxima[n].cpu() for n in max_names]).tolist()
-            out.update({n: v for n, v in zip(max_names, values) if v != float("-inf")})
+        names, max_names = sorted(self.sums), sorted(self.maxima)
+        values = [self.sums[n] for n in names] + [self.counts[n] for n in names] + [self.maxima[n] for n in max_names]
+        if not values:
+            return {}
+        device = values[0].device
+        flat = torch.stack([v.to(device) for v in values]).tolist()  # one device-to-host copy for everything
+        sums, counts, maxima = flat[:len(names)], flat[len(names):2 * len(names)], flat[2 * len(names):]
+        out = {n: s / c for n, s, c in zip(names, sums, counts) if c > 0}
+        out.update({n: v for n, v in zip(max_names, maxima) if v != float("-inf")})
         return out
