@@ -111,9 +111,11 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "cpgd"] = "grpo"
+    # built-ins: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, cpgd; or a name added with
+    # vlrft.algo.register_advantage (registered before the config is validated)
+    advantage: str = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    policy_loss: Literal["ppo", "gspo", "cpgd"] = "ppo"
+    policy_loss: str = "ppo"  # built-ins: ppo, gspo, cpgd; or a name added with vlrft.algo.register_policy_loss
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -138,6 +140,17 @@ class AlgorithmConfig:
     mask_truncated: bool = False  # completions that hit max_new_tokens get no gradient
     dynamic_sampling: bool = False  # drop zero-variance groups and refill from new prompts
     max_refill_rounds: int = 4
+    adv_eps: float = 1e-6  # added to every std an advantage is divided by (GRPO, batch scale, whitening)
+    gae_whiten: bool = True  # whiten GAE advantages once over the whole batch (all ranks), as PPO does
+    # GSPO clips the length-normalised sequence ratio, which moves far less than token ratios (paper: 3e-4 / 4e-4)
+    gspo_clip_eps_low: float = 3e-4
+    gspo_clip_eps_high: float = 4e-4
+    # CPGD (arXiv:2505.12504): advantage weight after group-mean centring: "std" (divide by the group std),
+    # "clip_filter" (multiply by groups / groups-with-nonzero-variance, capped at cpgd_weight_cap), "none"
+    cpgd_weight: Literal["std", "clip_filter", "none"] = "std"
+    cpgd_weight_cap: float = 3.0
+    cpgd_drift_coef: float = 0.01  # alpha, weight of the policy-drift term KL(pi_old || pi_theta); 0 = off
+    cpgd_drift_clip: float = 2.0  # cap on (ratio - 1) in the drift gradient, as in the reference implementation
 
 
 @dataclass
@@ -233,10 +246,32 @@ class Config:
             _fail("algorithm.dual_clip", a.dual_clip, "a number > 1 (e.g. 3.0) or null to disable")
         if a.kl_coef < 0:
             _fail("algorithm.kl_coef", a.kl_coef, "a number >= 0")
+        _check_registered("algorithm.advantage", a.advantage, BUILTIN_ADVANTAGES, "advantages", "ADVANTAGE_ESTIMATORS",
+                          "register_advantage")
+        _check_registered("algorithm.policy_loss", a.policy_loss, BUILTIN_POLICY_LOSSES, "losses", "POLICY_LOSSES",
+                          "register_policy_loss")
         if a.advantage == "rloo" and r.n < 2:
             _fail("rollout.n", r.n, "at least 2 for algorithm.advantage=rloo (leave-one-out needs siblings)")
         if a.high_entropy_token_frac is not None and not 0 < a.high_entropy_token_frac <= 1:
             _fail("algorithm.high_entropy_token_frac", a.high_entropy_token_frac, "a fraction in (0, 1] or null")
+        adaptive = a.kl_controller == "adaptive"
+        for key, ok, allowed in (
+            ("tis_cap", a.tis_cap is None or a.tis_cap > 0, "a number > 0 (e.g. 2.0) or null to disable"),
+            ("adv_eps", a.adv_eps > 0, "a small number > 0 (e.g. 1e-6)"),
+            ("gamma", 0 <= a.gamma <= 1, "a number in [0, 1]"),
+            ("lam", 0 <= a.lam <= 1, "a number in [0, 1]"),
+            ("kl_target", not adaptive or a.kl_target > 0, "a number > 0 with kl_controller=adaptive"),
+            ("kl_horizon", not adaptive or a.kl_horizon > 0, "a positive integer with kl_controller=adaptive"),
+            ("reward_clip", a.reward_clip is None or a.reward_clip > 0, "a number > 0 or null to disable"),
+            ("value_clip", a.value_clip > 0, "a number > 0 (e.g. 0.2)"),
+            ("gspo_clip_eps_low", 0 <= a.gspo_clip_eps_low < 1, "a number in [0, 1) (default 3e-4)"),
+            ("gspo_clip_eps_high", a.gspo_clip_eps_high >= 0, "a number >= 0 (default 4e-4)"),
+            ("cpgd_drift_coef", a.cpgd_drift_coef >= 0, "a number >= 0 (0 turns the drift term off)"),
+            ("cpgd_drift_clip", a.cpgd_drift_clip > 0, "a number > 0 (default 2.0)"),
+            ("cpgd_weight_cap", a.cpgd_weight_cap >= 1, "a number >= 1 (default 3.0)"),
+        ):
+            if not ok:
+                _fail(f"algorithm.{key}", getattr(a, key), allowed)
         if a.overlong_buffer >= r.max_new_tokens and a.overlong_buffer > 0:
             _fail("algorithm.overlong_buffer", a.overlong_buffer, f"less than rollout.max_new_tokens={r.max_new_tokens}")
         if t.lr <= 0:
@@ -252,6 +287,24 @@ class Config:
 
 def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"config: {key}={value!r} is not allowed; expected {allowed}")
+
+
+BUILTIN_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "cpgd")
+BUILTIN_POLICY_LOSSES = ("ppo", "gspo", "cpgd")
+
+
+def _check_registered(key: str, name: str, builtins: tuple[str, ...], module: str, registry: str,
+                      decorator: str) -> None:
+    """Accept a built-in name at once; only for other names import the (torch-based) registry to look it up."""
+    if name in builtins:
+        return
+    import importlib
+
+    known = getattr(importlib.import_module(f"vlrft.algo.{module}"), registry)
+    if name not in known:
+        names = [*builtins, *sorted(set(known) - set(builtins))]
+        raise ConfigError(f"config: {key}={name!r} is invalid; expected one of {', '.join(map(repr, names))} "
+                          f"(or a name registered with vlrft.algo.{decorator})")
 
 
 def _positive(key: str, value: int) -> None:
