@@ -242,6 +242,11 @@ def test_custom_estimator_through_the_registry_and_the_config():
         del ADVANTAGE_ESTIMATORS[name]
 
 
+def test_infinite_reward_is_rejected_with_its_row():
+    with pytest.raises(ValueError, match=r"rows \[1\]"):
+        run("grpo", [1.0, float("inf")])
+
+
 def test_unknown_estimator_names_the_choices():
     with pytest.raises(UserError, match="algorithm.advantage='nope'.*grpo"):
         run("nope", [1.0, 0.0])

@@ -90,6 +90,9 @@ def compute_advantages(cfg: AlgorithmConfig, rewards: Tensor, mask: Tensor, grou
                         f"expected one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
     if rewards.ndim != 1 or mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [N] and [N, T]")
+    if torch.isinf(rewards).any():  # NaN means "not applicable"; an infinite reward is a bug upstream
+        raise ValueError(f"rewards contain +-inf at rows {torch.isinf(rewards).nonzero().flatten().tolist()}; "
+                         "a reward must be a finite number or NaN (not applicable)")
     for name, t in (("values", values), ("token_rewards", token_rewards)):
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected the mask's shape {tuple(mask.shape)}")

@@ -170,8 +170,8 @@ def gspo_surrogate(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor,
     log_s = (logprobs - logprobs.detach() + seq[:, None]).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     sur = _clipped_surrogate(torch.exp(log_s), advantages, cfg.gspo_clip_eps_low, cfg.gspo_clip_eps_high,
                              cfg.dual_clip)
-    return replace(sur, metrics={"actor/gspo_seq_ratio": torch.exp(seq.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))[:, None]
-                                 .expand_as(mask)})
+    seq_ratio = torch.exp(seq.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return replace(sur, metrics={"actor/gspo_seq_ratio": seq_ratio[:, None].expand_as(mask)})
 
 
 @register_policy_loss("cpgd")
