@@ -115,12 +115,14 @@ class VisionInputs:
 class ActorVL(nn.Module):
     """The policy: an `AutoModelForImageTextToText` model (optionally LoRA-wrapped) with completion logprobs."""
 
-    def __init__(self, model: nn.Module, image_token_id: int, video_token_id: int, chunk_tokens: int = 1024):
+    def __init__(self, model: nn.Module, image_token_id: int, video_token_id: int, chunk_tokens: int = 1024,
+                 suppressed_ids: tuple[int, ...] = ()):
         super().__init__()
         self.model = model
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.chunk_tokens = chunk_tokens
+        self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
 
     def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
@@ -139,7 +141,7 @@ class ActorVL(nn.Module):
         mask = batch.completion_mask.bool()
         predicting = hidden[:, p - 1:p - 1 + c][mask]  # hidden state before each completion token
         targets = batch.input_ids[:, p:p + c][mask]
-        lp, ent = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens)
+        lp, ent = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens, self.suppressed_ids)
         logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, lp)
         entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, ent)
         return TokenLogprobs(logprobs, entropy)

@@ -28,6 +28,9 @@ class TokenSpec:
     eos_ids: tuple[int, ...]
     image_token_id: int
     video_token_id: int
+    # Vision placeholder tokens a completion must never contain: the model would try to place image
+    # features there ("image tokens != image features"), so every engine suppresses them.
+    suppressed_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_model(cls, processor, model_config, generation_config=None, extra_stop_ids=()) -> "TokenSpec":
@@ -40,9 +43,15 @@ class TokenSpec:
                     eos.append(int(value))
         eos.extend(int(i) for i in extra_stop_ids if int(i) not in eos)
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-        return cls(pad_id=int(pad), eos_ids=tuple(eos),
-                   image_token_id=int(getattr(model_config, "image_token_id", -1) or -1),
-                   video_token_id=int(getattr(model_config, "video_token_id", -1) or -1))
+        image_id = int(getattr(model_config, "image_token_id", -1) or -1)
+        video_id = int(getattr(model_config, "video_token_id", -1) or -1)
+        suppressed = [i for i in (image_id, video_id) if i >= 0]
+        for name in ("vision_start_token_id", "vision_end_token_id"):
+            value = getattr(model_config, name, None)
+            if value is not None and int(value) not in suppressed:
+                suppressed.append(int(value))
+        return cls(pad_id=int(pad), eos_ids=tuple(eos), image_token_id=image_id, video_token_id=video_id,
+                   suppressed_ids=tuple(suppressed))
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +115,7 @@ class HFEngine:
             eos_token_id=list(self.tokens.eos_ids) + [i for i in sampling.stop_token_ids if i not in self.tokens.eos_ids],
             pad_token_id=self.tokens.pad_id,
             repetition_penalty=sampling.repetition_penalty,
+            suppress_tokens=list(self.tokens.suppressed_ids) or None,
             use_cache=True,
         )
         if sampling.greedy:

@@ -61,6 +61,7 @@ class Trainer:
         self.tokens = TokenSpec.from_model(self.processor, self.actor.model.config,
                                            getattr(self.actor.model, "generation_config", None),
                                            cfg.rollout.stop_token_ids)
+        self.actor.suppressed_ids = self.tokens.suppressed_ids
         self.ref = self._build_ref()
         self.critic, self.critic_wrapped, self.critic_optimizer = self._build_critic()
         self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=cfg.train.lr,
@@ -132,7 +133,8 @@ class Trainer:
         model = load_policy(cfg.ref_path or cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation,
                             trust_remote_code=cfg.trust_remote_code, device=self.device).eval()
         model.requires_grad_(False)
-        return ActorVL(model, self.actor.image_token_id, self.actor.video_token_id)
+        return ActorVL(model, self.actor.image_token_id, self.actor.video_token_id,
+                       suppressed_ids=self.tokens.suppressed_ids)
 
     def _build_critic(self):
         if self.cfg.algorithm.advantage != "gae":
