@@ -17,6 +17,7 @@ from vlrft.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
+    "reward-server": ("vlrft.commands.reward_server_cmd", "serve reward functions over HTTP for the 'remote' reward"),
 }
 
 
