@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("vlrft.commands.generate_cmd", "answer one prompt (with optional images) with a model folder"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
     "data": ("vlrft.commands.data_cmd", "check, convert or generate datasets (data check|convert|synth)"),
+    "reward-server": ("vlrft.commands.reward_server_cmd", "serve reward functions over HTTP for the 'remote' reward"),
 }
 
 

@@ -94,7 +94,8 @@ class RewardFunctionConfig:
 
     name: str = ""
     weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments (a factory class gets them once)
+    alias: str | None = None  # key in metrics and RewardResult.per_function; default: the function's name
 
 
 @dataclass
@@ -104,9 +105,13 @@ class RewardConfig:
     recipes: dict[str, list[RewardFunctionConfig]] = field(default_factory=dict)
     timeout_s: float = 30.0
     on_error: Literal["raise", "none"] = "raise"  # "none": an error counts as "not applicable"
-    max_concurrency: int = 16
-    remote_url: str | None = None
-    remote_api_key: str | None = field(default=None, metadata=SECRET)
+    max_concurrency: int = 16  # reward function calls running at once
+    remote_url: str | None = None  # default URL of the "remote" reward function
+    remote_api_key: str | None = field(default=None, metadata=SECRET)  # else the VLRFT_REWARD_API_KEY variable
+    # Math answers are graded (math-verify/sympy) in worker processes that are killed when they overrun:
+    grader_processes: int = 0  # 0 = min(4, CPU count)
+    grader_timeout_s: float = 5.0  # per answer; an answer that takes longer to grade scores 0
+    grader_memory_mb: int = 2048  # address-space limit of each grader process
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""Answer-checking rewards: 1.0 for a correct final answer, 0.0 for a wrong one, None without a reference.
+
+The final answer is the last `<answer>...</answer>` block, else the last `\\boxed{...}`, else the whole
+completion (see `vlrft.rewards.text.find_answer`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from vlrft.rewards.grading import get_grader
+from vlrft.rewards.registry import reward
+from vlrft.rewards.text import choice_letter, find_answer, last_number, normalize
+from vlrft.rewards.types import RewardSampleError
+
+
+def _looks_mathematical(reference: str) -> bool:
+    return any(ch.isdigit() or ch in "\\^_{}=/" for ch in reference)
+
+
+def _score_answers(
+    completions: list[str], references: list[str | None], use_math: Callable[[str], bool]
+) -> list[float | None]:
+    """Normalised string equality first (cheap); then math-verify equivalence where `use_math(reference)`."""
+    scores: list[float | None] = [None] * len(completions)
+    pending: list[int] = []
+    pairs: list[tuple[str, bool, str]] = []
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+        if reference is None or str(reference).strip() == "":
+            continue
+        reference = str(reference).strip()
+        answer, marked = find_answer(completion)
+        if normalize(answer) == normalize(reference):
+            scores[i] = 1.0
+        elif use_math(reference):
+            pending.append(i)
+            pairs.append((answer, marked, reference))
+        else:
+            scores[i] = 0.0
+    for i, correct in zip(pending, get_grader().grade(pairs)):
+        scores[i] = 1.0 if correct else 0.0
+    return scores
+
+
+@reward("accuracy")
+def accuracy(completions: list[str], references: list[str | None]) -> list[float | None]:
+    """Correct final answer: normalised text match ("Red." == "red"), else math equivalence (math-verify)
+    when the reference looks mathematical (has a digit or LaTeX)."""
+    return _score_answers(completions, references, _looks_mathematical)
+
+
+@reward("math_accuracy")
+def math_accuracy(completions: list[str], references: list[str | None]) -> list[float | None]:
+    """Mathematically equivalent final answer (math-verify: `\\frac{1}{2}` == `0.5`, `3\\sqrt{2}` == `\\sqrt{18}`)."""
+    return _score_answers(completions, references, lambda _: True)
+
+
+@reward("exact_match")
+def exact_match(completions: list[str], references: list[str | None]) -> list[float | None]:
+    """Final answer equal to the reference after normalisation (case, whitespace, edge punctuation)."""
+    return _score_answers(completions, references, lambda _: False)
+
+
+@reward("choice")
+def choice(completions: list[str], references: list[str | None]) -> list[float | None]:
+    """Multiple choice: the chosen option letter (`<answer>B</answer>`, `\\boxed{(B)}`, "the answer is B")
+    equals the reference letter."""
+    scores: list[float | None] = []
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+        if reference is None or str(reference).strip() == "":
+            scores.append(None)
+            continue
+        expected = choice_letter(str(reference))
+        if expected is None:
+            raise RewardSampleError(
+                i, f"choice: reference {str(reference)[:40]!r} is not an option letter such as 'B'; "
+                "use this reward only for multiple-choice samples (route others with reward.recipes)",
+            )
+        scores.append(1.0 if choice_letter(completion) == expected else 0.0)
+    return scores
+
+
+@reward("numeric")
+def numeric(
+    completions: list[str], references: list[str | None], abs_tol: float = 0.0, rel_tol: float = 0.0
+) -> list[float | None]:
+    """The last number of the final answer (digits or a word zero..twenty) equals the reference number
+    within max(abs_tol, rel_tol * |reference|); for counting and measuring questions."""
+    scores: list[float | None] = []
+    for i, (completion, reference) in enumerate(zip(completions, references)):
+        if reference is None or str(reference).strip() == "":
+            scores.append(None)
+            continue
+        expected = last_number(str(reference))
+        if expected is None:
+            raise RewardSampleError(i, f"numeric: reference {str(reference)[:40]!r} has no number; give numbers like '3' or '2.5'")
+        got = last_number(find_answer(completion)[0])
+        ok = got is not None and math.isfinite(got) and abs(got - expected) <= max(abs_tol, rel_tol * abs(expected))
+        scores.append(1.0 if ok else 0.0)
+    return scores

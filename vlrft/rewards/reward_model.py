@@ -1,0 +1,114 @@
+"""Reward model: a `transformers` sequence-classification model scoring prompt + completion text.
+
+    reward:
+      functions:
+        - {name: reward_model, kwargs: {path: /models/my-rm, batch_size: 16}}
+
+The model loads on first use (so ranks that never score never load it), runs batched under
+`torch.inference_mode`, and keeps the *end* of over-long texts (left truncation) because the
+completion is what it judges.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from vlrft.errors import ConfigError
+from vlrft.rewards.registry import reward
+
+
+@reward("reward_model")
+class RewardModel:
+    """Callable reward: `logits[:, label_index]` of an `AutoModelForSequenceClassification` per completion."""
+
+    def __init__(
+        self,
+        path: str,
+        batch_size: int = 8,
+        max_length: int = 4096,
+        device: str = "auto",
+        dtype: str = "float32",
+        use_chat_template: bool = True,
+        label_index: int = 0,
+        trust_remote_code: bool = False,
+    ):
+        if not path:
+            raise ConfigError("reward function 'reward_model' needs kwargs.path: a folder or Hub id of a sequence-classification model")
+        if batch_size < 1 or max_length < 1:
+            raise ConfigError(f"reward function 'reward_model': batch_size={batch_size} and max_length={max_length} must be >= 1")
+        self.path = path
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = device
+        self.dtype = dtype
+        self.use_chat_template = use_chat_template
+        self.label_index = label_index
+        self.trust_remote_code = trust_remote_code
+        self._model = None
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RewardModel(path={self.path!r}, loaded={self._model is not None})"
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = self.device
+        if device == "auto":
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+        tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+        tokenizer.truncation_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model = AutoModelForSequenceClassification.from_pretrained(
+            self.path, dtype=getattr(torch, self.dtype), trust_remote_code=self.trust_remote_code
+        )
+        if model.config.pad_token_id is None:  # the classifier pools the last non-pad token
+            model.config.pad_token_id = tokenizer.pad_token_id
+        if not 0 <= self.label_index < model.config.num_labels:
+            raise ConfigError(
+                f"reward function 'reward_model': label_index={self.label_index} but {self.path} has {model.config.num_labels} label(s)"
+            )
+        self._tokenizer, self._model = tokenizer, model.to(device).eval()
+
+    def _uses_chat_template(self) -> bool:
+        return self.use_chat_template and bool(getattr(self._tokenizer, "chat_template", None))
+
+    def _text(self, prompt: str, completion: str) -> str:
+        tok = self._tokenizer
+        if self._uses_chat_template():
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return tok.apply_chat_template(messages, tokenize=False)
+        return prompt + completion
+
+    def __call__(self, completions: list[str], prompts: list[str], **kwargs: Any) -> list[float]:
+        import torch
+
+        with self._lock:  # one load, and one batch loop at a time on the device
+            if self._model is None:
+                self._load()
+            texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+            # Sort by length so each batch pads little; results go back to the original order.
+            order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+            scores = [0.0] * len(texts)
+            device = next(self._model.parameters()).device
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                batch = self._tokenizer(
+                    [texts[i] for i in chunk], padding=True, truncation=True, max_length=self.max_length,
+                    return_tensors="pt", add_special_tokens=not self._uses_chat_template(),  # the template has them
+                ).to(device)
+                with torch.inference_mode():
+                    logits = self._model(**batch).logits[:, self.label_index].float().cpu().tolist()
+                for i, value in zip(chunk, logits):
+                    scores[i] = value
+            return scores
+
+    def close(self) -> None:
+        """Drop the model (frees its memory); it reloads on the next call."""
+        with self._lock:
+            self._model = self._tokenizer = None
