@@ -325,6 +325,8 @@ def test_same_name_with_different_kwargs_needs_an_alias():
     (RewardConfig(functions=[F("test_one", weight=NAN)]), r"reward.functions\[0\].weight=nan"),
     (RewardConfig(functions=[F("test_one", alias="total")]), r"key 'total'"),
     (RewardConfig(functions=[F("test_one")], on_error="ignore"), r"reward.on_error='ignore'"),
+    (RewardConfig(functions=[F("test_one")], grader_memory_mb=64), r"reward.grader_memory_mb=64"),
+    (RewardConfig(functions=[F("test_one")], grader_timeout_s=0), r"reward.grader_timeout_s=0"),
 ])
 def test_bad_reward_config(cfg, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -81,6 +81,7 @@ def recipe_server(tmp_path_factory):
             slow: [{{name: "{USER_REWARDS}:sleepy"}}]
             image: [{{name: "{USER_REWARDS}:first_image_width"}}]
             difficulty: [{{name: "{USER_REWARDS}:difficulty_weighted"}}]
+            choice: [{{name: choice}}]
     """))
     proc, url = start_server(config.parent / "log.txt", "--config", str(config))
     yield url
@@ -136,6 +137,11 @@ def test_dataset_columns_reach_the_server(recipe_server):
         ["red", "red"], references=["red", "blue"], labels=["difficulty"] * 2, extras=[{"difficulty": 3.0}, {"difficulty": 2.0}]
     )
     assert as_list(result.total) == [3.0, 0.0]
+
+
+def test_reward_errors_on_the_server_come_back_without_retries(recipe_server):
+    with pytest.raises(RewardError, match=r"refused the request \(HTTP 422\).*'choice' failed on sample 1.*'42' is not an option letter"):
+        remote_set(recipe_server).score(["B", "B"], references=["B", "42"], labels=["choice"] * 2)
 
 
 def test_slow_server_times_out_with_the_url_in_the_error(recipe_server):
