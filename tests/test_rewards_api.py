@@ -325,6 +325,8 @@ def test_same_name_with_different_kwargs_needs_an_alias():
     (RewardConfig(functions=[F("test_one", weight=NAN)]), r"reward.functions\[0\].weight=nan"),
     (RewardConfig(functions=[F("test_one", alias="total")]), r"key 'total'"),
     (RewardConfig(functions=[F("test_one")], on_error="ignore"), r"reward.on_error='ignore'"),
+    (RewardConfig(functions=[F("test_one")], grader_memory_mb=64), r"reward.grader_memory_mb=64"),
+    (RewardConfig(functions=[F("test_one")], grader_timeout_s=0), r"reward.grader_timeout_s=0"),
 ])
 def test_bad_reward_config(cfg, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -395,3 +397,17 @@ def test_reward_config_fields_load_from_yaml(tmp_path):
     assert rs.keys == ["accuracy", "format", "iou50"]
     result = rs.score(["<think>.</think><answer>[0,0,10,10]</answer>"], references=["[0,0,10,12]"], labels=["grounding"])
     assert values(result.total) == [1.0]  # IoU 100/120 >= 0.5
+
+
+def test_worked_example_in_the_docs_gives_what_it_says(tmp_path, monkeypatch):
+    import re
+
+    doc = (Path(__file__).parents[1] / "docs" / "rewards.md").read_text()
+    module = re.search(r"```python\n# my_rewards.py\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "my_rewards.py").write_text(module)
+    monkeypatch.chdir(tmp_path)
+    rewards = RewardSet.from_config(RewardConfig(functions=[F("my_rewards.py:weighted_exact"), F("format", weight=0.1)]))
+    result = rewards.score(["<think>It is red.</think><answer>red</answer>", "blue"],
+                           references=["red", None], extras=[{"difficulty": 2.0}, {"difficulty": 1.0}])
+    assert "tensor([2.1000, 0.0000])" in doc and values(result.total) == [2.1, 0.0]
+    assert values(result.per_function["weighted_exact"]) == [2.0, None]

@@ -109,7 +109,7 @@ class RewardConfig:
     remote_url: str | None = None  # default URL of the "remote" reward function
     remote_api_key: str | None = field(default=None, metadata=SECRET)  # else the VLRFT_REWARD_API_KEY variable
     # Math answers are graded (math-verify/sympy) in worker processes that are killed when they overrun:
-    grader_processes: int = 0  # 0 = min(4, CPU count)
+    grader_processes: int = 0  # per rank; 0 = min(4, CPU cores / local ranks)
     grader_timeout_s: float = 5.0  # per answer; an answer that takes longer to grade scores 0
     grader_memory_mb: int = 2048  # address-space limit of each grader process
 

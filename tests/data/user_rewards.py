@@ -9,8 +9,8 @@ def length_bonus(completions, **kwargs):
 
 
 def sleepy(completions, **kwargs):
-    """Takes 3 s to answer (a slow reward server's function)."""
-    time.sleep(3)
+    """Takes 2 s to answer (a slow reward server's function)."""
+    time.sleep(2)
     return [1.0 for _ in completions]
 
 

@@ -43,7 +43,11 @@ def parse_functions(text: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     from vlrft.config import RewardConfig, load_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from vlrft.rewards import RewardSet
     from vlrft.rewards.server import serve
 

@@ -17,6 +17,7 @@ import queue
 import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,14 +29,17 @@ _STARTUP_TIMEOUT_S = 60.0  # importing sympy on a loaded machine can take a whil
 
 @dataclass(frozen=True)
 class GraderSettings:
-    processes: int = 0  # 0 = min(4, CPU count)
+    processes: int = 0  # 0 = min(4, CPU cores per local rank)
     timeout_s: float = 5.0  # per answer, hard limit
     memory_mb: int = 2048  # address-space limit per worker; 0 = none
     step_timeout_s: int = 0  # math-verify's own alarm per parse/compare, whole seconds; 0 = timeout_s / 4
 
     @property
     def worker_count(self) -> int:
-        return self.processes if self.processes > 0 else max(1, min(4, os.cpu_count() or 1))
+        if self.processes > 0:
+            return self.processes
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun; every rank has its own grader
+        return max(1, min(4, (os.cpu_count() or 1) // max(1, ranks_here)))
 
     @property
     def op_timeout(self) -> int:
@@ -56,10 +60,15 @@ class GraderWorker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         cmd = [sys.executable, "-m", "vlrft.rewards.math_worker", "--memory-mb", str(self.settings.memory_mb),
                "--op-timeout", str(self.settings.op_timeout)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        if self._read_line(time.monotonic() + _STARTUP_TIMEOUT_S) != b"ready":
+        # stderr goes to a file (a pipe nobody reads could fill up and block the worker); it explains failed starts.
+        with tempfile.TemporaryFile() as stderr:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env)
+            if self._read_line(time.monotonic() + _STARTUP_TIMEOUT_S) == b"ready":
+                return
             self.stop()
-            raise RuntimeError(f"math grader worker did not start within {_STARTUP_TIMEOUT_S:g} s ({' '.join(cmd)})")
+            stderr.seek(0)
+            detail = " ".join(stderr.read().decode(errors="replace").split()[-40:])
+        raise RuntimeError(f"math grader worker did not start ({' '.join(cmd)}): {detail or 'no output'}")
 
     def _read_line(self, deadline: float) -> bytes | None:
         """One line from the worker, or None on timeout or if it died."""

@@ -25,7 +25,7 @@ class RewardModel:
 
     def __init__(
         self,
-        path: str,
+        path: str = "",
         batch_size: int = 8,
         max_length: int = 4096,
         device: str = "auto",

@@ -16,8 +16,9 @@ import math
 import numbers
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from vlrft.errors import ConfigError, UserError
 from vlrft.rewards.registry import resolve_reward
@@ -138,6 +139,12 @@ class RewardSet:
         """Build from a `vlrft.config.RewardConfig`; raises `ConfigError` for unknown names, clashing keys or bad weights."""
         from vlrft.rewards.grading import configure_grader
 
+        if not cfg.grader_timeout_s > 0:
+            raise ConfigError(f"config: reward.grader_timeout_s={cfg.grader_timeout_s!r} is not allowed; expected a number > 0")
+        if cfg.grader_processes < 0:
+            raise ConfigError(f"config: reward.grader_processes={cfg.grader_processes!r} is not allowed; expected 0 (auto) or more")
+        if cfg.grader_memory_mb != 0 and cfg.grader_memory_mb < 256:
+            raise ConfigError(f"config: reward.grader_memory_mb={cfg.grader_memory_mb!r} is not allowed; expected 0 (no limit) or >= 256")
         configure_grader(processes=cfg.grader_processes, timeout_s=cfg.grader_timeout_s, memory_mb=cfg.grader_memory_mb)
         if not cfg.functions and not cfg.recipes:
             raise ConfigError("config: reward.functions is empty; add at least one, e.g. reward.functions=[{name: accuracy}]")
@@ -194,12 +201,26 @@ class RewardSet:
     # ------------------------------------------------------------------------------------------
     # scoring
 
-    def score(self, completions: Sequence[str], **kwargs: Any) -> RewardResult:
+    def score(
+        self,
+        completions: Sequence[str],
+        *,
+        prompts: Sequence[str] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
+        references: Sequence[str | None] | None = None,
+        labels: Sequence[str | None] | None = None,
+        extras: Sequence[dict[str, Any] | None] | None = None,
+        step: int = 0,
+    ) -> RewardResult:
         """Synchronous `ascore`; call `await ascore(...)` instead from inside an event loop."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.ascore(completions, **kwargs))
+            return asyncio.run(self.ascore(
+                completions, prompts=prompts, completion_ids=completion_ids, images=images, references=references,
+                labels=labels, extras=extras, step=step,
+            ))
         raise RuntimeError("RewardSet.score was called inside a running event loop; use `await reward_set.ascore(...)` there")
 
     async def ascore(

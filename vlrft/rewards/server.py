@@ -53,6 +53,7 @@ def build_app(reward_set: RewardSet, api_key: str | None = None, max_request_mb:
 
 def serve(reward_set: RewardSet, host: str, port: int, api_key: str | None = None, max_request_mb: int = 256) -> None:
     """Run the server until interrupted."""
+    import torch  # noqa: F401  (results are tensors: import now so the first request does not pay for it)
     from aiohttp import web
 
     print(f"vlrft reward server: {reward_set!r}\nlistening on http://{host}:{port}/score", flush=True)

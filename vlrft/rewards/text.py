@@ -130,10 +130,8 @@ def choice_letter(text: str) -> str | None:
         match = _LETTER_ALONE.fullmatch(answer) or _LETTER_LEADING.match(answer)
         return match.group(1).upper() if match else None
     tail = text[-MAX_ANSWER_CHARS:]
-    stated = None
-    for stated in _LETTER_STATED.finditer(tail):
-        pass
-    if stated is not None:
-        return stated.group(1).upper()
+    stated = list(_LETTER_STATED.finditer(tail))
+    if stated:
+        return stated[-1].group(1).upper()
     match = _LETTER_ALONE.fullmatch(tail.strip())
     return match.group(1).upper() if match else None

@@ -7,7 +7,7 @@ completion (see `vlrft.rewards.text.find_answer`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from vlrft.rewards.grading import get_grader
 from vlrft.rewards.registry import reward

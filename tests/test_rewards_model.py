@@ -1,0 +1,100 @@
+"""Reward model: a real (tiny, random-weight) transformers sequence classifier scoring prompt + completion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlrft.config import RewardConfig
+from vlrft.config import RewardFunctionConfig as F
+from vlrft.errors import ConfigError
+from vlrft.rewards import RewardError, RewardSet
+
+PROMPTS = ["What color is the shape?", "How many shapes are there?", "Which shape is in the image?"]
+COMPLETIONS = ["red", "<think>one two three</think><answer>3</answer>", "The shape in the image is a small blue triangle."]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from vlrft.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id, max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForSequenceClassification(config).eval()
+    folder = tmp_path_factory.mktemp("tiny_rm")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _score_one_by_one(folder, texts: list[str], max_length: int | None = None) -> list[float]:
+    """Expected values: each text alone (no padding), optionally keeping its last `max_length` tokens."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    out = []
+    for text in texts:
+        ids = tokenizer(text)["input_ids"]
+        if max_length is not None:
+            ids = ids[-max_length:]
+        with torch.no_grad():
+            out.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    return out
+
+
+def test_batched_scores_equal_single_forward_passes(rm_dir):
+    rs = RewardSet.from_config(RewardConfig(functions=[F(
+        "reward_model", kwargs={"path": str(rm_dir), "batch_size": 2, "use_chat_template": False}
+    )]))
+    result = rs.score(COMPLETIONS, prompts=PROMPTS)
+    expected = _score_one_by_one(rm_dir, [p + c for p, c in zip(PROMPTS, COMPLETIONS)])
+    assert result.per_function["reward_model"].tolist() == pytest.approx(expected, abs=1e-4)
+    assert len(set(expected)) == 3  # the model really tells the texts apart
+
+
+def test_chat_template_is_applied_when_the_tokenizer_has_one(rm_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+             for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert all("<|im_start|>assistant" in t for t in texts)
+    rs = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir)})]))
+    result = rs.score(COMPLETIONS, prompts=PROMPTS)
+    assert result.total.tolist() == pytest.approx(_score_one_by_one(rm_dir, texts), abs=1e-4)
+
+
+def test_long_texts_keep_their_end(rm_dir):
+    rs = RewardSet.from_config(RewardConfig(functions=[F(
+        "reward_model", kwargs={"path": str(rm_dir), "max_length": 6, "use_chat_template": False}
+    )]))
+    texts = [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert rs.score(COMPLETIONS, prompts=PROMPTS).total.tolist() == pytest.approx(_score_one_by_one(rm_dir, texts, 6), abs=1e-4)
+
+
+def test_model_loads_lazily_and_once(rm_dir):
+    rs = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir)})]))
+    rm = rs.callables["reward_model"].fn
+    assert rm._model is None  # building the reward set loads nothing
+    rs.score(COMPLETIONS[:1], prompts=PROMPTS[:1])
+    model = rm._model
+    rs.score(COMPLETIONS, prompts=PROMPTS)
+    assert rm._model is model
+    assert not any(p.requires_grad and p.grad is not None for p in model.parameters())
+    rs.close()
+    assert rm._model is None
+
+
+def test_reward_model_config_errors(rm_dir):
+    with pytest.raises(ConfigError, match="needs kwargs.path"):
+        RewardSet.from_config(RewardConfig(functions=[F("reward_model")]))
+    rs = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir), "label_index": 3})]))
+    with pytest.raises(RewardError, match="label_index=3 but .* has 1 label"):
+        rs.score(["a"], prompts=["b"])
