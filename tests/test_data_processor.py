@@ -255,3 +255,31 @@ def re_escape(text):
     import re
 
     return re.escape(text)
+
+
+class FailsOnTextProcessor(CountingProcessor):
+    """Fault injection (no real input reaches this state past validation): a real processor that raises when a
+    prompt contains `trigger`, as a processor bug on one odd sample would."""
+
+    def __init__(self, inner, trigger):
+        super().__init__(inner)
+        self.trigger = trigger
+
+    def __call__(self, *args, text=(), **kwargs):
+        if any(self.trigger in t for t in text):
+            raise ValueError("boom on this prompt")
+        return super().__call__(*args, text=text, **kwargs)
+
+
+def test_a_processor_failure_is_pinned_on_its_sample(tiny_processor, mixed):
+    samples, _, _ = mixed
+    odd = Sample("odd", "Tell me about zebras.", source="d.jsonl line 9")
+    processor = FailsOnTextProcessor(tiny_processor("qwen2_vl"), "zebras")
+    with pytest.raises(BadSampleError, match=r"d\.jsonl line 9 \(id 'odd'\), field 'prompt': the processor failed "
+                                             r"on this sample: ValueError: boom on this prompt"):
+        PromptEncoder(processor, CFG).encode([samples[1], odd, samples[2]])
+    result = PromptEncoder(processor, dataclasses.replace(CFG, on_bad_sample="skip")).encode(
+        [samples[1], odd, samples[2]])
+    assert [s.id for s in result.batch.samples] == ["one", "three"] and [s.sample.id for s in result.skipped] == ["odd"]
+    assert result.batch.prompt_ids == PromptEncoder(tiny_processor("qwen2_vl"), CFG).encode(
+        [samples[1], samples[2]]).batch.prompt_ids

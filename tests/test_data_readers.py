@@ -187,3 +187,19 @@ def test_read_files_concatenates_and_limits(tmp_path):
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": f"b{i}", "answer": "x"} for i in range(3)])
     assert [s.prompt for s in read_files([a, b]).samples] == ["a0", "a1", "a2", "b0", "b1", "b2"]
     assert [s.prompt for s in read_files([a, b], limit=4).samples] == ["a0", "a1", "a2", "b0"]
+
+
+def test_read_split_uses_the_data_config(tmp_path, caplog):
+    from vlrft.config import DataConfig
+    from vlrft.data import read_split
+
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "a", "answer": "1"}, "{broken", {"prompt": "b", "answer": "2"},
+                                               {"prompt": "c", "answer": "3"}])
+    cfg = DataConfig(train_files=[str(train)], on_bad_sample="skip", max_train_samples=2)
+    with caplog.at_level("WARNING", logger="vlrft.data.readers"):
+        result = read_split(cfg, "train")
+    assert [s.prompt for s in result.samples] == ["a", "b"] and len(result.skipped) == 1
+    assert "t.jsonl: skipped 1 bad row(s) of 3 (data.on_bad_sample=skip)" in caplog.text
+    assert read_split(cfg, "eval").samples == []
+    with pytest.raises(UserError, match="data.train_files is empty"):
+        read_split(DataConfig(), "train")

@@ -286,10 +286,15 @@ class VisualBatch:
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The keys present in this batch, named as the Hugging Face model's forward expects them."""
-        out = {key: getattr(self, key) for key in _FIELD_KEYS if getattr(self, key) is not None}
-        out.update(self.extra)
-        return out
+        """The visual keys this batch has data for, named as the Hugging Face model's forward expects them.
+
+        Keys of a modality with no items (e.g. video keys of an image-only selection) are left out:
+        Qwen-VL forwards fail on empty grids.
+        """
+        tensors = {key: getattr(self, key) for key in _FIELD_KEYS}
+        tensors.update(self.extra)
+        return {key: value for key, value in tensors.items()
+                if value is not None and self._item_count(SLICING_RULES[key].layout) > 0}
 
     # ------------------------------------------------------------------ checks
 
