@@ -2,7 +2,9 @@
 """Processor time per training step: vlrft encodes each prompt once, a naive peer (as TRL's GRPO trainer
 does) runs the processor on every prompt repeated n times (once per completion).
 
-    PYTHONPATH=. python bench/bench_processor.py [--prompts 8] [--image-size 336] [--repeats 3]
+    PYTHONPATH=. python bench/bench_processor.py [--prompts 8] [--image-size 336] [--repeats 5]
+
+(On a busy shared machine, OMP_NUM_THREADS=1 keeps torch's thread pool from adding noise.)
 
 For n = 1, 4, 16 completions per prompt it prints both times and their ratio. vlrft's time includes
 the completion -> prompt index the trainer uses; pixels are not copied per completion (a micro-batch
@@ -31,14 +33,16 @@ def build_inputs(num_prompts: int, image_size: int):
     return samples
 
 
-def time_it(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def time_pair(first, second, repeats: int) -> tuple[float, float]:
+    """Best-of-`repeats` seconds of two functions, timed alternately so load drift hits both alike."""
+    first(), second()  # warm-up
+    best = [float("inf"), float("inf")]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)  # the least disturbed run: robust on a shared machine
+        for k, fn in enumerate((first, second)):
+            start = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - start)
+    return best[0], best[1]
 
 
 def main() -> None:
@@ -76,7 +80,7 @@ def main() -> None:
             images = [im for ims in prepared_images for im in ims for _ in range(n)]
             return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
-        t_ours, t_naive = time_it(ours, args.repeats), time_it(naive, args.repeats)
+        t_ours, t_naive = time_pair(ours, naive, args.repeats)
         print(f"{n:>4} {t_ours:>10.4f} {t_naive:>10.4f} {t_naive / t_ours:>13.1f}x")
 
 

@@ -11,6 +11,7 @@ from PIL import Image
 from _data_helpers import noise_image, write_mp4, write_png, write_png_bomb
 from vlrft.config import DataConfig
 from vlrft.data import BadSampleError, PromptBatch, PromptEncoder, Sample, left_pad
+from vlrft.errors import UserError
 
 ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 CFG = DataConfig(max_prompt_length=256, video_fps=2.0)
@@ -283,3 +284,21 @@ def test_a_processor_failure_is_pinned_on_its_sample(tiny_processor, mixed):
     assert [s.id for s in result.batch.samples] == ["one", "three"] and [s.sample.id for s in result.skipped] == ["odd"]
     assert result.batch.prompt_ids == PromptEncoder(tiny_processor("qwen2_vl"), CFG).encode(
         [samples[1], samples[2]]).batch.prompt_ids
+
+
+def test_in_memory_sample_with_image_parts_is_canonicalised(tiny_processor):
+    image = noise_image(56, 56)
+    sample = Sample("m", [{"role": "user", "content": [{"type": "image", "image": image},
+                                                       {"type": "text", "text": "Color?"}]}])
+    assert sample.images == [image] and sample.prompt[0]["content"][0] == {"type": "image"}
+    assert PromptEncoder(tiny_processor("qwen2_vl"), CFG).encode([sample]).batch.visual.images_per_sample == (1,)
+
+
+def test_processor_without_chat_template_is_refused(tiny_processor):
+    import copy
+
+    processor = copy.deepcopy(tiny_processor("qwen2_vl"))
+    processor.chat_template = None
+    processor.tokenizer.chat_template = None
+    with pytest.raises(UserError, match="the model's processor has no chat template"):
+        PromptEncoder(processor, CFG)
