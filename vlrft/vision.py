@@ -124,7 +124,7 @@ class VisualBatch:
             raise VisualMismatchError(f"the samples own {count} {kind}(s) but there are no {kind} pixels")
         if grid is not None and grid.shape[0] != count:
             raise VisualMismatchError(f"{kind}_grid_thw has {grid.shape[0]} rows but the samples own {count} {kind}(s)")
-        rows = self._rows_per_item(grid, pixels, count)
+        rows = self._rows_per_item(grid, count)
         if pixels is not None and int(rows.sum()) != pixels.shape[0]:
             raise VisualMismatchError(f"{kind} pixel tensor has {pixels.shape[0]} rows but the grids need "
                                       f"sum(prod(thw)) = {int(rows.sum())}")
@@ -216,18 +216,18 @@ class VisualBatch:
         return self.num_samples
 
     @staticmethod
-    def _rows_per_item(grid: torch.Tensor | None, pixels: torch.Tensor | None, count: int) -> torch.Tensor:
+    def _rows_per_item(grid: torch.Tensor | None, count: int) -> torch.Tensor:
         if grid is not None:
             return grid.to(torch.long).prod(-1).cpu()
         return torch.ones(count, dtype=torch.long)  # families without grids: one pixel entry per image
 
     @cached_property
     def _image_rows(self) -> torch.Tensor:
-        return self._rows_per_item(self.image_grid_thw, self.pixel_values, self.num_images)
+        return self._rows_per_item(self.image_grid_thw, self.num_images)
 
     @cached_property
     def _video_rows(self) -> torch.Tensor:
-        return self._rows_per_item(self.video_grid_thw, self.pixel_values_videos, self.num_videos)
+        return self._rows_per_item(self.video_grid_thw, self.num_videos)
 
     def _tokens_per_sample(self, rows: torch.Tensor, per_sample: tuple[int, ...]) -> list[int]:
         owner = torch.repeat_interleave(torch.arange(len(per_sample)), torch.tensor(per_sample, dtype=torch.long))
@@ -286,10 +286,15 @@ class VisualBatch:
         )
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The keys present in this batch, named as the Hugging Face model's forward expects them."""
-        out = {key: getattr(self, key) for key in _FIELD_KEYS if getattr(self, key) is not None}
-        out.update(self.extra)
-        return out
+        """The visual keys this batch has data for, named as the Hugging Face model's forward expects them.
+
+        Keys of a modality with no items (e.g. video keys of an image-only selection) are left out:
+        Qwen-VL forwards fail on empty grids.
+        """
+        tensors = {key: getattr(self, key) for key in _FIELD_KEYS}
+        tensors.update(self.extra)
+        return {key: value for key, value in tensors.items()
+                if value is not None and self._item_count(SLICING_RULES[key].layout) > 0}
 
     # ------------------------------------------------------------------ checks
 
@@ -304,9 +309,8 @@ class VisualBatch:
             raise VisualMismatchError(f"{len(input_ids)} prompts but the visual batch holds {self.num_samples} samples")
         names = list(sample_names) if sample_names is not None else [f"#{i}" for i in range(self.num_samples)]
         unit = self.merge_size**2
-        for kind, rows, per_sample, pixels in (("image", self._image_rows, self.images_per_sample, self.pixel_values),
-                                               ("video", self._video_rows, self.videos_per_sample,
-                                                self.pixel_values_videos)):
+        for kind, rows, pixels in (("image", self._image_rows, self.pixel_values),
+                                   ("video", self._video_rows, self.pixel_values_videos)):
             if pixels is not None and int(rows.sum()) != pixels.shape[0]:
                 raise VisualMismatchError(f"{kind} pixel tensor has {pixels.shape[0]} rows but the grids need "
                                           f"{int(rows.sum())}")

@@ -6,11 +6,11 @@
 """
 
 from vlrft.data.processor import EncodeResult, PromptBatch, PromptEncoder, left_pad
-from vlrft.data.readers import ReadResult, read_dataset, read_files, read_samples
+from vlrft.data.readers import ReadResult, read_dataset, read_files, read_samples, read_split
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample
 from vlrft.data.sampler import PromptSampler
 
 __all__ = [
     "BadSampleError", "EncodeResult", "PromptBatch", "PromptEncoder", "PromptSampler", "ReadResult", "Sample",
-    "SkippedSample", "left_pad", "read_dataset", "read_files", "read_samples",
+    "SkippedSample", "left_pad", "read_dataset", "read_files", "read_samples", "read_split",
 ]

@@ -99,19 +99,25 @@ def open_image_source(ref: Any) -> Image.Image:
     if not path.is_file():
         raise MediaError(f"image file not found: '{path}' (relative paths resolve against data.image_root, or the "
                          "data file's folder when it is unset)")
-    try:
-        return Image.open(path)
-    except UnidentifiedImageError:
-        raise MediaError(f"'{path}' is not an image file PIL can read") from None
-    except OSError as exc:
-        raise MediaError(f"cannot read image '{path}': {exc}") from None
+    return _pil_open(path, f"'{path}' is not an image file PIL can read")
 
 
 def _open_bytes(data: bytes, what: str) -> Image.Image:
+    return _pil_open(io.BytesIO(data), f"the {what} ({len(data)} bytes) are not an image PIL can read")
+
+
+def _pil_open(source: Any, unreadable: str) -> Image.Image:
+    """`Image.open` (header only) with PIL's errors turned into `MediaError`; size limits are ours to check."""
     try:
-        return Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(source)
+    except Image.DecompressionBombError as exc:  # over twice PIL's limit: refused while reading the header
+        raise MediaError(f"refused as a decompression bomb: {exc}") from None
     except UnidentifiedImageError:
-        raise MediaError(f"the {what} ({len(data)} bytes) are not an image PIL can read") from None
+        raise MediaError(unreadable) from None
+    except OSError as exc:
+        raise MediaError(f"cannot read image: {exc}") from None
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -87,6 +87,8 @@ class PromptBatch:
 
 @dataclass
 class EncodeResult:
+    """The encoded prompts and the samples left out (only with `data.on_bad_sample=skip`), for the logs."""
+
     batch: PromptBatch
     skipped: list[SkippedSample] = field(default_factory=list)
 
@@ -132,6 +134,9 @@ class PromptEncoder:
         self.processor = processor
         self.cfg = cfg
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        if not (getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)):
+            raise UserError("the model's processor has no chat template; use an instruct/chat checkpoint, or copy "
+                            "chat_template.jinja from the base model into the model folder")
         self._image_processor = getattr(processor, "image_processor", None)
         self._video_processor = getattr(processor, "video_processor", None)
         self._image_bounds = _pixel_bounds(self._image_processor, cfg) if self._image_processor else None

@@ -9,16 +9,19 @@ A bad row raises `BadSampleError` naming file, row and field, or is counted and 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlrft.config import DataConfig
 from vlrft.data.presets import FORMATS, PRESETS, detect_format, resolve_paths
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample
 from vlrft.errors import UserError
 
 _ARROW_BATCH = 512
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,6 +151,9 @@ def read_dataset(path: str | Path, format: str = "auto", image_root: str | None 
             continue
         result.samples.append(sample)
     result.formats[str(p)] = layout or "empty"
+    if result.skipped:
+        logger.warning("%s: skipped %d bad row(s) of %d (data.on_bad_sample=skip); first: %s", p.name,
+                       len(result.skipped), result.rows, result.skipped[0])
     return result
 
 
@@ -170,3 +176,14 @@ def read_files(paths: Sequence[str | Path], format: str = "auto", image_root: st
         total.skipped += part.skipped
         total.formats.update(part.formats)
     return total
+
+
+def read_split(cfg: DataConfig, split: str = "train") -> ReadResult:
+    """The `train` or `eval` files of a data config, with its format, image root, bad-row policy and cap."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+    files = cfg.train_files if split == "train" else cfg.eval_files
+    limit = cfg.max_train_samples if split == "train" else cfg.max_eval_samples
+    if split == "train" and not files:
+        raise UserError("data.train_files is empty; list one or more .jsonl/.parquet files or dataset folders")
+    return read_files(files, cfg.format, cfg.image_root, cfg.on_bad_sample, limit)

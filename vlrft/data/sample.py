@@ -39,6 +39,11 @@ class Sample:
     extra: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
 
+    def __post_init__(self) -> None:
+        # Canonical form: media references embedded in message parts move into images/videos.
+        self.prompt, self.images, self.videos = normalize_prompt(self.prompt, self.images, self.videos, self.source,
+                                                                 self.id)
+
 
 class BadSampleError(UserError):
     """A sample that cannot be used; the message names where it is, the field and the fix."""

@@ -1,0 +1,53 @@
+"""Small media builders shared by the data-layer tests (real files: PNGs, an MPEG-4 video, a PNG bomb header)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def noise_image(height: int, width: int, seed: int = 0) -> Image.Image:
+    """A random RGB image (every pixel matters, so any slicing mistake shows)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def write_png(path: Path, image: Image.Image) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, format="PNG")
+    return path
+
+
+def write_mp4(path: Path, num_frames: int, fps: int, size: int = 56) -> Path:
+    """An MPEG-4 file of `num_frames` frames at `fps`, each frame a different solid grey level."""
+    import av
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(num_frames):
+            frame = np.full((size, size, 3), 10 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def write_png_bomb(path: Path, width: int, height: int) -> Path:
+    """A tiny PNG whose header claims `width` x `height` (a decompression bomb's signature), with a valid CRC."""
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("L", (1, 1)).save(buffer, format="PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = struct.pack(">II", width, height)  # IHDR width, height
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))  # CRC over "IHDR" + its 13 data bytes
+    path.write_bytes(bytes(data))
+    return path

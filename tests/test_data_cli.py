@@ -1,0 +1,124 @@
+"""`vlrft data check|convert|synth` end to end through the real CLI entry point."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from _data_helpers import noise_image, write_png
+from vlrft.cli import main
+from vlrft.data import read_samples
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def messy(tmp_path):
+    write_png(tmp_path / "ok.png", noise_image(56, 56))
+    return write_jsonl(tmp_path / "messy.jsonl", [
+        {"id": "good", "prompt": "<image>What color?", "images": ["ok.png"], "answer": "red"},
+        {"id": "no-file", "prompt": "<image>What color?", "images": ["gone.png"], "answer": "red"},
+        {"id": "count", "prompt": "<image><image>Compare.", "images": ["ok.png"], "answer": "same"},
+        {"id": "empty", "prompt": "   ", "answer": "x"},
+        {"id": "no-answer", "prompt": "What is 2+2?"},
+    ])
+
+
+def test_check_reports_every_bad_row_and_exits_non_zero(messy, capsys):
+    assert main(["data", "check", str(messy)]) == 1
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("BAD ")]
+    assert len(lines) == 4
+    assert lines[0].startswith("BAD messy.jsonl line 2 (id 'no-file'), field 'images[0]': image file not found:")
+    assert lines[1].startswith("BAD messy.jsonl line 3 (id 'count'), field 'prompt': the prompt has 2 <image> "
+                               "placeholder(s) but the sample has 1 image(s)")
+    assert lines[2].startswith("BAD messy.jsonl line 4 (id 'empty'), field 'prompt': the prompt is empty")
+    assert lines[3].startswith("BAD messy.jsonl line 5 (id 'no-answer'), field 'answer': no reference answer")
+    assert f"{messy} (native layout): 5 rows, 1 good, 4 bad" in out
+    assert "images per row: 0: 2 rows, 1: 3 rows" in out
+    # --allow-missing-answer drops exactly the answer complaint
+    assert main(["data", "check", str(messy), "--allow-missing-answer"]) == 1
+    assert "no reference answer" not in capsys.readouterr().out
+
+
+def test_check_summary_of_a_clean_file(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "clean.jsonl", [{"prompt": "a" * n, "answer": "x", "label": "t"}
+                                                  for n in (4, 8, 12)])
+    assert main(["data", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "3 rows, 3 good, 0 bad" in out and "labels: t: 3" in out
+    # numpy's linear percentiles of [4, 8, 12]: p50 = 8, p90 = 8 + 0.8 * 4 = 11.2, p99 = 8 + 0.98 * 4 = 11.92
+    assert "prompt length (characters; pass --model for tokens): min 4, p50 8, p90 11, p99 11, max 12" in out
+
+
+def test_check_with_a_model_counts_tokens_and_flags_long_prompts(tmp_path, tiny_vlm_dir, tiny_processor, capsys):
+    write_png(tmp_path / "ok.png", noise_image(56, 56))
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "<image>What color is the shape?", "images": ["ok.png"], "answer": "red"},
+        {"prompt": "<image>What color is the shape? " + "Think. " * 20, "images": ["ok.png"], "answer": "red"},
+    ])
+    processor = tiny_processor("qwen2_vl")
+    lengths = []
+    for text in ("What color is the shape?", "What color is the shape? " + "Think. " * 20):
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        rendered = processor.apply_chat_template([chat], tokenize=False, add_generation_prompt=True)
+        lengths.append(len(processor(text=rendered, images=[noise_image(56, 56)])["input_ids"][0]))
+    limit = lengths[0]
+    code = main(["data", "check", str(path), "--model", str(tiny_vlm_dir("qwen2_vl")),
+                 "--max-prompt-length", str(limit)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert (f"BAD d.jsonl line 2 (id 'd-1'), field 'prompt': the prompt is {lengths[1]} tokens (4 of them vision "
+            f"tokens), over data.max_prompt_length={limit}") in out
+    assert f"prompt length (tokens incl. vision tokens): min {lengths[0]}," in out and f"max {lengths[1]} " \
+           f"(limit {limit})" in out
+
+
+def test_convert_easyr1_parquet_to_native_and_back(tmp_path, capsys):
+    import io
+
+    import datasets
+
+    buffers = []
+    for seed in (1, 2):
+        buffer = io.BytesIO()
+        noise_image(28, 28, seed=seed).save(buffer, format="PNG")
+        buffers.append(buffer.getvalue())
+    ds = datasets.Dataset.from_list([
+        {"problem": "<image>Find x.", "answer": "3", "images": [{"bytes": buffers[0], "path": None}], "level": 1},
+        {"problem": "<image>Find y.", "answer": "4", "images": [{"bytes": buffers[1], "path": None}], "level": 2},
+    ]).cast_column("images", datasets.List(datasets.Image()))
+    ds.to_parquet(str(tmp_path / "geo.parquet"))
+    target = tmp_path / "out" / "geo.jsonl"
+    assert main(["data", "convert", str(tmp_path / "geo.parquet"), str(target)]) == 0
+    out = capsys.readouterr().out
+    assert "(easyr1 layout)" in out and "2 rows, 2 media files, 0 rows skipped" in out
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert rows[0]["images"] == ["geo_media/000000_image0.png"] and rows[0]["prompt"] == "<image>Find x."
+    assert rows[1]["answer"] == "4" and rows[1]["level"] == 2 and rows[1]["id"] == "geo-1"
+    assert (target.parent / rows[1]["images"][0]).read_bytes() == buffers[1]  # bytes kept, not re-encoded
+    back = read_samples(target)
+    assert back[0].answer == "3" and back[0].extra == {"level": 1}
+    assert main(["data", "check", str(target)]) == 0
+
+
+def test_convert_skips_or_fails_on_bad_rows(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "src.jsonl", [{"prompt": "<image>x", "images": ["missing.png"], "answer": "1"},
+                                              {"prompt": "y", "answer": "2"}])
+    assert main(["data", "convert", str(src), str(tmp_path / "o.jsonl")]) == 2
+    assert "src.jsonl line 1 (id 'src-0'), field 'images[0]': image file not found" in capsys.readouterr().err
+    assert main(["data", "convert", str(src), str(tmp_path / "o.jsonl"), "--skip-bad"]) == 0
+    assert "1 rows, 0 media files, 1 rows skipped" in capsys.readouterr().out
+
+
+def test_synth_writes_the_shapes_task(tmp_path, capsys):
+    assert main(["data", "synth", str(tmp_path), "--tasks", "color,count", "--train-size", "4", "--test-size", "2",
+                 "--image-size", "56"]) == 0
+    assert "wrote 4 train and 2 test samples (color, count)" in capsys.readouterr().out
+    train = read_samples(tmp_path / "train.jsonl")
+    assert [s.label for s in train] == ["color", "count", "color", "count"]
+    assert np.asarray(Image.open(train[0].images[0])).shape == (56, 56, 3)

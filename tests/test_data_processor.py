@@ -1,0 +1,304 @@
+"""PromptEncoder with real tiny Qwen-VL processors: one processor call per batch, per-sample results
+bitwise identical to processing each sample alone, and every bad-sample case named in its error."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from _data_helpers import noise_image, write_mp4, write_png, write_png_bomb
+from vlrft.config import DataConfig
+from vlrft.data import BadSampleError, PromptBatch, PromptEncoder, Sample, left_pad
+from vlrft.errors import UserError
+
+ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+CFG = DataConfig(max_prompt_length=256, video_fps=2.0)
+
+
+def user(*parts):
+    """A one-turn chat written out by hand, as the processor alone receives it."""
+    return [{"role": "user", "content": [{"type": p[0], **({"text": p[1]} if p[0] == "text" else {})} for p in parts]}]
+
+
+def process_alone(processor, messages, images=(), frames=None, metadata=None):
+    """The reference: the plain transformers processor run on ONE prompt."""
+    text = processor.apply_chat_template([messages], tokenize=False, add_generation_prompt=True)
+    kwargs = {}
+    if frames is not None:
+        kwargs = dict(videos=[frames], video_metadata=[metadata], do_sample_frames=False)
+    return processor(text=text, images=list(images) or None, return_tensors="pt", **kwargs)
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    """Text-only, 1-image, 3-image and video samples, media as files; images already on the 28/32 grid."""
+    size = 64  # multiple of 32 (qwen3_vl) but not of 28: qwen2 processors see it fitted to 56x56
+    one = noise_image(size, size, seed=1)
+    three = [noise_image(size, size, seed=2), noise_image(2 * size, size, seed=3), noise_image(size, 2 * size, seed=4)]
+    frames = [noise_image(size, size, seed=10 + i) for i in range(4)]
+    paths = lambda ims, stem: [str(write_png(tmp_path / f"{stem}{i}.png", im)) for i, im in enumerate(ims)]  # noqa
+    samples = [
+        Sample("text", "Describe a red circle."),
+        Sample("one", "<image>What color is the shape?", images=paths([one], "one")),
+        Sample("three", "Compare <image> with <image> and <image>.", images=paths(three, "three")),
+        Sample("video", "<video>What happens?", videos=[paths(frames, "frame")]),
+    ]
+    messages = [
+        user(("text", "Describe a red circle.")),
+        user(("image",), ("text", "What color is the shape?")),
+        user(("text", "Compare "), ("image",), ("text", " with "), ("image",), ("text", " and "), ("image",),
+             ("text", ".")),
+        user(("video",), ("text", "What happens?")),
+    ]
+    return samples, messages, [[], [one], three, frames]
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_mixed_batch_matches_processing_each_sample_alone(arch, tiny_processor, mixed):
+    from transformers.video_utils import VideoMetadata
+
+    processor = tiny_processor(arch)
+    samples, messages, originals = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples).batch
+    assert [s.id for s in batch.samples] == ["text", "one", "three", "video"]
+    assert batch.visual.images_per_sample == (0, 1, 3, 0) and batch.visual.videos_per_sample == (0, 0, 0, 1)
+    # What the processor saw: the originals fitted to the patch grid (hand-computed smart_resize). On the
+    # 28-grid 64 -> round(64/28)*28 = 56 and 128 -> round(128/28)*28 = 140; 64 and 128 are already on the 32-grid.
+    qwen2 = arch != "qwen3_vl"
+    expected_sizes = ([(56, 56)], [(56, 56), (56, 140), (140, 56)]) if qwen2 else \
+        ([(64, 64)], [(64, 64), (64, 128), (128, 64)])
+    assert [im.size for im in batch.images[1]] == expected_sizes[0]
+    assert [im.size for im in batch.images[2]] == expected_sizes[1]
+    frame_side = 56 if qwen2 else 64
+    for i in range(4):
+        if i < 3:
+            alone = process_alone(processor, messages[i], batch.images[i])
+        else:
+            frames = np.stack([np.asarray(f.resize((frame_side, frame_side), Image.Resampling.BICUBIC))
+                               for f in originals[3]])
+            assert np.array_equal(batch.videos[3][0].frames, frames)
+            metadata = VideoMetadata(total_num_frames=4, fps=2.0, frames_indices=[0, 1, 2, 3])
+            alone = process_alone(processor, messages[3], frames=frames, metadata=metadata)
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist(), f"ids of sample {i}"
+        one = batch.visual.select([i]).model_inputs()
+        expected = {k: v for k, v in alone.items() if k in ("pixel_values", "image_grid_thw", "pixel_values_videos",
+                                                            "video_grid_thw", "second_per_grid_ts")}
+        assert sorted(k for k in one if one[k].shape[0]) == sorted(expected), f"keys of sample {i}"
+        for key, value in expected.items():
+            assert torch.equal(one[key], torch.as_tensor(value, dtype=one[key].dtype)), f"{key} of sample {i}"
+    if arch == "qwen2_5_vl":
+        # 4 frames labelled as sampled at 2 fps: a temporal patch of 2 frames lasts 2 / 2 = 1.0 s
+        assert batch.visual.extra["second_per_grid_ts"].tolist() == [1.0]
+    batch.visual.check(batch.prompt_ids, processor.image_token_id, processor.video_token_id)
+
+
+def test_token_counts_follow_the_grid(tiny_processor, mixed):
+    processor = tiny_processor("qwen2_vl")
+    samples, _, _ = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples).batch
+    # 56x56 image = 4x4 patches of 14 = 16 rows -> 16 / 2**2 = 4 tokens. The 3-image sample: 56x56 (4 tokens),
+    # 56 wide x 140 high = 4x10 patches = 40 rows (10 tokens) and 140x56 (10 tokens) = 24 tokens.
+    # Video: 4 frames / temporal patch 2 = 2 x 4 x 4 = 32 rows -> 8 tokens.
+    assert batch.visual.image_tokens_per_sample() == [0, 4, 24, 0]
+    assert batch.visual.video_tokens_per_sample() == [0, 0, 0, 8]
+    assert [ids.count(processor.image_token_id) for ids in batch.prompt_ids] == [0, 4, 24, 0]
+    assert [ids.count(processor.video_token_id) for ids in batch.prompt_ids] == [0, 0, 0, 8]
+    assert batch.visual.pixel_values.shape[0] == 16 + 16 + 40 + 40
+    assert batch.visual.pixel_values_videos.shape[0] == 32
+    assert batch.visual.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 10, 4], [1, 4, 10]]
+
+
+class CountingProcessor:
+    """A real processor that counts how often it is called."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_each_prompt_is_processed_once_and_groups_share_it(tiny_processor, mixed):
+    processor = CountingProcessor(tiny_processor("qwen2_vl"))
+    samples, _, _ = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples).batch
+    assert processor.calls == 1
+    group = batch.select([1] * 8)  # 8 completions of prompt 1: ids and pixels shared by index
+    assert processor.calls == 1
+    assert group.prompt_ids == [batch.prompt_ids[1]] * 8
+    assert torch.equal(group.visual.pixel_values, batch.visual.pixel_values[:16].repeat(8, 1))
+    assert len(batch) == 4 and len(group) == 8
+
+
+def test_video_file_end_to_end(tiny_processor, tmp_path):
+    path = write_mp4(tmp_path / "clip.mp4", num_frames=16, fps=8, size=56)
+    encoder = PromptEncoder(tiny_processor("qwen2_5_vl"), CFG)
+    batch = encoder.encode([Sample("v", "<video>What changes?", videos=[str(path)])]).batch
+    video = batch.videos[0][0]
+    assert video.metadata.frames_indices == [0, 5, 10, 15]  # 2 s at 2 fps = 4 frames
+    assert batch.visual.video_grid_thw.tolist() == [[2, 4, 4]]  # 4 frames / 2, 56 / 14, 56 / 14
+    assert batch.visual.video_tokens_per_sample() == [8]
+    # sampled fps = 4 of 16 frames at 8 fps = 2 fps; a 2-frame temporal patch lasts 1.0 s
+    assert batch.visual.extra["second_per_grid_ts"].tolist() == [1.0]
+
+
+def test_system_prompt_suffix_and_messages(tiny_processor, tmp_path):
+    cfg = dataclasses.replace(CFG, system_prompt="Be brief.", prompt_suffix=" Answer with one word.")
+    image = str(write_png(tmp_path / "a.png", noise_image(56, 56)))
+    chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Color?"}]}]
+    from vlrft.data.presets import native
+
+    sample = native({"prompt": chat, "answer": "red"}, "memory row 0", "m0")
+    assert sample.images == [image] and sample.prompt[0]["content"][0] == {"type": "image"}
+    batch = PromptEncoder(tiny_processor("qwen2_vl"), cfg).encode([sample]).batch
+    text = batch.prompt_texts[0]
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<|vision_start|>")
+    assert text.endswith("Color? Answer with one word.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert ids.dtype == torch.long and mask.dtype == torch.long
+
+
+def test_prompt_batch_concat_and_select(tiny_processor, mixed):
+    samples, _, _ = mixed
+    encoder = PromptEncoder(tiny_processor("qwen2_vl"), CFG)
+    whole = encoder.encode(samples).batch
+    joined = PromptBatch.concat([encoder.encode(samples[:2]).batch, encoder.encode(samples[2:]).batch])
+    assert joined.prompt_ids == whole.prompt_ids
+    for key, value in whole.visual.model_inputs().items():
+        assert torch.equal(joined.visual.model_inputs()[key], value), key
+    picked = whole.select([3, 1])
+    assert [s.id for s in picked.samples] == ["video", "one"] and picked.prompt_ids[1] == whole.prompt_ids[1]
+
+
+# ---------------------------------------------------------------------------------------------- bad samples
+
+
+def _encode_one(processor, sample, **cfg):
+    return PromptEncoder(processor, dataclasses.replace(CFG, **cfg)).encode([sample])
+
+
+def test_over_long_prompt_is_an_error_naming_sample_and_tokens(tiny_processor, tmp_path):
+    processor = tiny_processor("qwen2_vl")
+    image = str(write_png(tmp_path / "a.png", noise_image(56, 56)))
+    sample = Sample("long", "<image>What color is the shape?", images=[image], source="train.jsonl line 7")
+    length = len(process_alone(processor, user(("image",), ("text", "What color is the shape?")),
+                               [noise_image(56, 56)])["input_ids"][0])
+    assert len(_encode_one(processor, sample, max_prompt_length=length).batch.prompt_ids[0]) == length
+    with pytest.raises(BadSampleError, match=rf"train\.jsonl line 7 \(id 'long'\), field 'prompt': the prompt is "
+                                             rf"{length} tokens \(4 of them vision tokens\), over "
+                                             rf"data\.max_prompt_length={length - 1}; prompts are never truncated"):
+        _encode_one(processor, sample, max_prompt_length=length - 1)
+
+
+def test_skip_mode_counts_bad_samples_and_keeps_the_rest_aligned(tiny_processor, tmp_path, mixed):
+    processor = tiny_processor("qwen2_vl")
+    samples, _, _ = mixed
+    bad = [
+        Sample("missing", "<image>Color?", images=[str(tmp_path / "missing.png")], source="d.jsonl line 2"),
+        Sample("placeholders", "<image><image>Color?", images=samples[1].images, source="d.jsonl line 3"),
+        Sample("long", "word " * 300, source="d.jsonl line 4"),
+    ]
+    result = PromptEncoder(processor, dataclasses.replace(CFG, on_bad_sample="skip")).encode(
+        [bad[0], samples[1], bad[1], samples[2], bad[2]])
+    assert [s.id for s in result.batch.samples] == ["one", "three"]
+    assert [(s.sample.id, s.field) for s in result.skipped] == [("missing", "images[0]"), ("placeholders", "prompt"),
+                                                                ("long", "prompt")]
+    assert "over data.max_prompt_length=256" in result.skipped[2].reason
+    alone = PromptEncoder(processor, CFG).encode([samples[1], samples[2]]).batch
+    assert result.batch.prompt_ids == alone.prompt_ids
+    assert torch.equal(result.batch.visual.pixel_values, alone.visual.pixel_values)
+    assert result.batch.visual.images_per_sample == (1, 3)
+
+
+def test_all_samples_skipped_gives_an_empty_batch(tiny_processor):
+    result = _encode_one(tiny_processor("qwen2_vl"), Sample("e", "   "), on_bad_sample="skip")
+    assert len(result.batch) == 0 and result.batch.visual.num_samples == 0 and len(result.skipped) == 1
+
+
+@pytest.mark.parametrize("make, field, message", [
+    (lambda d: Sample("s", "<image>Color?", images=[str(d / "nope.png")]), "images[0]",
+     r"image file not found: '.*nope\.png'"),
+    (lambda d: Sample("s", "<image>Color?", images=[str(write_png_bomb(d / "bomb.png", 10000, 10000))]), "images[0]",
+     r"10000x10000 = 100000000 pixels, over the 89478485-pixel limit \(a decompression bomb"),
+    (lambda d: Sample("s", "<image>Color?", images=[Image.new("RGB", (1000, 4))]), "images[0]",
+     r"aspect ratio of 250:1 over the limit 200:1"),
+    (lambda d: Sample("s", "<image>Color?", images=[b"garbage"]), "images[0]", r"are not an image PIL can read"),
+    (lambda d: Sample("s", "<image>Color? <image>", images=[noise_image(56, 56)]), "prompt",
+     r"the prompt has 2 <image> placeholder\(s\) but the sample has 1 image\(s\)"),
+    (lambda d: Sample("s", "Color?", images=[noise_image(56, 56)]), "prompt",
+     r"the prompt has 0 <image> placeholder\(s\) but the sample has 1 image\(s\)"),
+    (lambda d: Sample("s", "<video>What?"), "prompt", r"the prompt has 1 <video> placeholder\(s\) but the sample "
+                                                      r"has 0 video\(s\)"),
+    (lambda d: Sample("s", " <image> ", images=[noise_image(56, 56)]), "prompt", r"the prompt is empty"),
+    (lambda d: Sample("s", "look <|image_pad|> here"), "prompt",
+     r"the text contains the reserved token\(s\) \['<\|image_pad\|>'\]"),
+    (lambda d: Sample("s", [{"role": "assistant", "content": "hi"}]), "prompt", r"the chat has no user message"),
+])
+def test_bad_sample_errors_name_sample_field_and_fix(tiny_processor, tmp_path, make, field, message):
+    sample = make(tmp_path)
+    sample.source = "data.jsonl line 3"
+    with pytest.raises(BadSampleError, match=rf"data\.jsonl line 3 \(id 's'\), field '{re_escape(field)}': .*{message}"):
+        _encode_one(tiny_processor("qwen2_vl"), sample)
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
+
+
+class FailsOnTextProcessor(CountingProcessor):
+    """Fault injection (no real input reaches this state past validation): a real processor that raises when a
+    prompt contains `trigger`, as a processor bug on one odd sample would."""
+
+    def __init__(self, inner, trigger):
+        super().__init__(inner)
+        self.trigger = trigger
+
+    def __call__(self, *args, text=(), **kwargs):
+        if any(self.trigger in t for t in text):
+            raise ValueError("boom on this prompt")
+        return super().__call__(*args, text=text, **kwargs)
+
+
+def test_a_processor_failure_is_pinned_on_its_sample(tiny_processor, mixed):
+    samples, _, _ = mixed
+    odd = Sample("odd", "Tell me about zebras.", source="d.jsonl line 9")
+    processor = FailsOnTextProcessor(tiny_processor("qwen2_vl"), "zebras")
+    with pytest.raises(BadSampleError, match=r"d\.jsonl line 9 \(id 'odd'\), field 'prompt': the processor failed "
+                                             r"on this sample: ValueError: boom on this prompt"):
+        PromptEncoder(processor, CFG).encode([samples[1], odd, samples[2]])
+    result = PromptEncoder(processor, dataclasses.replace(CFG, on_bad_sample="skip")).encode(
+        [samples[1], odd, samples[2]])
+    assert [s.id for s in result.batch.samples] == ["one", "three"] and [s.sample.id for s in result.skipped] == ["odd"]
+    assert result.batch.prompt_ids == PromptEncoder(tiny_processor("qwen2_vl"), CFG).encode(
+        [samples[1], samples[2]]).batch.prompt_ids
+
+
+def test_in_memory_sample_with_image_parts_is_canonicalised(tiny_processor):
+    image = noise_image(56, 56)
+    sample = Sample("m", [{"role": "user", "content": [{"type": "image", "image": image},
+                                                       {"type": "text", "text": "Color?"}]}])
+    assert sample.images == [image] and sample.prompt[0]["content"][0] == {"type": "image"}
+    assert PromptEncoder(tiny_processor("qwen2_vl"), CFG).encode([sample]).batch.visual.images_per_sample == (1,)
+
+
+def test_processor_without_chat_template_is_refused(tiny_processor):
+    import copy
+
+    processor = copy.deepcopy(tiny_processor("qwen2_vl"))
+    processor.chat_template = None
+    processor.tokenizer.chat_template = None
+    with pytest.raises(UserError, match="the model's processor has no chat template"):
+        PromptEncoder(processor, CFG)
