@@ -75,7 +75,7 @@ def build_shapes_demo(out_dir: Path) -> Path:
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56,
+                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=1024,
                     seed=0)
     build_tiny_vlm(out_dir, spec)
     warmup_dir = out_dir / "warmup_data"

@@ -100,7 +100,8 @@ def _train_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS_WORDS] * 20, trainer)
+    # The words once more one per line (no leading space), so short answers like "red" are single tokens.
+    tok.train_from_iterator([_CORPUS_WORDS] * 20 + ["\n".join(_CORPUS_WORDS.split())] * 20, trainer)
     return tok.to_str()
 
 
