@@ -9,6 +9,7 @@ repetition penalty), recorded step by step without keeping every step's full-voc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -130,6 +131,13 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        if sampling.greedy and sampling.n > 1:  # every greedy sample is the same: decode once, repeat
+            one = self.generate(batch, dataclasses.replace(sampling, n=1))
+            rows = [r for r in range(len(one)) for _ in range(sampling.n)]
+            return Rollouts(n=sampling.n, completion_ids=[one.completion_ids[r] for r in rows],
+                            finish_reasons=[one.finish_reasons[r] for r in rows],
+                            logprobs=None if one.logprobs is None else [one.logprobs[r] for r in rows],
+                            texts=[one.texts[r] for r in rows])
         from transformers import LogitsProcessorList
 
         from vlrft.vision import mm_token_type_ids

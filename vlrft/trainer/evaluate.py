@@ -11,17 +11,20 @@ from __future__ import annotations
 import torch
 
 from vlrft.algo import Stats
+from vlrft.errors import UserError
 from vlrft.rollout.base import SamplingParams
 from vlrft.trainer.collect import score
 
 
-def accuracy_reward_name(cfg) -> str:
+def accuracy_reward_key(cfg, reward_set) -> str:
+    """The reward key that decides correctness: `train.eval_accuracy_reward` or the first configured function."""
+    keys = list(reward_set.keys)
     if cfg.train.eval_accuracy_reward:
+        if cfg.train.eval_accuracy_reward not in keys:
+            raise UserError(f"config: train.eval_accuracy_reward={cfg.train.eval_accuracy_reward!r} is not a configured "
+                            f"reward; expected one of {', '.join(keys)}")
         return cfg.train.eval_accuracy_reward
-    functions = cfg.reward.functions or [f for recipe in cfg.reward.recipes.values() for f in recipe]
-    if not functions:
-        return ""
-    return functions[0].name
+    return keys[0] if keys else ""
 
 
 def evaluate(trainer, step: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.hf import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer.collect import Collected, collect
-from vlrft.trainer.evaluate import accuracy_reward_name, evaluate
+from vlrft.trainer.evaluate import accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Experience, make_experience
 from vlrft.trainer.update import update
 
@@ -77,7 +77,7 @@ class Trainer:
         self.sampler = PromptSampler(len(self.train_samples), cfg.prompts_per_step, cfg.train.seed,
                                      cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
-        self.accuracy_key = accuracy_reward_name(cfg)
+        self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.engine = make_engine(cfg, self)

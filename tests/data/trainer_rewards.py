@@ -1,0 +1,24 @@
+"""Reward functions for trainer tests, loaded as 'tests/data/trainer_rewards.py:NAME'."""
+
+import zlib
+
+
+def token_parity(completions, completion_ids, **kwargs):
+    """1 when the completion's first token id is even: varies within a group, deterministic given the ids."""
+    return [float(ids[0] % 2 == 0) if ids else 0.0 for ids in completion_ids]
+
+
+def constant_unless_yellow(completions, references, completion_ids, **kwargs):
+    """Every prompt but the yellow ones always scores 1 (zero-variance groups); yellow ones score by token parity."""
+    return [float(ids[0] % 2 == 0) if ref == "yellow" and ids else 1.0
+            for ref, ids in zip(references, completion_ids)]
+
+
+def text_hash(completions, **kwargs):
+    """A deterministic pseudo-random score in [0, 1) from the completion text."""
+    return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+
+
+def broken(completions, **kwargs):
+    """Always raises, like a reward with a bug."""
+    raise RuntimeError("grader crashed")

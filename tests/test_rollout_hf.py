@@ -1,0 +1,106 @@
+"""The transformers rollout engine: groups, finish reasons, logprobs that match the trainer's, stop handling."""
+
+import pytest
+import torch
+
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.models.actor import ActorVL
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, cut_at_stop
+from vlrft.rollout.hf import HFEngine, TokenSpec
+from vlrft.trainer.sequences import build_sequences
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir("qwen2_vl")
+    processor = load_processor(folder)
+    model = load_policy(folder).eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    root = tmp_path_factory.mktemp("imgs")
+    for name, color in (("red", (220, 30, 30)), ("blue", (30, 70, 220))):
+        Image.new("RGB", (56, 56), color).save(root / f"{name}.png")
+    samples = [
+        Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")], answer="red"),
+        Sample(id="b", prompt="Say something.", answer="x"),
+        Sample(id="c", prompt="<image><image>Which is blue?", images=[str(root / "red.png"), str(root / "blue.png")],
+               answer="second"),
+    ]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=3136)).encode(samples).batch
+    return processor, model, tokens, batch
+
+
+def test_cut_at_stop_keeps_the_stop_token_and_names_the_reason():
+    assert cut_at_stop([5, 6, 2, 0, 0], {2, 0}, 5) == ([5, 6, 2], FINISH_STOP)
+    assert cut_at_stop([5, 6, 7], {2}, 3) == ([5, 6, 7], FINISH_LENGTH)
+    # a trailing token that happens to equal EOS at max length is still a stop, not a truncation
+    assert cut_at_stop([5, 6, 2], {2}, 3) == ([5, 6, 2], FINISH_STOP)
+
+
+def test_groups_are_contiguous_and_logprobs_match_the_trainer(setup):
+    processor, model, tokens, batch = setup
+    engine = HFEngine(lambda: model, processor, tokens)
+    torch.manual_seed(0)
+    out = engine.generate(batch, SamplingParams(n=3, max_new_tokens=6, temperature=1.0))
+    assert isinstance(out, Rollouts) and len(out) == 9 and out.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(len(lp) == len(ids) for lp, ids in zip(out.logprobs, out.completion_ids))
+    for ids, reason in zip(out.completion_ids, out.finish_reasons):
+        stops = [i for i, t in enumerate(ids) if t in tokens.eos_ids]
+        assert (reason == FINISH_STOP) == bool(stops)
+        if stops:  # cut right after the first stop token
+            assert stops == [len(ids) - 1]
+        else:
+            assert len(ids) == 6
+        assert not set(ids) & set(tokens.suppressed_ids)  # never a vision placeholder
+    assert out.texts == processor.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
+    with torch.no_grad():
+        trainer_lp = actor.logprobs(seqs).logprobs
+    for r, lp in enumerate(out.logprobs):
+        assert torch.allclose(trainer_lp[r, :len(lp)], torch.tensor(lp), atol=1e-4), r
+
+
+def test_greedy_is_deterministic_and_identical_across_the_group(setup):
+    processor, model, tokens, batch = setup
+    engine = HFEngine(lambda: model, processor, tokens)
+    a = engine.generate(batch, SamplingParams(n=2, max_new_tokens=5, temperature=0.0))
+    b = engine.generate(batch, SamplingParams(n=2, max_new_tokens=5, temperature=0.0))
+    assert a.completion_ids == b.completion_ids
+    assert a.completion_ids[0] == a.completion_ids[1] and a.completion_ids[4] == a.completion_ids[5]
+
+
+def test_batched_generation_equals_one_prompt_at_a_time(setup):
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)
+    together = HFEngine(lambda: model, processor, tokens, max_batch_prompts=8).generate(batch, sampling)
+    alone = HFEngine(lambda: model, processor, tokens, max_batch_prompts=1).generate(batch, sampling)
+    assert together.completion_ids == alone.completion_ids
+
+
+def test_stop_string_cuts_right_after_it(setup):
+    processor, model, tokens, batch = setup
+    engine = HFEngine(lambda: model, processor, tokens)
+    torch.manual_seed(1)
+    free = engine.generate(batch, SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
+    text = free.texts[0]
+    assert len(text) > 3
+    stop = text[1:3]  # a string the greedy completion is known to contain
+    cut = engine.generate(batch, SamplingParams(n=1, max_new_tokens=8, temperature=0.0, stop=(stop,)))
+    ids = cut.completion_ids[0]
+    assert cut.finish_reasons[0] == FINISH_STOP
+    # cut at the first token that completes the stop string: with it the text has the string, without it not
+    assert stop in processor.tokenizer.decode(ids) and stop not in processor.tokenizer.decode(ids[:-1])
+    assert free.completion_ids[0][:len(cut.completion_ids[0])] == cut.completion_ids[0]
+
+
+def test_engine_restores_training_mode(setup):
+    processor, model, tokens, batch = setup
+    model.train()
+    HFEngine(lambda: model, processor, tokens).generate(batch.select([1]), SamplingParams(n=1, max_new_tokens=2))
+    assert model.training
+    model.eval()

@@ -1,0 +1,191 @@
+"""End-to-end training on CPU: outputs a user reads, exact resume, and the defined outcome of each fault."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlrft.config import load_config
+from vlrft.errors import UserError
+from vlrft.logging import read_metrics
+from vlrft.trainer import Trainer
+
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=24, test_size=8))
+
+
+def config(tmp_path, model_dir, shapes, *overrides):
+    base = [
+        f"model.path={model_dir}", "model.dtype=float32",
+        f"data.train_files=[{shapes['train']}]", f"data.eval_files=[{shapes['test']}]",
+        "data.min_pixels=784", "data.max_pixels=3136",
+        "rollout.n=4", "rollout.batch_size=16", "rollout.max_new_tokens=5",
+        f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]",
+        f"train.output_dir={tmp_path / 'run'}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_size=8",
+        "train.eval_every=2", "train.eval_batch_size=8",
+        "logging.progress=false", "logging.completions_every=1", "logging.completions_rows=3",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def run(cfg):
+    trainer = Trainer(cfg)
+    history = trainer.fit()
+    return trainer, history
+
+
+REQUIRED = ("reward/mean", "completions/mean_length", "completions/clipped_ratio", "entropy", "clip_ratio/region",
+            "frac_reward_zero_std", "time/step", "time/generate", "time/train")
+
+
+def test_a_run_leaves_metrics_tensorboard_completions_checkpoints_and_config(tmp_path, tiny_vlm_dir, shapes):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from transformers import AutoModelForImageTextToText
+
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "logging.wandb_api_key=sk-TOPSECRET",
+                 "algorithm.kl_coef=0.05")
+    trainer, history = run(cfg)
+    out = tmp_path / "run"
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for key in REQUIRED + ("kl", "reward/text_hash/mean"):
+        assert key in metrics[1] and key in metrics[2], key
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[2] and "eval/reward/mean" in metrics[2]
+    assert 0 <= metrics[2]["completions/clipped_ratio"] <= 1
+    assert metrics[1]["completions/mean_length"] <= 5
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2]
+    table = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(table) == 6 and {"prompt", "completion", "rewards", "advantage", "image"} <= set(table[0])
+    assert (out / table[0]["image"]).is_file()
+
+    saved = (out / "config.yaml").read_text()
+    assert "TOPSECRET" not in saved and "kl_coef: 0.05" in saved
+    final = out / "checkpoints" / "step_2" / "model"
+    loaded = AutoModelForImageTextToText.from_pretrained(final)
+    trained = trainer.actor.model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+
+
+def _without_times(records):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+def test_resume_is_bitwise_exact(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    # Off-policy PPO epochs, an adaptive KL controller, running reward normalisation and a cosine schedule:
+    # every piece of state a resume must restore.
+    extra = ["train.total_steps=4", "train.save_every=2", "train.ppo_epochs=2", "train.mini_batch_size=8",
+             "train.lr_scheduler=cosine", "algorithm.kl_coef=0.1", "algorithm.kl_controller=adaptive",
+             "algorithm.normalize_rewards=true", "train.eval_temperature=1.0"]
+    straight = config(tmp_path / "a", tiny_vlm_dir("qwen2_vl"), shapes, *extra)
+    run(straight)
+
+    interrupted = config(tmp_path / "b", tiny_vlm_dir("qwen2_vl"), shapes, *extra)
+    original = Trainer.train_step
+
+    def stop_after_two(self):
+        if self.step_count == 2:
+            raise KeyboardInterrupt  # the user stops the run after the step-2 checkpoint
+        return original(self)
+
+    monkeypatch.setattr(Trainer, "train_step", stop_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run(interrupted)
+    monkeypatch.setattr(Trainer, "train_step", original)
+    resumed_cfg = config(tmp_path / "b", tiny_vlm_dir("qwen2_vl"), shapes, *extra, "train.resume=auto")
+    resumed, _ = run(resumed_cfg)
+    assert resumed.resume_from.name == "step_2"
+
+    a = load_file(tmp_path / "a" / "run" / "checkpoints" / "step_4" / "model" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "run" / "checkpoints" / "step_4" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _without_times(read_metrics(tmp_path / "a" / "run")) == _without_times(read_metrics(tmp_path / "b" / "run"))
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, tiny_vlm_dir, shapes, capsys):
+    from vlrft.algo.losses import POLICY_LOSSES, _clipped_surrogate, register_policy_loss
+
+    @register_policy_loss("nan_for_test")
+    def nan_loss(cfg, logprobs, old_logprobs, advantages, mask):
+        sur = _clipped_surrogate(torch.exp(logprobs - old_logprobs), advantages, 0.2, 0.2, None)
+        return type(sur)(per_token=sur.per_token * float("nan"), clipped_low=sur.clipped_low,
+                         clipped_high=sur.clipped_high)
+
+    try:
+        cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "algorithm.policy_loss=nan_for_test",
+                     "train.total_steps=1", "train.eval_every=0")
+        trainer = Trainer(cfg)
+        before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+        trainer.fit()
+        after = trainer.actor.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # nothing applied
+        assert read_metrics(tmp_path / "run")[-1]["optimizer/skipped_steps"] == 1.0
+        assert "optimizer step is skipped on every rank" in capsys.readouterr().out
+    finally:
+        POLICY_LOSSES.pop("nan_for_test")
+
+
+def test_a_failing_reward_names_the_function_or_counts_as_not_applicable(tmp_path, tiny_vlm_dir, shapes):
+    spec = f"reward.functions=[{{name: '{REWARDS}:broken'}}]"
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, spec, "train.total_steps=1", "train.eval_every=0")
+    with pytest.raises(UserError, match="broken.*grader crashed"):
+        run(cfg)
+    cfg = config(tmp_path / "b", tiny_vlm_dir("qwen2_vl"), shapes, spec, "reward.on_error=none",
+                 "train.total_steps=1", "train.eval_every=0", "train.eval_before_training=false")
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    history = trainer.fit()
+    assert history[-1]["reward/frac_not_applicable"] == 1.0
+    assert all(math.isfinite(v) for v in history[-1].values())  # no signal, and no NaN either
+    after = trainer.actor.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path, tiny_vlm_dir, shapes):
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes,
+                 f"reward.functions=[{{name: '{REWARDS}:constant_unless_yellow'}}]", "algorithm.dynamic_sampling=true",
+                 "algorithm.max_refill_rounds=3", "train.total_steps=2", "train.eval_every=0",
+                 "train.eval_before_training=false")
+    trainer, history = run(cfg)
+    for m in history:
+        # three prompts in four have zero variance, so more prompts were drawn, up to the refill budget ...
+        assert m["frac_reward_zero_std"] >= 0.5 and 2 <= m["rollout/rounds"] <= 4
+        # ... and when the budget ran out, zero-variance groups filled the batch (zero advantage, no 0/0)
+        assert m["dynamic_sampling/filled_zero_std"] == 0 or m["rollout/rounds"] == 4
+        assert math.isfinite(m["actor/pg_loss"])
+
+
+def test_over_long_prompts_are_skipped_and_counted_or_refused(tmp_path, tiny_vlm_dir, shapes):
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "data.max_prompt_length=10", "train.total_steps=1",
+                 "train.eval_every=0", "train.eval_before_training=false")
+    with pytest.raises(UserError, match=r"tokens.*data.max_prompt_length=10"):
+        run(cfg)
+    cfg = config(tmp_path / "b", tiny_vlm_dir("qwen2_vl"), shapes, "data.max_prompt_length=10",
+                 "data.on_bad_sample=skip", "train.total_steps=1", "train.eval_every=0",
+                 "train.eval_before_training=false")
+    with pytest.raises(UserError, match="could not collect 4 usable prompts .* skipped"):
+        run(cfg)
+
+
+def test_truncated_completions_are_flagged_and_can_be_masked(tmp_path, tiny_vlm_dir, shapes):
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "rollout.max_new_tokens=1", "algorithm.mask_truncated=true",
+                 "train.total_steps=1", "train.eval_every=0", "train.eval_before_training=false")
+    trainer = Trainer(cfg)
+    before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+    m = trainer.fit()[-1]
+    # a random model almost never stops on its first token: every completion hits the limit, is flagged ...
+    assert m["completions/max_length"] == 1.0 and m["completions/clipped_ratio"] == 1.0
+    # ... and, masked, trains nothing
+    after = trainer.actor.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
