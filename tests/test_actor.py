@@ -1,0 +1,98 @@
+"""ActorVL: completion-only logprobs, chunked LM head, vision features shared by a group's rows."""
+
+import pytest
+import torch
+
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.models.actor import ActorVL, freeze_vision
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.logprobs import token_logprobs
+from vlrft.rollout.hf import TokenSpec
+from vlrft.trainer.sequences import build_sequences
+
+
+def test_chunked_logprobs_equal_a_full_log_softmax():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    full = torch.log_softmax(head(hidden) / 0.7, dim=-1)
+    expected_lp = full.gather(1, targets[:, None]).squeeze(1)
+    expected_ent = -(full.exp() * full).sum(-1)
+    lp, ent = token_logprobs(hidden, head, targets, temperature=0.7, chunk_tokens=8)
+    assert torch.allclose(lp, expected_lp, atol=1e-6) and torch.allclose(ent, expected_ent, atol=1e-5)
+    (g_chunked,) = torch.autograd.grad(lp.sum(), hidden)
+    (g_full,) = torch.autograd.grad(expected_lp.sum(), hidden)
+    assert torch.allclose(g_chunked, g_full, atol=1e-6)
+
+
+def test_suppressed_tokens_get_zero_probability():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 6, bias=False)
+    hidden = torch.randn(4, 8)
+    targets = torch.tensor([0, 1, 2, 3])
+    lp, _ = token_logprobs(hidden, head, targets, suppressed_ids=(4, 5))
+    logits = head(hidden)
+    expected = torch.log_softmax(logits[:, :4], dim=-1).gather(1, targets[:, None]).squeeze(1)
+    assert torch.allclose(lp, expected, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def group_batch(tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir("qwen2_5_vl")
+    processor = load_processor(folder)
+    root = tmp_path_factory.mktemp("img")
+    Image.new("RGB", (56, 84), (200, 40, 40)).save(root / "a.png")
+    Image.new("RGB", (84, 56), (40, 40, 200)).save(root / "b.png")
+    samples = [Sample(id="two", prompt="<image><image>Same?", images=[str(root / "a.png"), str(root / "b.png")]),
+               Sample(id="text", prompt="Hello"),
+               Sample(id="one", prompt="<image>Color?", images=[str(root / "b.png")])]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
+    # a group of 3 completions per prompt, of different lengths
+    completions = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21], [22, 23], [24], [25, 26, 27], [28, 29]]
+    return folder, batch, completions
+
+
+def test_shared_vision_features_equal_repeated_pixels_in_values_and_gradients(group_batch):
+    folder, batch, completions = group_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    assert actor._vision.shared  # transformers >= 5 exposes mm_encoder_outputs on Qwen-VL
+    rows = [0, 1, 2, 3, 6, 7, 8]  # a micro-batch with partial groups and a text-only prompt
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id,
+                           rows)
+    assert seqs.visual.num_samples == 3 and seqs.row_prompt == (0, 0, 0, 1, 2, 2, 2)
+
+    def run(shared: bool):
+        actor._vision.shared = shared
+        model.zero_grad()
+        out = actor.logprobs(seqs)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shared_out, shared_grads = run(True)
+    repeated_out, repeated_grads = run(False)
+    assert torch.allclose(shared_out.logprobs, repeated_out.logprobs, atol=1e-5)
+    assert shared_grads.keys() == repeated_grads.keys()
+    assert any(name.startswith("model.visual") for name in shared_grads)  # the vision tower gets its gradient
+    for name in shared_grads:
+        assert torch.allclose(shared_grads[name], repeated_grads[name], atol=1e-4, rtol=1e-3), name
+    # padding positions carry nothing
+    assert torch.all(shared_out.logprobs[seqs.completion_mask == 0] == 0)
+
+
+def test_frozen_vision_tower_gets_no_gradient(group_batch):
+    folder, batch, completions = group_batch
+    model = load_policy(folder)
+    frozen = freeze_vision(model)
+    assert frozen == sum(p.numel() for p in model.model.visual.parameters())
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id)
+    actor.logprobs(seqs).logprobs.sum().backward()
+    assert all(p.grad is None for p in model.model.visual.parameters())
+    assert model.lm_head.weight.grad is not None
