@@ -28,6 +28,14 @@ One tokenization (DESIGN.md §2 rule 1), engine by engine:
 
 Qwen3-VL videos interleave timestamp text between frame groups; folding them needs the text, so the
 vLLM path refuses them (SGLang and the transformers engine take them).
+
+Sources read (main branches, 2025-2026):
+https://github.com/vllm-project/vllm/blob/main/vllm/multimodal/processing/processor.py
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen3_vl.py
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/multimodal/processors/base_processor.py
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/multimodal/processors/qwen_vl.py
+https://github.com/sgl-project/sglang/pull/23435 (M-RoPE grids of processor_output inputs)
 """
 
 from __future__ import annotations

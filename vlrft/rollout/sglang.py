@@ -12,9 +12,12 @@ Prompts: our ids verbatim and our processor's tensors as one `processor_output` 
 (see `vlrft.rollout.requests`): SGLang runs no processor and no tokenizer on them. Logprobs are the
 engine's `output_token_logprobs` (after temperature scaling, SGLang's default).
 
-Source read for this module (sgl-project/sglang, 2025-2026 main): python/sglang/srt/entrypoints/engine.py,
-python/sglang/srt/multimodal/processors/base_processor.py and qwen_vl.py,
-python/sglang/srt/sampling/sampling_params.py, docs "Query VLM with Offline Engine".
+Sources read (SGLang main 2025-2026):
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/entrypoints/engine.py (update_weights_from_tensor,
+release/resume_memory_occupation)
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/io_struct.py (batch image_data, [None])
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/sampling/sampling_params.py (top_k -1, logit_bias)
+SGLang docs, "Query VLM with Offline Engine" (processor_output inputs with input_ids)
 """
 
 from __future__ import annotations

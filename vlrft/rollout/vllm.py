@@ -15,9 +15,11 @@ result equals our ids). Logprobs: `logprobs_mode="processed_logprobs"` (vLLM >= 
 those of the distribution sampled from, after temperature / penalties / top-k / top-p / min-p, as
 the transformers engine records them. Vision placeholder tokens get a -inf logit bias.
 
-Source read for this module (vllm-project/vllm, 2025-2026 main and v0.10-v0.22 docs):
-vllm/multimodal/processing/processor.py, vllm/model_executor/models/qwen2_vl.py,
-vllm/model_executor/models/qwen3_vl.py, vllm/sampling_params.py, vllm/v1/sample/sampler.py.
+Sources read (vLLM main 2025-2026 and the v0.10-v0.22 API docs):
+https://github.com/vllm-project/vllm/blob/main/vllm/sampling_params.py (fields, top_k 0 = off, logit_bias)
+https://github.com/vllm-project/vllm/blob/main/vllm/v1/sample/sampler.py (logprobs_mode, -inf masking)
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py (hf_to_vllm_mapper)
+https://docs.vllm.ai/en/latest/features/sleep_mode/ (levels, wake_up tags)
 """
 
 from __future__ import annotations
