@@ -82,10 +82,12 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     # vLLM / SGLang only
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    sleep_between_steps: bool = True
-    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (vLLM) / static memory (SGLang)
+    tensor_parallel_size: int = 1  # ranks sharing one engine (within a node); must divide the number of processes
+    sleep_between_steps: bool = True  # release engine weights + KV cache while the trainer runs
+    max_model_len: int | None = None  # default: data.max_prompt_length + rollout.max_new_tokens
+    weight_sync_bucket_mb: int = 512  # weights are sent to the engine in buckets of about this size
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed verbatim to vllm.LLM / sglang.Engine
 
 
 @dataclass
@@ -231,6 +233,14 @@ class Config:
             _fail("data.video_fps", d.video_fps, "a number > 0 (frames sampled per second of video)")
         if d.max_aspect_ratio < 1:
             _fail("data.max_aspect_ratio", d.max_aspect_ratio, "a number >= 1")
+        if r.engine != "hf":
+            if not 0 < r.gpu_memory_utilization <= 1:
+                _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a fraction in (0, 1]")
+            _positive("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+            _positive("rollout.tensor_parallel_size", r.tensor_parallel_size)
+            if world % r.tensor_parallel_size:
+                _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
+                      f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
         if r.batch_size % r.n:
             _fail("rollout.batch_size", r.batch_size,
                   f"a multiple of rollout.n={r.n} (each prompt's group of {r.n} completions stays whole)")

@@ -1,0 +1,635 @@
+"""The vLLM / SGLang engines' pure parts, on CPU with real tiny models and processors: sampling-option
+mapping, requests built from our prompt ids (one tokenization), output parsing into Rollouts, weight
+naming / LoRA merging / bucketing, the sleep-wake-sync bookkeeping and the config checks.
+
+Objects named `Fake*` are stand-ins shaped like vLLM's `RequestOutput` / `CompletionOutput` / `Logprob`
+(documented fields only) and `RecordingBackend` records what a colocated engine asks of its backend;
+none of them runs a model. The real engines are exercised in tests/test_rollout_engines_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vlrft.config import Config, DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.errors import ConfigError, MissingDependencyError
+from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, Memory, RankLayout
+from vlrft.rollout.hf import TokenSpec
+from vlrft.rollout.outputs import (EngineError, EngineSample, PromptMismatchError, sglang_samples, to_rollouts,
+                                   vllm_samples)
+from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOutput, expand_vision_placeholders,
+                                    fold_vision_placeholders, placeholder_runs, sglang_requests, tokens_per_item,
+                                    vllm_requests)
+from vlrft.rollout.sglang import sglang_sampling_params
+from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
+from vlrft.rollout.weights import PolicyWeights
+
+ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+DATA = DataConfig(max_prompt_length=512, video_fps=2.0)
+
+
+def noise(height: int, width: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def tokens_of(processor, model_dir) -> TokenSpec:
+    from transformers import AutoConfig
+
+    return TokenSpec.from_model(processor, AutoConfig.from_pretrained(model_dir))
+
+
+@pytest.fixture
+def encoded(tiny_processor, tiny_vlm_dir):
+    """`encoded(arch, with_video=False)` -> (batch, tokens, processor): text-only, 1-image and 3-image prompts."""
+
+    def make(arch: str, with_video: bool = False):
+        processor = tiny_processor(arch)
+        samples = [
+            Sample("text", "Describe a red circle."),
+            Sample("one", "<image>What color is the shape?", images=[noise(64, 64, 1)]),
+            Sample("three", "Compare <image> with <image> and <image>.",
+                   images=[noise(64, 64, 2), noise(128, 64, 3), noise(64, 128, 4)]),
+        ]
+        if with_video:
+            samples.append(Sample("video", "<video>What happens?", videos=[[noise(64, 64, 10 + i) for i in range(4)]]))
+        batch = PromptEncoder(processor, DATA).encode(samples).batch
+        return batch, tokens_of(processor, tiny_vlm_dir(arch)), processor
+
+    return make
+
+
+# ---------------------------------------------------------------------------------------------- sampling options
+
+TOKENS = TokenSpec(pad_id=0, eos_ids=(2, 9), image_token_id=6, video_token_id=7, suppressed_ids=(6, 7, 3))
+SAMPLED = SamplingParams(n=4, max_new_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                         repetition_penalty=1.1, stop=("</answer>",), stop_token_ids=(9, 11))
+
+
+def test_vllm_sampling_options_map_every_field():
+    kwargs = vllm_sampling_kwargs(SAMPLED, TOKENS)
+    assert kwargs == dict(n=4, max_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+                          stop=["</answer>"], stop_token_ids=[2, 9, 11], ignore_eos=False, logprobs=0,
+                          detokenize=True, skip_special_tokens=True,
+                          logit_bias={6: -math.inf, 7: -math.inf, 3: -math.inf})
+
+
+def test_vllm_greedy_and_disabled_options():
+    kwargs = vllm_sampling_kwargs(SamplingParams(n=2, temperature=0.0, top_p=0.5, top_k=5, min_p=0.2), TOKENS,
+                                  logprobs=False)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"], kwargs["min_p"]) == (0.0, 1.0, 0, 0.0)
+    assert kwargs["logprobs"] is None and kwargs["stop"] is None
+    assert kwargs["detokenize"] is False  # no stop strings: we decode the ids ourselves
+    assert vllm_sampling_kwargs(SamplingParams(top_k=0), TOKENS)["top_k"] == 0  # 0 = off in both
+    no_suppression = TokenSpec(pad_id=0, eos_ids=(2,), image_token_id=6, video_token_id=7)
+    assert "logit_bias" not in vllm_sampling_kwargs(SamplingParams(), no_suppression)
+
+
+def test_sglang_sampling_options_map_every_field():
+    params = sglang_sampling_params(SAMPLED, TOKENS)
+    assert params == dict(n=4, max_new_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                          repetition_penalty=1.1, stop=["</answer>"], stop_token_ids=[2, 9, 11], ignore_eos=False,
+                          skip_special_tokens=True, logit_bias={"6": -math.inf, "7": -math.inf, "3": -math.inf})
+    greedy = sglang_sampling_params(SamplingParams(temperature=0.0, top_k=5), TOKENS)
+    assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, -1, 1.0)
+    assert sglang_sampling_params(SamplingParams(top_k=0), TOKENS)["top_k"] == -1  # SGLang's "off"
+
+
+def test_vllm_engine_kwargs_follow_the_config():
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = "/models/qwen", "bfloat16"
+    cfg.rollout.max_new_tokens, cfg.data.max_prompt_length = 256, 1024
+    cfg.rollout.tensor_parallel_size, cfg.rollout.gpu_memory_utilization = 2, 0.4
+    cfg.rollout.engine_kwargs = {"enforce_eager": True, "seed": 7}
+    kwargs = vllm_engine_kwargs(cfg, RankLayout(rank=3, world_size=4, tp_size=2), distributed=True,
+                                supported={"logprobs_mode"})
+    assert kwargs["model"] == "/models/qwen" and kwargs["dtype"] == "bfloat16"
+    assert kwargs["max_model_len"] == 1280  # prompt budget + completion budget
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["gpu_memory_utilization"] == 0.4
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["enforce_eager"] is True and kwargs["seed"] == 7  # engine_kwargs win
+    older = vllm_engine_kwargs(cfg, RankLayout(0, 1, 1), distributed=False, supported=set())
+    assert "logprobs_mode" not in older and "distributed_executor_backend" not in older
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def test_placeholder_runs_and_fold_expand_roundtrip():
+    ids = [1, 3, 6, 6, 6, 4, 5, 3, 6, 6, 4, 3, 7, 7, 4, 2]
+    assert placeholder_runs(ids, 6) == [3, 2] and placeholder_runs(ids, 7) == [2]
+    folded = fold_vision_placeholders(ids, 6, 7, [3, 2], [2], "s")
+    assert folded == [1, 3, 6, 4, 5, 3, 6, 4, 3, 7, 4, 2]
+    assert expand_vision_placeholders(folded, 6, 7, [3, 2], [2]) == ids
+
+
+def test_fold_refuses_runs_that_do_not_match_the_grids():
+    with pytest.raises(EngineInputError, match=r"s1: the prompt's image placeholder runs are \[3\] tokens long but "
+                                               r"its images need \[4\]"):
+        fold_vision_placeholders([3, 6, 6, 6, 4], 6, 7, [4], [], "s1")
+    with pytest.raises(EngineInputError, match="frame groups with timestamp text.*rollout.engine=sglang"):
+        fold_vision_placeholders([3, 7, 7, 4, 9, 3, 7, 7, 4], 6, 7, [], [4], "s2")
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_vllm_requests_carry_our_ids_folded_and_our_images(arch, encoded):
+    batch, tokens, _ = encoded(arch)
+    requests = vllm_requests(batch, tokens)
+    assert [r.prompt_ids for r in requests] == batch.prompt_ids
+    assert [r.name for r in requests] == ["<memory> (id 'text')", "<memory> (id 'one')", "<memory> (id 'three')"]
+    # Text-only: the ids as they are, no media.
+    assert requests[0].payload == {"prompt_token_ids": batch.prompt_ids[0]}
+    for i, request in enumerate(requests[1:], start=1):
+        visual = batch.visual.select([i])
+        counts = tokens_per_item(visual.image_grid_thw, visual.merge_size)
+        folded = request.payload["prompt_token_ids"]
+        assert folded.count(tokens.image_token_id) == len(batch.images[i])  # one placeholder per image
+        # What vLLM's prompt update does to the folded ids gives back exactly our prompt.
+        assert expand_vision_placeholders(folded, tokens.image_token_id, tokens.video_token_id, counts, []) == \
+            batch.prompt_ids[i]
+        # The very PIL images our processor saw (already fitted to the patch grid), in prompt order.
+        assert all(a is b for a, b in zip(request.payload["multi_modal_data"]["image"], batch.images[i], strict=True))
+
+
+def test_vllm_video_request_keeps_frames_and_their_sampling(encoded):
+    batch, tokens, _ = encoded("qwen2_5_vl", with_video=True)
+    request = vllm_requests(batch, tokens)[3]
+    frames, metadata = request.payload["multi_modal_data"]["video"][0]
+    assert frames is batch.videos[3][0].frames
+    assert metadata["frames_indices"] == [0, 1, 2, 3] and metadata["fps"] == 2.0
+    assert request.payload["mm_processor_kwargs"] == {"do_sample_frames": False}  # never re-sampled
+    visual = batch.visual.select([3])
+    assert expand_vision_placeholders(request.payload["prompt_token_ids"], tokens.image_token_id,
+                                      tokens.video_token_id, [], tokens_per_item(visual.video_grid_thw, 2)) == \
+        batch.prompt_ids[3]
+
+
+def test_vllm_refuses_qwen3_vl_video_naming_the_sample(encoded):
+    batch, tokens, _ = encoded("qwen3_vl", with_video=True)
+    with pytest.raises(EngineInputError, match=r"<memory> \(id 'video'\).*rollout.engine=sglang"):
+        vllm_requests(batch, tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_sglang_requests_are_our_ids_and_our_tensors(arch, encoded):
+    batch, _, _ = encoded(arch, with_video=arch != "qwen2_vl")
+    requests = sglang_requests(batch)
+    assert [r.payload["input_ids"] for r in requests] == batch.prompt_ids  # verbatim, expanded
+    assert requests[0].payload["image_data"] == [None]  # text-only: SGLang's "no media" entry
+    for i in range(1, len(batch)):
+        (item,) = requests[i].payload["image_data"]
+        assert isinstance(item, dict) and item["format"] == "processor_output"
+        expected = {k: v for k, v in batch.visual.select([i]).model_inputs().items() if v.shape[0]}
+        assert set(item) == {"format", *expected}
+        for key, value in expected.items():
+            assert torch.equal(item[key], value)
+            # its own storage: pickling it to the engine process must not drag the whole batch along
+            assert item[key].untyped_storage().nbytes() == value.numel() * value.element_size()
+        grid_key = "image_grid_thw" if batch.images[i] else "video_grid_thw"
+        assert torch.equal(getattr(item, grid_key), expected[grid_key])  # attribute access (SGLang M-RoPE path)
+    if arch == "qwen2_5_vl":
+        assert "second_per_grid_ts" in requests[3].payload["image_data"][0]  # video timing for M-RoPE
+
+
+def test_processor_output_pickles_as_itself():
+    import pickle
+
+    item = ProcessorOutput(format="processor_output", image_grid_thw=torch.tensor([[1, 2, 2]]))
+    back = pickle.loads(pickle.dumps(item))
+    assert type(back) is ProcessorOutput and torch.equal(back.image_grid_thw, item["image_grid_thw"])
+    with pytest.raises(AttributeError):
+        back.pixel_values
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class FakeLogprob:
+    """Stand-in for vllm.logprobs.Logprob."""
+
+    logprob: float
+
+
+@dataclass
+class FakeCompletionOutput:
+    """Stand-in for vllm.outputs.CompletionOutput (the fields vlrft reads)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, FakeLogprob]] | None = None
+
+
+@dataclass
+class FakeRequestOutput:
+    """Stand-in for vllm.outputs.RequestOutput (the fields vlrft reads)."""
+
+    prompt_token_ids: list[int] | None
+    outputs: list[FakeCompletionOutput] = field(default_factory=list)
+
+
+def completion(index, ids, reason, logprobs=None, extra=None):
+    steps = None
+    if logprobs is not None:
+        steps = [{tok: FakeLogprob(lp), **({99: FakeLogprob(-9.0)} if extra else {})} for tok, lp in zip(ids, logprobs)]
+    return FakeCompletionOutput(index, ids, reason, steps)
+
+
+def request(ids, name="p0"):
+    return PromptRequest({}, ids, name)
+
+
+def decode_with(processor):
+    return lambda ids: processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_vllm_outputs_become_rollouts(tiny_processor):
+    processor = tiny_processor("qwen2_vl")
+    eos = processor.tokenizer.eos_token_id
+    words = processor.tokenizer.encode(" red circle", add_special_tokens=False)
+    outputs = [FakeRequestOutput([5, 6, 7], [
+        completion(1, words + [eos], "stop", [-0.5] * len(words) + [-0.1], extra=True),  # returned out of order
+        completion(0, words * 3, "length", [-1.0] * len(words) * 3),
+    ])]
+    samples = vllm_samples(outputs, [request([5, 6, 7])], n=2)
+    rollouts = to_rollouts(samples, 2, {eos}, len(words) * 3, decode_with(processor), ["p0"])
+    assert rollouts.completion_ids == [words * 3, words + [eos]]  # by completion index
+    assert rollouts.finish_reasons == ["length", "stop"]
+    assert rollouts.logprobs == [[-1.0] * len(words) * 3, [-0.5] * len(words) + [-0.1]]  # the sampled token's
+    assert rollouts.texts == [" red circle" * 3, " red circle"]
+
+
+def test_completion_is_cut_after_the_first_stop_token():
+    samples = [EngineSample([4, 2, 8, 8], [-1.0, -2.0, -3.0, -4.0], "stop")]
+    rollouts = to_rollouts(samples, 1, {2}, 10, lambda ids: ["x"] * len(ids), ["p"])
+    assert rollouts.completion_ids == [[4, 2]] and rollouts.logprobs == [[-1.0, -2.0]]
+    assert rollouts.finish_reasons == ["stop"]
+
+
+def test_finish_reasons_without_a_stop_token():
+    stop_string = EngineSample([4, 5], None, "stop")  # a stop string ended it: a normal stop
+    model_length = EngineSample([4, 5], None, "length")  # max_model_len hit before max_new_tokens: truncated
+    rollouts = to_rollouts([stop_string, model_length], 1, {2}, 10, lambda ids: [""] * len(ids), ["a", "b"])
+    assert rollouts.finish_reasons == ["stop", "length"] and rollouts.logprobs is None
+
+
+def test_aborted_or_unfinished_requests_raise_naming_the_prompt():
+    for reason in ("abort", "None"):
+        with pytest.raises(EngineError, match=rf"q1, completion 1: the engine finished it with reason '{reason}'"):
+            to_rollouts([EngineSample([1], None, "stop"), EngineSample([1], None, reason)], 2, {2}, 5,
+                        lambda ids: [""] * len(ids), ["q1"])
+
+
+def test_vllm_prompt_must_equal_ours():
+    outputs = [FakeRequestOutput([5, 6, 6, 6, 7], [completion(0, [2], "stop")])]
+    with pytest.raises(PromptMismatchError, match=r"sample 3: the engine ran a prompt of 5 tokens but ours has 4; they "
+                                                  r"first differ at position 3 \(engine \[6, 7\], ours \[7\]\)"):
+        vllm_samples(outputs, [request([5, 6, 6, 7], "sample 3")], n=1)
+
+
+def test_vllm_output_count_and_logprob_checks():
+    with pytest.raises(EngineError, match="returned 1 completions, expected n=2"):
+        vllm_samples([FakeRequestOutput([1], [completion(0, [2], "stop")])], [request([1])], n=2)
+    with pytest.raises(EngineError, match="returned 0 outputs for 1 prompts"):
+        vllm_samples([], [request([1])], n=1)
+    missing = FakeCompletionOutput(0, [4], "stop", [{5: FakeLogprob(-1.0)}])
+    with pytest.raises(EngineError, match="lack the sampled token 4"):
+        vllm_samples([FakeRequestOutput([1], [missing])], [request([1])], n=1)
+
+
+def sglang_output(ids, logprobs, reason, prompt_tokens=3):
+    return {"text": "?", "output_ids": [0] + ids,  # `output_ids` is not trusted (prompt tokens leaked into it)
+            "meta_info": {"finish_reason": {"type": reason, "matched": 2}, "prompt_tokens": prompt_tokens,
+                          "completion_tokens": len(ids),
+                          "output_token_logprobs": [(lp, tok, None) for tok, lp in zip(ids, logprobs)]}}
+
+
+def test_sglang_outputs_are_prompt_major():
+    outputs = [sglang_output([4, 2], [-0.2, -0.3], "stop"), sglang_output([5, 5], [-1.0, -1.5], "length"),
+               sglang_output([6, 2], [-0.7, -0.1], "stop")]
+    samples = sglang_samples(outputs[:2] + outputs[2:] + [sglang_output([2], [-0.4], "stop")],
+                             [request([1, 2, 3], "a"), request([1, 2, 3], "b")], n=2)
+    assert [s.token_ids for s in samples] == [[4, 2], [5, 5], [6, 2], [2]]
+    assert samples[0].logprobs == [-0.2, -0.3] and [s.finish_reason for s in samples] == ["stop", "length", "stop",
+                                                                                          "stop"]
+
+
+def test_sglang_output_checks():
+    with pytest.raises(EngineError, match="returned 1 outputs for 1 prompts x n=2"):
+        sglang_samples([sglang_output([2], [-1.0], "stop")], [request([1, 2, 3])], n=2)
+    with pytest.raises(PromptMismatchError, match="p0: SGLang ran a prompt of 9 tokens but ours has 3"):
+        sglang_samples([sglang_output([2], [-1.0], "stop", prompt_tokens=9)], [request([1, 2, 3])], n=1)
+    samples = sglang_samples(sglang_output([2], [-1.0], "abort"), [request([1, 2, 3])], n=1)
+    with pytest.raises(EngineError, match="'abort'"):
+        to_rollouts(samples, 1, {2}, 4, lambda ids: [""] * len(ids), ["p0"])
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def checkpoint_keys(folder) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in Path(folder).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            keys |= set(handle.keys())
+    return keys
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_weights_are_sent_under_the_checkpoint_names(arch, tiny_vlm_dir):
+    from vlrft.models.loading import load_policy
+
+    folder = tiny_vlm_dir(arch)
+    model = load_policy(folder)
+    weights = PolicyWeights(model, torch.bfloat16)
+    assert sorted(weights.names) == sorted(checkpoint_keys(folder))  # what the engine loaded at start-up
+    sent = {name: t for bucket in weights.buckets(1 << 30, "cpu") for name, t in bucket}
+    # transformers 5 keeps the embedding under one name in memory; Qwen2/2.5-VL checkpoints use the older layout.
+    embedding = model.state_dict()["model.language_model.embed_tokens.weight"]
+    checkpoint_name = "model.language_model.embed_tokens.weight" if arch == "qwen3_vl" else "model.embed_tokens.weight"
+    assert sent[checkpoint_name].dtype == torch.bfloat16
+    assert torch.equal(sent[checkpoint_name], embedding.to(torch.bfloat16))
+
+
+def test_tied_embeddings_are_sent_once(tiny_vlm_dir):
+    from vlrft.models.loading import load_policy
+
+    folder = tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True)
+    model = load_policy(folder)
+    names = PolicyWeights(model, torch.float32).names
+    assert "lm_head.weight" not in names and len(names) == len(set(names))
+    assert sorted(names) == sorted(checkpoint_keys(folder))
+
+
+def test_buckets_are_bounded_and_cover_every_weight_once(tiny_vlm_dir):
+    from vlrft.models.loading import load_policy
+
+    model = load_policy(tiny_vlm_dir("qwen2_5_vl"))
+    weights = PolicyWeights(model, torch.bfloat16)
+    limit = 16 << 10
+    buckets = list(weights.buckets(limit, "cpu"))
+    assert len(buckets) > 1
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= limit or len(bucket) == 1  # only a tensor bigger than a bucket travels alone
+    assert [name for bucket in buckets for name, _ in bucket] == weights.names
+
+
+def test_lora_policy_is_sent_merged_without_touching_the_trained_model(tiny_vlm_dir):
+    from vlrft.models.actor import ActorVL, apply_lora
+    from vlrft.models.loading import load_policy
+
+    folder = tiny_vlm_dir("qwen2_vl")
+    peft_model = apply_lora(load_policy(folder), rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(0)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:  # LoRA starts at B = 0; give the adapters a real delta
+            param.data.normal_(0, 0.5)
+    actor = ActorVL(peft_model, image_token_id=6, video_token_id=7)
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
+    reference = copy.deepcopy(peft_model).merge_and_unload()  # PEFT's own merge, on a copy
+    reference_sent = {name: t for b in PolicyWeights(reference, torch.float32).buckets(1 << 30, "cpu") for name, t in b}
+
+    weights = PolicyWeights(actor, torch.float32)
+    sent = {name: t for bucket in weights.buckets(1 << 30, "cpu") for name, t in bucket}
+    assert sorted(sent) == sorted(checkpoint_keys(folder))  # no lora_A/lora_B/base_layer names
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(sent[q_proj], before["base_model.model.model.language_model.layers.0.self_attn.q_proj."
+                                                "base_layer.weight"])  # the delta is really there
+    for name, tensor in reference_sent.items():
+        torch.testing.assert_close(sent[name], tensor, rtol=1e-6, atol=1e-6)
+    after = peft_model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing merged into the trained model
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle
+
+
+class RecordingBackend:
+    """Stand-in backend that records what the colocated engine asks of it and returns canned samples."""
+
+    def __init__(self, samples=None):
+        self.calls: list[str] = []
+        self.loaded: list[str] = []
+        self.samples = samples or []
+
+    def run(self, requests, sampling):
+        self.calls.append(f"run:{len(requests)}")
+        return self.samples
+
+    def release(self):
+        self.calls.append("release")
+
+    def resume_weights(self):
+        self.calls.append("resume_weights")
+
+    def resume_cache(self):
+        self.calls.append("resume_cache")
+
+    def load(self, bucket):
+        self.calls.append("load")
+        self.loaded += [name for name, _ in bucket]
+
+    def weights_loaded(self):
+        self.calls.append("weights_loaded")
+
+
+@pytest.fixture
+def engine_parts(tiny_vlm_dir, tiny_processor):
+    from vlrft.models.loading import load_policy
+
+    model = load_policy(tiny_vlm_dir("qwen2_vl"))
+    processor = tiny_processor("qwen2_vl")
+    return model, processor
+
+
+def make_engine(model, processor, backend, sleep=True, requests=None):
+    layout = RankLayout(0, 1, 1)
+    return ColocatedEngine(backend, requests or (lambda batch: [request([1, 2, 3], "p0")]), layout, GroupComm(layout),
+                           lambda: model, processor.tokenizer, tokens_of_model(processor, model),
+                           EngineOptions(torch.float32, "cpu", sleep_between_steps=sleep, bucket_bytes=1 << 20),
+                           every_rank_drives=True)
+
+
+def tokens_of_model(processor, model):
+    return TokenSpec.from_model(processor, model.config, model.generation_config)
+
+
+def loads(backend):
+    return [c for c in backend.calls if c != "load"]
+
+
+def test_update_while_asleep_wakes_only_the_weights(engine_parts):
+    model, processor = engine_parts
+    backend = RecordingBackend()
+    engine = make_engine(model, processor, backend)
+    engine.sleep()
+    engine.update_weights(model)
+    assert loads(backend) == ["release", "resume_weights", "weights_loaded"] and engine.memory is Memory.WEIGHTS_ONLY
+    assert sorted(backend.loaded) == sorted(PolicyWeights(model, torch.float32).names)
+    engine.wake()
+    assert loads(backend)[-1] == "resume_cache"  # no second weight load: the update was the latest
+    assert backend.calls.count("weights_loaded") == 1 and engine.memory is Memory.AWAKE
+
+
+def test_wake_after_sleep_without_update_reloads_the_policy(engine_parts):
+    model, processor = engine_parts
+    backend = RecordingBackend()
+    engine = make_engine(model, processor, backend)
+    engine.weights_current = True
+    engine.sleep()
+    engine.wake()
+    assert loads(backend) == ["release", "resume_weights", "weights_loaded", "resume_cache"]
+    assert "load" in backend.calls
+
+
+def test_generate_while_asleep_wakes_first(engine_parts):
+    model, processor = engine_parts
+    backend = RecordingBackend([EngineSample([5, 2], [-0.1, -0.2], "stop")])
+    engine = make_engine(model, processor, backend)
+    engine.sleep()
+    rollouts = engine.generate(batch=None, sampling=SamplingParams(n=1, max_new_tokens=4))
+    assert loads(backend) == ["release", "resume_weights", "weights_loaded", "resume_cache", "run:1"]
+    assert rollouts.completion_ids == [[5, 2]] and rollouts.finish_reasons == ["stop"]
+
+
+def test_without_sleep_updates_load_in_place(engine_parts):
+    model, processor = engine_parts
+    backend = RecordingBackend()
+    engine = make_engine(model, processor, backend, sleep=False)
+    engine.sleep()
+    engine.update_weights(model)
+    engine.wake()
+    assert loads(backend) == ["weights_loaded"]  # never released, the prefix cache still reset after the load
+
+
+def test_update_weights_reads_the_live_parameters(engine_parts):
+    model, processor = engine_parts
+    received = {}
+
+    class Keep(RecordingBackend):
+        def load(self, bucket):
+            received.update({name: t.clone() for name, t in bucket})
+
+    engine = make_engine(model, processor, Keep())
+    engine.update_weights(model)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    engine.update_weights(model)
+    assert torch.equal(received["lm_head.weight"], model.lm_head.weight)
+
+
+def test_bad_prompt_is_raised_before_the_engine_runs(engine_parts):
+    model, processor = engine_parts
+    backend = RecordingBackend()
+
+    def refuse(batch):
+        raise EngineInputError("sample x: cannot")
+
+    engine = make_engine(model, processor, backend, requests=refuse)
+    with pytest.raises(EngineInputError, match="sample x"):
+        engine.generate(batch=None, sampling=SamplingParams())
+    assert not any(c.startswith("run") for c in backend.calls)
+
+
+# ---------------------------------------------------------------------------------------------- layout, config, imports
+
+
+def test_rank_layout_groups_and_seeds():
+    layouts = [RankLayout(rank, 4, 2) for rank in range(4)]
+    assert [lay.group for lay in layouts] == [0, 0, 1, 1]
+    assert [lay.leader for lay in layouts] == [0, 0, 2, 2] and [lay.is_leader for lay in layouts] == [1, 0, 1, 0]
+    assert layouts[3].members == [2, 3]
+    assert [lay.seed(42) for lay in layouts] == [42, 42, 43, 43]  # same within an engine, different across
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 .* divisor of the number of processes \\(4\\)"):
+        RankLayout(0, 4, 3)
+
+
+def test_config_checks_engine_fields():
+    cfg = Config()
+    cfg.rollout.engine, cfg.rollout.tensor_parallel_size = "vllm", 3
+    cfg.rollout.batch_size, cfg.rollout.n, cfg.train.strategy = 16, 4, "ddp"
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=3 .* divisor of the number of processes \(4\)"):
+        cfg.validate(world_size=4)
+    cfg.rollout.tensor_parallel_size, cfg.rollout.gpu_memory_utilization = 2, 1.5
+    with pytest.raises(ConfigError, match="rollout.gpu_memory_utilization=1.5"):
+        cfg.validate(world_size=4)
+    cfg.rollout.gpu_memory_utilization, cfg.rollout.weight_sync_bucket_mb = 0.5, 0
+    with pytest.raises(ConfigError, match="rollout.weight_sync_bucket_mb"):
+        cfg.validate(world_size=4)
+    cfg.rollout.weight_sync_bucket_mb = 256
+    cfg.validate(world_size=4)
+
+
+@pytest.mark.parametrize("module, package", [("vlrft.rollout.vllm", "vllm"), ("vlrft.rollout.sglang", "sglang")])
+def test_engine_modules_import_without_the_engine(module, package):
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here; this test checks the import without it")
+    importlib.import_module(module)
+    assert package not in sys.modules
+
+
+@pytest.mark.parametrize("engine, extra", [("vllm", "vllm"), ("sglang", "sglang")])
+def test_missing_engine_names_the_extra(engine, extra):
+    if importlib.util.find_spec(engine) is not None:
+        pytest.skip(f"{engine} is installed here")
+    from vlrft.rollout import make_engine as build
+
+    cfg = Config()
+    cfg.rollout.engine = engine
+    with pytest.raises(MissingDependencyError, match=rf"pip install 'vlrft\[{extra}\]'"):
+        build(cfg, SimpleNamespace())
+
+
+def run_two_ranks(tmp_path, every_rank_drives: bool, failing_rank: int = -1) -> list[dict]:
+    import json
+
+    import torch.multiprocessing as mp
+
+    from engine_ranks import worker
+
+    context = mp.start_processes(worker, args=(str(tmp_path), every_rank_drives, failing_rank), nprocs=2, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=5):  # False while some process still runs
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the tensor-parallel group hung")
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("every_rank_drives", [True, False], ids=["vllm-style", "sglang-style"])
+def test_tensor_parallel_group_pools_prompts_and_returns_each_rank_its_own(tmp_path, every_rank_drives):
+    rank0, rank1 = run_two_ranks(tmp_path, every_rank_drives)
+    # rank 0 encoded 1 prompt ([0]), rank 1 two ([100], [101]); n=2 completions each, prompt-major.
+    assert rank0["completions"] == [[0, 0, 2], [0, 1, 2]]
+    assert rank1["completions"] == [[100, 0, 2], [100, 1, 2], [101, 0, 2], [101, 1, 2]]
+    assert rank1["texts"][0] == "[100, 0, 2]"
+    # One engine call on the pooled 3 prompts: on every member (vLLM) or on the leader only (SGLang).
+    assert rank0["ran"] == [3] and rank1["ran"] == ([3] if every_rank_drives else None)
+
+
+@pytest.mark.parametrize("every_rank_drives", [True, False], ids=["vllm-style", "sglang-style"])
+def test_a_refused_prompt_on_one_rank_fails_the_whole_group_without_hanging(tmp_path, every_rank_drives):
+    rank0, rank1 = run_two_ranks(tmp_path, every_rank_drives, failing_rank=1)
+    assert rank0["error"] == rank1["error"] == "rank 1: sample refused"
+    assert not rank0["ran"]  # the engine never ran

@@ -1,0 +1,194 @@
+"""What vLLM and SGLang receive for a `PromptBatch`: our prompt token ids and our visual inputs, never text.
+
+Pure Python (no engine import), so every rule here is unit-tested on CPU.
+
+One tokenization (DESIGN.md §2 rule 1), engine by engine:
+
+* SGLang takes our prompt ids verbatim together with our processor's tensors: `input_ids` plus one
+  `{"format": "processor_output", "pixel_values": ..., "image_grid_thw": ...}` item per prompt. With
+  every media item in that format the engine skips its own processor and keeps `input_ids` as given
+  (`load_mm_data` fast path and `process_and_combine_mm_data` in
+  python/sglang/srt/multimodal/processors/base_processor.py; the format is documented in SGLang's
+  "Query VLM with Offline Engine" page). `ProcessorOutput` also answers attribute access because
+  SGLang versions before PR #23435 read the grids for M-RoPE with `getattr(ret, "image_grid_thw")`
+  from this very dict (python/sglang/srt/multimodal/processors/qwen_vl.py).
+* vLLM (V1, 0.10+) always runs its own multimodal processor on `multi_modal_data` and, for token
+  prompts, replaces each `<|image_pad|>` / `<|video_pad|>` target with `prod(grid_thw) / merge**2`
+  copies: `_apply_hf_processor_main` returns `is_update_applied=False` for `list[int]` prompts and
+  `_apply_prompt_updates` expands every match (vllm/multimodal/processing/processor.py;
+  `Qwen2VLMultiModalProcessor._get_prompt_updates` in vllm/model_executor/models/qwen2_vl.py).
+  Already-expanded ids would be expanded again, and vLLM's dict inputs accept only embeddings
+  (`image_embeds` + `image_grid_thw`, `Qwen2VLMultiModalDataParser`), not processed pixels. So we
+  hand vLLM our ids with each run of N placeholders folded back to the one placeholder the chat
+  template wrote (an id-level inverse of the processor's expansion, not a re-tokenization) and the
+  PIL images our processor saw, already fitted to the patch grid so vLLM's resize is the identity.
+  vLLM expands them again and `vlrft.rollout.outputs.vllm_samples` checks that the prompt ids vLLM
+  ran equal ours exactly, so any difference (another grid, another template) fails loudly, naming
+  the sample, instead of training on a prompt the engine never saw.
+
+Qwen3-VL videos interleave timestamp text between frame groups; folding them needs the text, so the
+vLLM path refuses them (SGLang and the transformers engine take them).
+
+Sources read (main branches, 2025-2026):
+https://github.com/vllm-project/vllm/blob/main/vllm/multimodal/processing/processor.py
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen3_vl.py
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/multimodal/processors/base_processor.py
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/multimodal/processors/qwen_vl.py
+https://github.com/sgl-project/sglang/pull/23435 (M-RoPE grids of processor_output inputs)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vlrft.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlrft.data import PromptBatch
+    from vlrft.rollout.hf import TokenSpec
+
+
+class EngineInputError(UserError):
+    """A prompt that an engine cannot be given without breaking the one-tokenization rule."""
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt as an engine request, with what we expect the engine to have run."""
+
+    payload: dict[str, Any]  # the engine's own request fields for this prompt
+    prompt_ids: list[int]  # our prompt ids; the engine's final prompt must equal them
+    name: str  # "source (id ...)" for error messages
+
+
+def sample_name(batch: "PromptBatch", index: int) -> str:
+    sample = batch.samples[index]
+    return f"{sample.source} (id {sample.id!r})"
+
+
+def placeholder_runs(ids: Sequence[int], token_id: int) -> list[int]:
+    """Lengths of the maximal runs of `token_id` in `ids`, in order."""
+    runs: list[int] = []
+    previous = None
+    for tok in ids:
+        if tok == token_id:
+            if previous == token_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = tok
+    return runs
+
+
+def tokens_per_item(grid_thw: "torch.Tensor | None", merge_size: int) -> list[int]:
+    """Placeholder tokens of each image (or video): prod(t, h, w) / merge_size**2."""
+    if grid_thw is None:
+        return []
+    return [int(n) for n in (grid_thw.prod(-1) // (merge_size * merge_size)).tolist()]
+
+
+def fold_vision_placeholders(ids: Sequence[int], image_token_id: int, video_token_id: int,
+                             image_tokens: Sequence[int], video_tokens: Sequence[int], name: str) -> list[int]:
+    """Our prompt ids with each image's (video's) run of placeholders folded to one placeholder.
+
+    `image_tokens[k]` is how many placeholders image k must own; every image must be exactly one
+    run of that length (likewise videos), otherwise the fold would not be the inverse of the
+    processor's expansion and we refuse the prompt rather than guess.
+    """
+    for token_id, expected, kind in ((image_token_id, list(image_tokens), "image"),
+                                     (video_token_id, list(video_tokens), "video")):
+        runs = placeholder_runs(ids, token_id)
+        if runs != expected:
+            hint = (" (this model splits a video into frame groups with timestamp text between them; vLLM "
+                    "re-expands placeholders itself, so such prompts cannot keep one tokenization: use "
+                    "rollout.engine=sglang or rollout.engine=hf for videos)") if kind == "video" and \
+                sum(runs) == sum(expected) else ""
+            raise EngineInputError(f"{name}: the prompt's {kind} placeholder runs are {runs} tokens long but its "
+                                   f"{kind}s need {expected}{hint}")
+    folded: list[int] = []
+    for tok in ids:
+        if tok in (image_token_id, video_token_id) and folded and folded[-1] == tok:
+            continue
+        folded.append(tok)
+    return folded
+
+
+def expand_vision_placeholders(ids: Sequence[int], image_token_id: int, video_token_id: int,
+                               image_tokens: Sequence[int], video_tokens: Sequence[int]) -> list[int]:
+    """The processor's expansion (each placeholder -> its item's token count): what vLLM does to folded ids."""
+    counts = {image_token_id: iter(image_tokens), video_token_id: iter(video_tokens)}
+    out: list[int] = []
+    for tok in ids:
+        out.extend([tok] * next(counts[tok]) if tok in counts else [tok])
+    return out
+
+
+def video_metadata_dict(metadata: Any) -> dict[str, Any]:
+    """Frame-sampling metadata as a plain dict (what vLLM's `(frames, metadata)` video items carry)."""
+    keys = ("total_num_frames", "fps", "width", "height", "duration", "video_backend", "frames_indices")
+    out = {k: getattr(metadata, k) for k in keys if getattr(metadata, k, None) is not None}
+    if "frames_indices" in out:
+        out["frames_indices"] = [int(i) for i in out["frames_indices"]]
+    return out
+
+
+def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec") -> list[PromptRequest]:
+    """One vLLM prompt dict per prompt: folded ids + the PIL images / video frames our processor saw."""
+    requests = []
+    for i in range(len(batch)):
+        visual = batch.visual.select([i])
+        name = sample_name(batch, i)
+        folded = fold_vision_placeholders(batch.prompt_ids[i], tokens.image_token_id, tokens.video_token_id,
+                                          tokens_per_item(visual.image_grid_thw, visual.merge_size),
+                                          tokens_per_item(visual.video_grid_thw, visual.merge_size), name)
+        payload: dict[str, Any] = {"prompt_token_ids": folded}
+        media: dict[str, Any] = {}
+        if batch.images[i]:
+            media["image"] = list(batch.images[i])
+        if batch.videos[i]:
+            # Frames are sampled already; the metadata keeps the timing M-RoPE needs, and the processor
+            # must not sample again.
+            media["video"] = [(video.frames, video_metadata_dict(video.metadata)) for video in batch.videos[i]]
+            payload["mm_processor_kwargs"] = {"do_sample_frames": False}
+        if media:
+            payload["multi_modal_data"] = media
+        requests.append(PromptRequest(payload, list(batch.prompt_ids[i]), name))
+    return requests
+
+
+class ProcessorOutput(dict):
+    """Our processor's tensors for one prompt, as SGLang's `processor_output` media item.
+
+    A plain `dict` (SGLang recognises preprocessed items with `isinstance(item, dict)`) whose keys
+    are also readable as attributes, because some SGLang versions read the grids with `getattr`.
+    """
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __reduce__(self):  # pickles as a plain dict subclass (SGLang ships requests between processes)
+        return (ProcessorOutput, (dict(self),))
+
+
+def sglang_requests(batch: "PromptBatch") -> list[PromptRequest]:
+    """One SGLang request per prompt: our ids verbatim and, with media, our processor's tensors."""
+    requests = []
+    for i in range(len(batch)):
+        # Keys of modalities this prompt has (a text-only prompt of a mixed batch selects zero-row tensors).
+        inputs = {key: value for key, value in batch.visual.select([i]).model_inputs().items() if value.shape[0]}
+        # SGLang's batch form: one list per request; `[None]` is its "no media" entry (`GenerateReqInput`).
+        payload: dict[str, Any] = {"input_ids": list(batch.prompt_ids[i]), "image_data": [None]}
+        if inputs:
+            # Own storage: a view would pickle the whole batch's pixels into every request.
+            tensors = {key: value.detach().clone() for key, value in inputs.items()}
+            payload["image_data"] = [ProcessorOutput(format="processor_output", **tensors)]
+        requests.append(PromptRequest(payload, list(batch.prompt_ids[i]), sample_name(batch, i)))
+    return requests

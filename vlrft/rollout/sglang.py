@@ -1,0 +1,162 @@
+"""SGLang as a colocated rollout engine (`rollout.engine=sglang`; `pip install 'vlrft[sglang]'`).
+
+The first rank of each tensor-parallel group starts one `sglang.Engine` (its scheduler processes
+run on that group's GPUs, `base_gpu_id` = the leader's GPU); the other members hand the leader
+their prompts and get their completions back. Every rank holds a full replica of the policy, so the
+leader alone pushes weights: `Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`
+(the engine shards them over its tensor-parallel workers). Memory goes back and forth with
+`release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs
+`enable_memory_saver=True`), weights first, KV cache (and CUDA graphs) after.
+
+Prompts: our ids verbatim and our processor's tensors as one `processor_output` item per prompt
+(see `vlrft.rollout.requests`): SGLang runs no processor and no tokenizer on them. Logprobs are the
+engine's `output_token_logprobs` (after temperature scaling, SGLang's default).
+
+Sources read (SGLang main 2025-2026):
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/entrypoints/engine.py (update_weights_from_tensor,
+release/resume_memory_occupation)
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/managers/io_struct.py (batch image_data, [None])
+https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/sampling/sampling_params.py (top_k -1, logit_bias)
+SGLang docs, "Query VLM with Offline Engine" (processor_output inputs with input_ids)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlrft.errors import require
+from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
+from vlrft.rollout.outputs import EngineSample, sglang_samples
+from vlrft.rollout.requests import PromptRequest, sglang_requests
+
+if TYPE_CHECKING:
+    from vlrft.rollout.hf import TokenSpec
+
+SUPPRESSED_LOGIT_BIAS = float("-inf")
+WEIGHTS_TAG = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS
+DEFAULT_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang.srt.constants.GPU_MEMORY_ALL_TYPES
+
+
+def sglang_sampling_params(sampling: SamplingParams, tokens: "TokenSpec") -> dict[str, Any]:
+    """Our `SamplingParams` as SGLang's `sampling_params` dict, field by field."""
+    stop_ids = list(dict.fromkeys([*tokens.eos_ids, *(int(i) for i in sampling.stop_token_ids)]))
+    params: dict[str, Any] = dict(
+        n=sampling.n,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=0.0 if sampling.greedy else sampling.temperature,  # SGLang: 0 is greedy (top_k=1)
+        top_p=1.0 if sampling.greedy else sampling.top_p,
+        top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,  # SGLang: -1 is off
+        min_p=0.0 if sampling.greedy else sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=stop_ids,
+        ignore_eos=False,
+        skip_special_tokens=True,
+    )
+    if tokens.suppressed_ids:
+        params["logit_bias"] = {str(int(i)): SUPPRESSED_LOGIT_BIAS for i in tokens.suppressed_ids}
+    return params
+
+
+def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine` for a group leader on GPU `gpu_id`."""
+    r = cfg.rollout
+    kwargs: dict[str, Any] = dict(
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        tp_size=r.tensor_parallel_size,
+        base_gpu_id=gpu_id,
+        mem_fraction_static=r.gpu_memory_utilization,
+        context_length=r.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        enable_memory_saver=r.sleep_between_steps,
+        random_seed=layout.seed(cfg.train.seed),
+        port=30000 + 10 * layout.group,  # engines of one node must not share ports
+        log_level="error",
+    )
+    kwargs.update(r.engine_kwargs)
+    return kwargs
+
+
+def _memory_tags() -> tuple[str, ...]:
+    try:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+    except ImportError:
+        return DEFAULT_MEMORY_TAGS
+    return tuple(GPU_MEMORY_ALL_TYPES)
+
+
+class SGLangBackend:
+    """`Backend` over an `sglang.Engine` owned by this (leader) rank."""
+
+    def __init__(self, engine, tokens: "TokenSpec"):
+        self.engine = engine
+        self.tokens = tokens
+        self.tags = _memory_tags()
+        self._pending: list[list[tuple[str, torch.Tensor]]] = []
+
+    def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
+        image_data = [r.payload["image_data"] for r in requests]
+        outputs = self.engine.generate(
+            input_ids=[r.payload["input_ids"] for r in requests],
+            image_data=image_data if any(item is not None for items in image_data for item in items) else None,
+            sampling_params=sglang_sampling_params(sampling, self.tokens),
+            return_logprob=True,
+        )
+        return sglang_samples(outputs, requests, sampling.n)
+
+    def release(self) -> None:
+        self.engine.release_memory_occupation(tags=list(self.tags))
+
+    def resume_weights(self) -> None:
+        self.engine.resume_memory_occupation(tags=[WEIGHTS_TAG])
+
+    def resume_cache(self) -> None:
+        self.engine.resume_memory_occupation(tags=[t for t in self.tags if t != WEIGHTS_TAG])
+
+    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        # Held one bucket back so the last call can flush the cache once.
+        if self._pending:
+            self.engine.update_weights_from_tensor(self._pending.pop(), flush_cache=False)
+        self._pending.append(bucket)
+
+    def weights_loaded(self) -> None:
+        if self._pending:
+            self.engine.update_weights_from_tensor(self._pending.pop(), flush_cache=True)
+        else:
+            self.engine.flush_cache()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class SGLangEngine(ColocatedEngine):
+    """SGLang rollouts colocated with the trainer; see the module docstring."""
+
+    @classmethod
+    def from_trainer(cls, cfg, trainer) -> "SGLangEngine":
+        sgl = require("sglang", "rollout.engine=sglang", extra="sglang")
+        strategy = trainer.strategy
+        layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
+        comm = GroupComm(layout)
+        backend = None
+        if layout.is_leader:
+            device = torch.device(strategy.device)
+            gpu_id = device.index if device.index is not None else 0
+            backend = SGLangBackend(sgl.Engine(**sglang_engine_kwargs(cfg, layout, gpu_id)), trainer.tokens)
+        actor = trainer.actor
+        engine = cls(
+            backend=backend,
+            build_requests=sglang_requests,
+            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=trainer.processor.tokenizer,
+            tokens=trainer.tokens,
+            options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
+                                  sleep_between_steps=cfg.rollout.sleep_between_steps,
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+            every_rank_drives=False,
+        )
+        engine.update_weights(actor)  # the engine loaded the checkpoint from disk; the policy may differ
+        return engine

@@ -1,0 +1,174 @@
+"""vLLM as a colocated rollout engine (`rollout.engine=vllm`; `pip install 'vlrft[vllm]'`, vLLM >= 0.10, V1 engine).
+
+Each training process builds one `vllm.LLM` in-process on its own GPU (several processes form a
+tensor-parallel engine through vLLM's `external_launcher` backend, as TRL's colocate mode does), so
+the policy's tensors can be loaded into the engine's model directly:
+`LLM.apply_model(lambda model: model.load_weights(bucket))` (falling back, on versions without
+`apply_model`, to `llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`). Sleep
+uses vLLM's sleep mode: `LLM.sleep(level=2)` drops weights and KV cache, `LLM.wake_up(tags=["weights"])`
+re-allocates only the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest
+(docs.vllm.ai "Sleep Mode"). After every weight load the prefix cache is reset: cached KV blocks
+were computed with the old weights.
+
+Prompts: see `vlrft.rollout.requests` (placeholders folded, vLLM re-expands them, we check the
+result equals our ids). Logprobs: `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they are
+those of the distribution sampled from, after temperature / penalties / top-k / top-p / min-p, as
+the transformers engine records them. Vision placeholder tokens get a -inf logit bias.
+
+Sources read (vLLM main 2025-2026 and the v0.10-v0.22 API docs):
+https://github.com/vllm-project/vllm/blob/main/vllm/sampling_params.py (fields, top_k 0 = off, logit_bias)
+https://github.com/vllm-project/vllm/blob/main/vllm/v1/sample/sampler.py (logprobs_mode, -inf masking)
+https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py (hf_to_vllm_mapper)
+https://docs.vllm.ai/en/latest/features/sleep_mode/ (levels, wake_up tags)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vlrft.errors import UserError, require
+from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
+from vlrft.rollout.outputs import EngineSample, vllm_samples
+from vlrft.rollout.requests import PromptRequest, vllm_requests
+
+if TYPE_CHECKING:
+    from vlrft.rollout.hf import TokenSpec
+
+SUPPRESSED_LOGIT_BIAS = float("-inf")
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs: bool = True) -> dict[str, Any]:
+    """Our `SamplingParams` as keyword arguments of `vllm.SamplingParams`, field by field."""
+    stop_ids = list(dict.fromkeys([*tokens.eos_ids, *(int(i) for i in sampling.stop_token_ids)]))
+    kwargs: dict[str, Any] = dict(
+        n=sampling.n,
+        max_tokens=sampling.max_new_tokens,
+        temperature=0.0 if sampling.greedy else sampling.temperature,  # vLLM: 0 is greedy
+        top_p=1.0 if sampling.greedy else sampling.top_p,
+        top_k=0 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,  # vLLM >= 0.10: 0 (or -1) is off
+        min_p=0.0 if sampling.greedy else sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=stop_ids,
+        ignore_eos=False,
+        logprobs=0 if logprobs else None,  # 0: only the sampled token's logprob
+        # Decoding is ours (the tokenizer the trainer uses); vLLM needs text only to match stop strings.
+        detokenize=bool(sampling.stop),
+        skip_special_tokens=True,
+    )
+    if tokens.suppressed_ids:
+        kwargs["logit_bias"] = {int(i): SUPPRESSED_LOGIT_BIAS for i in tokens.suppressed_ids}
+    return kwargs
+
+
+def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: set[str]) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for this rank; `supported` = the installed vLLM's EngineArgs fields."""
+    r = cfg.rollout
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model.path,
+        tokenizer=cfg.model.path,
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+        tensor_parallel_size=r.tensor_parallel_size,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        max_model_len=r.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        enable_sleep_mode=r.sleep_between_steps,
+        enable_prefix_caching=True,  # the n completions of a prompt share its prefill
+        seed=layout.seed(cfg.train.seed),
+    )
+    if distributed:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if "logprobs_mode" in supported:
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    kwargs.update(r.engine_kwargs)
+    return kwargs
+
+
+class VLLMBackend:
+    """`Backend` over an in-process `vllm.LLM`."""
+
+    def __init__(self, llm, tokens: "TokenSpec", owns_distributed: bool):
+        import vllm
+
+        self._vllm = vllm
+        self.llm = llm
+        self.tokens = tokens
+        # Single process: vLLM set up torch.distributed for itself and tears it down on close. Under
+        # torchrun (external launcher) the process group is the trainer's and stays.
+        self.owns_distributed = owns_distributed
+
+    def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
+        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, self.tokens))
+        outputs = self.llm.generate([r.payload for r in requests], params, use_tqdm=False)
+        return vllm_samples(outputs, requests, sampling.n)
+
+    def release(self) -> None:
+        self.llm.sleep(level=2)  # weights are reloaded from the policy anyway: no CPU copy needed
+
+    def resume_weights(self) -> None:
+        self.llm.wake_up(tags=["weights"])
+
+    def resume_cache(self) -> None:
+        self.llm.wake_up(tags=["kv_cache"])
+
+    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        def load_into(model):
+            model.load_weights(weights=bucket)
+
+        if hasattr(self.llm, "apply_model"):
+            self.llm.apply_model(load_into)
+        else:
+            load_into(self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
+
+    def weights_loaded(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        import gc
+
+        del self.llm
+        gc.collect()
+        if self.owns_distributed:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        torch.cuda.empty_cache()
+
+
+class VLLMEngine(ColocatedEngine):
+    """vLLM rollouts colocated with the trainer; see the module docstring."""
+
+    @classmethod
+    def from_trainer(cls, cfg, trainer) -> "VLLMEngine":
+        vllm = require("vllm", "rollout.engine=vllm", extra="vllm")
+        strategy = trainer.strategy
+        layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
+        # Under torchrun the process group exists: vLLM joins it (external launcher) instead of making its own.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        comm = GroupComm(layout)
+        # The engine core must live in this process: the policy's tensors are loaded into its model.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise UserError("rollout.engine=vllm runs vLLM inside the training process; unset "
+                            "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
+        supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+        llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported))
+        actor = trainer.actor
+        engine = cls(
+            backend=VLLMBackend(llm, trainer.tokens, owns_distributed=not distributed),
+            build_requests=lambda batch: vllm_requests(batch, trainer.tokens),
+            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=trainer.processor.tokenizer,
+            tokens=trainer.tokens,
+            options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
+                                  sleep_between_steps=cfg.rollout.sleep_between_steps,
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+            every_rank_drives=True,
+        )
+        # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once.
+        engine.update_weights(actor)
+        return engine
