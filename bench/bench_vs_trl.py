@@ -8,9 +8,10 @@ exact-match reward. Each (framework, beta) run is its own subprocess, so its pea
 (`ru_maxrss`) is clean; the runs are interleaved (vlrft, TRL, vlrft, TRL, ...) so that load from
 other processes on the machine hits both alike. A step's time is the wall-clock interval between
 two consecutive optimizer-step completions (data, generation, reward, logprobs, backward,
-optimizer, the framework's own bookkeeping); warm-up steps are dropped and medians reported. Each worker
-uses one torch thread by default and the process's CPU time per step is reported next to the wall
-clock: on a machine shared with other jobs, CPU time is the steadier measure of the work done.
+optimizer, the framework's own bookkeeping); warm-up steps are dropped and medians reported.
+Each worker uses one torch thread by default: with more threads than free cores, OpenMP threads
+spin against other jobs and steps get 10x slower and erratic. The process's CPU time per step is
+reported next to the wall clock; on a shared machine it is the steadier measure of work done.
 
 Completions are forced to the full length on both sides (`min_new_tokens = max_new_tokens`, i.e.
 EOS is masked during sampling), so both do the same amount of generation and training work
@@ -18,6 +19,7 @@ EOS is masked during sampling), so both do the same amount of generation and tra
 
     PYTHONPATH=. python bench/bench_vs_trl.py --out bench_vs_trl.json
     PYTHONPATH=. python bench/bench_vs_trl.py --steps 8 --repeats 3 --hidden-size 256 --betas 0 0.04
+    py-spy record --subprocesses -o vlrft.svg -- python bench/bench_vs_trl.py --only vlrft --repeats 1 --betas 0.04
 
 Needs `pip install 'vlrft[bench]'` (TRL). Not part of the test suite.
 """
@@ -156,7 +158,8 @@ def check_same_prompt(spec: BenchSpec) -> int:
     processor = load_processor(str(spec.model_dir))
     sample = read_samples(str(spec.data_dir / "train.jsonl"), "native", None, "error")[0]
     pixels = spec.image_size ** 2
-    ours = PromptEncoder(processor, DataConfig(min_pixels=pixels, max_pixels=pixels)).encode([sample]).batch.prompt_ids[0]
+    encoder = PromptEncoder(processor, DataConfig(min_pixels=pixels, max_pixels=pixels))
+    ours = encoder.encode([sample]).batch.prompt_ids[0]
     row = trl_rows(spec)[0]
     messages = prepare_multimodal_messages(row["prompt"], images=[row["image"]])
     theirs = processor.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
@@ -379,7 +382,7 @@ def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison])
 
 def parse_args() -> argparse.Namespace:
     d = BenchSpec(workdir="")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--workdir", help="model, data and run outputs (default: a temporary folder)")
     p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run")
@@ -430,7 +433,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             for framework in frameworks:  # interleaved: vlrft, TRL, vlrft, TRL, ...
                 result = run_one(framework, spec)
-                print(f"beta={beta:g} run {repeat + 1}/{args.repeats} {framework}: median {result.median_step_s:.3f} s/step, "
+                print(f"beta={beta:g} run {repeat + 1}/{args.repeats} {framework}: "
+                      f"median {result.median_step_s:.3f} s/step, "
                       f"peak RSS {result.peak_rss_mib:.0f} MiB", flush=True)
                 runs.append(result)
         if len(frameworks) == 2:
