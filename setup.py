@@ -29,6 +29,8 @@ EXTRAS = {
     "wandb": ["wandb>=0.18"],
     "peft": ["peft>=0.13"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    # bench/bench_vs_trl.py: the peer measured side by side (works with transformers 5.23 as installed)
+    "bench": ["trl==1.16.0"],
 }
 
 setup(

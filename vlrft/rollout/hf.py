@@ -122,8 +122,10 @@ class HFEngine:
         if sampling.greedy:
             options.update(do_sample=False)
         else:
+            # top_k=0 (not None) turns top-k off: `generate` fills None fields from the checkpoint's
+            # generation_config.json (Qwen-VL Instruct ships a small top_k) and then from its own default (50).
             options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                           top_k=sampling.top_k if sampling.top_k > 0 else None,
+                           top_k=sampling.top_k,
                            min_p=sampling.min_p if sampling.min_p > 0 else None)
         if sampling.stop:
             options["stop_strings"] = list(sampling.stop)

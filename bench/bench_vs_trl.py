@@ -1,0 +1,451 @@
+"""vlrft vs TRL's GRPOTrainer: time per optimizer step and peak memory, side by side in one run.
+
+Both frameworks train the same tiny Qwen2-VL (built locally, random weights) on the same synthetic
+shapes data (one image per prompt) with GRPO: same group size, completions per optimizer step,
+micro-batch size, completion length, learning rate, beta, one policy update per generation batch
+(num_iterations / ppo_epochs = 1), float32 on CPU, sampling at temperature 1, no vLLM, and an
+exact-match reward. Each (framework, beta) run is its own subprocess, so its peak RSS
+(`ru_maxrss`) is clean; the runs are interleaved (vlrft, TRL, vlrft, TRL, ...) so that load from
+other processes on the machine hits both alike. A step's time is the wall-clock interval between
+two consecutive optimizer-step completions (data, generation, reward, logprobs, backward,
+optimizer, the framework's own bookkeeping); warm-up steps are dropped and medians reported.
+Each worker uses one torch thread by default: with more threads than free cores, OpenMP threads
+spin against other jobs and steps get 10x slower and erratic. The process's CPU time per step is
+reported next to the wall clock; on a shared machine it is the steadier measure of work done.
+
+Completions are forced to the full length on both sides (`min_new_tokens = max_new_tokens`, i.e.
+EOS is masked during sampling), so both do the same amount of generation and training work
+(`--natural-length` turns this off; mean completion lengths are reported either way).
+
+    PYTHONPATH=. python bench/bench_vs_trl.py --out bench_vs_trl.json
+    PYTHONPATH=. python bench/bench_vs_trl.py --steps 8 --repeats 3 --hidden-size 256 --betas 0 0.04
+    py-spy record --subprocesses -o vlrft.svg -- python bench/bench_vs_trl.py --only vlrft --repeats 1 --betas 0.04
+
+Needs `pip install 'vlrft[bench]'` (TRL). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FRAMEWORKS = ("vlrft", "trl")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything both frameworks must agree on; passed to each worker subprocess as JSON."""
+
+    workdir: str
+    group_size: int = 4
+    batch_size: int = 16  # completions per optimizer step
+    micro_batch_size: int = 8  # completions per forward/backward pass
+    completion_length: int = 64
+    natural_length: bool = False  # let EOS end completions (lengths may then differ)
+    warmup_steps: int = 2
+    steps: int = 8  # measured optimizer steps
+    lr: float = 1e-5
+    beta: float = 0.0
+    threads: int = 1  # torch intra-op threads (1: stable on a shared machine; 0 = torch's default)
+    seed: int = 0
+    # model
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 1024
+    vision_depth: int = 2
+    vision_hidden_size: int = 128
+    image_size: int = 112  # pixels per side; 112x112 -> 64 patches -> 16 image tokens
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.workdir) / "model"
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.workdir) / "data"
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+
+@dataclass
+class RunResult:
+    """One framework, one beta, one subprocess."""
+
+    framework: str
+    beta: float
+    step_times_s: list[float]  # wall clock, measured steps only
+    median_step_s: float
+    step_cpu_s: list[float]  # this process's CPU time (user + sys) per measured step: robust to other load
+    median_step_cpu_s: float
+    peak_rss_mib: float  # ru_maxrss of the worker process (model load and setup included)
+    rss_before_training_mib: float
+    mean_completion_length: float
+    setup_s: float  # process start to first step (imports, model load, trainer construction)
+    phases_s: dict[str, float] = field(default_factory=dict)  # vlrft's own per-phase timers, medians
+
+
+@dataclass
+class Comparison:
+    beta: float
+    vlrft_median_step_s: float
+    trl_median_step_s: float
+    time_ratio: float  # vlrft / TRL wall clock; the goal is <= 0.67
+    vlrft_median_step_cpu_s: float
+    trl_median_step_cpu_s: float
+    cpu_ratio: float  # vlrft / TRL CPU time per step
+    vlrft_peak_rss_mib: float
+    trl_peak_rss_mib: float
+    rss_ratio: float
+    vlrft_mean_completion_length: float
+    trl_mean_completion_length: float
+    runs: list[RunResult]
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def build_assets(spec: BenchSpec) -> None:
+    """Tiny Qwen2-VL and the shapes data, shared by both frameworks."""
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from vlrft.models.tiny import TinySpec, build_tiny_vlm
+
+    pixels = spec.image_size * spec.image_size
+    build_tiny_vlm(spec.model_dir, TinySpec(
+        arch="qwen2_vl", hidden_size=spec.hidden_size, num_layers=spec.num_layers, num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size, vision_depth=spec.vision_depth,
+        vision_hidden_size=spec.vision_hidden_size, vision_heads=max(1, spec.vision_hidden_size // 32),
+        min_pixels=pixels, max_pixels=pixels, seed=spec.seed))
+    prompts = spec.total_steps * spec.batch_size // spec.group_size
+    make_shapes(spec.data_dir, ShapesSpec(tasks=("color",), image_size=spec.image_size, train_size=max(64, 2 * prompts),
+                                          test_size=0, seed=spec.seed))
+
+
+def trl_rows(spec: BenchSpec) -> list[dict]:
+    """The native JSONL rows as a TRL conversational dataset with an `image` column."""
+    from PIL import Image
+
+    rows = []
+    for line in (spec.data_dir / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        text = row["prompt"].removeprefix("<image>")
+        image = Image.open(spec.data_dir / row["images"][0]).convert("RGB")
+        rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
+                     "image": image, "answer": row["answer"]})
+    return rows
+
+
+def check_same_prompt(spec: BenchSpec) -> int:
+    """Both frameworks must feed the model the same prompt token ids; returns the prompt length."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    from vlrft.config import DataConfig
+    from vlrft.data import PromptEncoder, read_samples
+    from vlrft.models.loading import load_processor
+
+    processor = load_processor(str(spec.model_dir))
+    sample = read_samples(str(spec.data_dir / "train.jsonl"), "native", None, "error")[0]
+    pixels = spec.image_size ** 2
+    encoder = PromptEncoder(processor, DataConfig(min_pixels=pixels, max_pixels=pixels))
+    ours = encoder.encode([sample]).batch.prompt_ids[0]
+    row = trl_rows(spec)[0]
+    messages = prepare_multimodal_messages(row["prompt"], images=[row["image"]])
+    theirs = processor.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"][0]
+    if list(ours) != list(theirs):
+        raise SystemExit(f"prompt token ids differ between vlrft ({len(ours)}) and TRL ({len(theirs)}); "
+                         "the comparison would not be fair")
+    return len(ours)
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _intervals(ends: list[float], warmup: int) -> list[float]:
+    """Durations of steps warmup+1.. from the step-end timestamps (index 0 = start of step 1)."""
+    return [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _result(framework: str, spec: BenchSpec, clocks: list[tuple[float, float]], rss_before: float,
+            mean_length: float, setup: float, phases: dict[str, float] | None = None) -> RunResult:
+    wall = _intervals([c[0] for c in clocks], spec.warmup_steps)
+    cpu = _intervals([c[1] for c in clocks], spec.warmup_steps)
+    return RunResult(framework, spec.beta, wall, statistics.median(wall), cpu, statistics.median(cpu), _peak_rss_mib(),
+                     rss_before, mean_length, setup, phases or {})
+
+
+def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
+    import yaml
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    pixels = spec.image_size ** 2
+    config = {
+        "model": {"path": str(spec.model_dir), "dtype": "float32"},
+        "data": {"train_files": [str(spec.data_dir / "train.jsonl")], "format": "native",
+                 "min_pixels": pixels, "max_pixels": pixels},
+        "rollout": {"engine": "hf", "n": spec.group_size, "batch_size": spec.batch_size,
+                    "max_new_tokens": spec.completion_length, "temperature": 1.0},
+        "reward": {"functions": [{"name": "exact_match"}]},
+        "algorithm": {"advantage": "grpo", "scale_rewards": "group", "loss_agg": "token-mean",
+                      "kl_coef": spec.beta, "kl_estimator": "k3", "kl_in": "loss"},
+        "train": {"output_dir": str(Path(spec.workdir) / f"vlrft_out_beta{spec.beta}"), "total_steps": spec.total_steps,
+                  "seed": spec.seed, "lr": spec.lr, "micro_batch_size": spec.micro_batch_size, "ppo_epochs": 1,
+                  "max_grad_norm": 1.0, "lr_scheduler": "constant"},
+        "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
+    }
+    path = Path(spec.workdir) / f"vlrft_beta{spec.beta}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    trainer = Trainer(load_config(path))
+    if not spec.natural_length:
+        # vlrft has no `min_new_tokens` option; mask EOS exactly as TRL's generation_kwargs below does.
+        make_config = trainer.engine.generation_config
+
+        def full_length(sampling):
+            generation_config = make_config(sampling)
+            generation_config.min_new_tokens = sampling.max_new_tokens
+            return generation_config
+
+        trainer.engine.generation_config = full_length
+    rss_before = _rss_mib()
+    clocks = [_clock()]
+    setup = clocks[0][0] - t_start
+    history = []
+    for _ in range(spec.total_steps):  # what Trainer.fit() does per step, minus logging and checkpoints
+        history.append(trainer.train_step())
+        clocks.append(_clock())
+    measured = history[spec.warmup_steps:]
+    phases = {k: statistics.median(m[k] for m in measured) for k in measured[0] if k.startswith("time/")}
+    return _result("vlrft", spec, clocks, rss_before, statistics.mean(m["completions/mean_length"] for m in measured),
+                   setup, phases)
+
+
+def run_trl(spec: BenchSpec, t_start: float) -> RunResult:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vlrft.rewards.text import find_answer, normalize
+
+    def exact_match(completions, answer, **kwargs) -> list[float]:
+        """vlrft's built-in exact_match: normalised final answer == normalised reference."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(normalize(find_answer(t)[0]) == normalize(a)) for t, a in zip(texts, answer)]
+
+    class StepClock(TrainerCallback):
+        """Step-end timestamps and each step's mean completion length (TRL clears its metrics when it logs)."""
+
+        def __init__(self):
+            self.clocks: list[tuple[float, float]] = []
+            self.lengths: list[float] = []
+            self.trainer = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.clocks.append(_clock())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.clocks.append(_clock())
+            self.lengths.append(self.trainer._metrics["train"]["completions/mean_length"][-1])
+
+    model = AutoModelForImageTextToText.from_pretrained(str(spec.model_dir), dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+    processor = AutoProcessor.from_pretrained(str(spec.model_dir))
+    dataset = Dataset.from_list(trl_rows(spec))
+    accumulation = spec.batch_size // spec.micro_batch_size
+    args = GRPOConfig(
+        output_dir=str(Path(spec.workdir) / f"trl_out_beta{spec.beta}"), use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, per_device_train_batch_size=spec.micro_batch_size,
+        gradient_accumulation_steps=accumulation, steps_per_generation=accumulation,
+        num_generations=spec.group_size, max_completion_length=spec.completion_length, beta=spec.beta,
+        num_iterations=1, learning_rate=spec.lr, lr_scheduler_type="constant", max_grad_norm=1.0,
+        temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
+        max_steps=spec.total_steps, seed=spec.seed, logging_steps=10**6, report_to="none", save_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+        generation_kwargs=None if spec.natural_length else {"min_new_tokens": spec.completion_length},
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(model=model, reward_funcs=[exact_match], args=args, train_dataset=dataset,
+                          processing_class=processor, callbacks=[clock])
+    clock.trainer = trainer
+    rss_before = _rss_mib()
+    setup = time.perf_counter() - t_start
+    trainer.train()
+    return _result("trl", spec, clock.clocks, rss_before, statistics.mean(clock.lengths[spec.warmup_steps:]), setup)
+
+
+def worker(framework: str, spec_json: str, out: str) -> None:
+    t_start = time.perf_counter()
+    spec = BenchSpec(**json.loads(spec_json))
+    import torch
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    result = (run_vlrft if framework == "vlrft" else run_trl)(spec, t_start)
+    Path(out).write_text(json.dumps(asdict(result)))
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def run_one(framework: str, spec: BenchSpec) -> RunResult:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out = handle.name
+    cmd = [sys.executable, __file__, "--worker", framework, "--spec", json.dumps(asdict(spec)), "--worker-out", out]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
+               **({"OMP_NUM_THREADS": str(spec.threads)} if spec.threads else {}),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{framework} worker (beta={spec.beta}) failed:\n{proc.stderr[-4000:]}")
+    result = RunResult(**json.loads(Path(out).read_text()))
+    os.unlink(out)
+    return result
+
+
+def compare(beta: float, runs: list[RunResult]) -> Comparison:
+    def pooled(fw: str, key: str) -> float:
+        mine = [r for r in runs if r.framework == fw]
+        if key == "step":
+            return statistics.median(t for r in mine for t in r.step_times_s)
+        if key == "cpu":
+            return statistics.median(t for r in mine for t in r.step_cpu_s)
+        if key == "rss":
+            return statistics.median(r.peak_rss_mib for r in mine)
+        return statistics.mean(r.mean_completion_length for r in mine)
+
+    ours, theirs = pooled("vlrft", "step"), pooled("trl", "step")
+    ours_cpu, theirs_cpu = pooled("vlrft", "cpu"), pooled("trl", "cpu")
+    ours_rss, theirs_rss = pooled("vlrft", "rss"), pooled("trl", "rss")
+    return Comparison(beta, ours, theirs, ours / theirs, ours_cpu, theirs_cpu, ours_cpu / theirs_cpu,
+                      ours_rss, theirs_rss, ours_rss / theirs_rss,
+                      pooled("vlrft", "len"), pooled("trl", "len"), runs)
+
+
+def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison]) -> None:
+    import trl
+    import transformers
+
+    print(f"\nvlrft vs TRL {trl.__version__} (transformers {transformers.__version__}), CPU, "
+          f"{spec.threads or 'default'} threads; tiny Qwen2-VL hidden={spec.hidden_size} layers={spec.num_layers}, "
+          f"prompt {prompt_len} tokens ({(spec.image_size // 28) ** 2} image tokens), group={spec.group_size}, "
+          f"{spec.batch_size} completions/step x {spec.completion_length} tokens, micro-batch {spec.micro_batch_size}; "
+          f"median over {spec.steps} steps x runs (after {spec.warmup_steps} warm-up steps per run)")
+    header = (f"{'beta':>5} | {'wall s/step vlrft':>17} {'TRL':>6} {'ratio':>6} | {'CPU s/step vlrft':>16} {'TRL':>6} "
+              f"{'ratio':>6} | {'peak RSS MiB vlrft':>18} {'TRL':>5} {'ratio':>6} | {'len vlrft/TRL':>13}")
+    print(header)
+    print("-" * len(header))
+    for c in comparisons:
+        print(f"{c.beta:>5g} | {c.vlrft_median_step_s:>17.3f} {c.trl_median_step_s:>6.3f} {c.time_ratio:>6.2f} | "
+              f"{c.vlrft_median_step_cpu_s:>16.3f} {c.trl_median_step_cpu_s:>6.3f} {c.cpu_ratio:>6.2f} | "
+              f"{c.vlrft_peak_rss_mib:>18.0f} {c.trl_peak_rss_mib:>5.0f} {c.rss_ratio:>6.2f} | "
+              f"{c.vlrft_mean_completion_length:>6.1f}/{c.trl_mean_completion_length:<6.1f}")
+    for c in comparisons:
+        for r in c.runs:
+            phases = " ".join(f"{k.removeprefix('time/')}={v:.3f}" for k, v in r.phases_s.items())
+            print(f"  beta={c.beta:g} {r.framework:>5}: wall [{', '.join(f'{t:.2f}' for t in r.step_times_s)}] "
+                  f"cpu [{', '.join(f'{t:.2f}' for t in r.step_cpu_s)}] setup {r.setup_s:.1f}s "
+                  f"RSS before/peak {r.rss_before_training_mib:.0f}/{r.peak_rss_mib:.0f} MiB {phases}")
+    for name, key in (("wall-clock", "time_ratio"), ("CPU-time", "cpu_ratio")):
+        met = all(getattr(c, key) <= 0.67 for c in comparisons)
+        print(f"goal vlrft <= 0.67x TRL ({name} per step): {'met' if met else 'NOT met'}")
+
+
+def parse_args() -> argparse.Namespace:
+    d = BenchSpec(workdir="")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--workdir", help="model, data and run outputs (default: a temporary folder)")
+    p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--repeats", type=int, default=2, help="runs per framework and beta, interleaved")
+    p.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
+    p.add_argument("--group-size", type=int, default=d.group_size)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="completions per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    p.add_argument("--completion-length", type=int, default=d.completion_length)
+    p.add_argument("--natural-length", action="store_true", help="let EOS end completions early")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
+    p.add_argument("--vision-depth", type=int, default=d.vision_depth)
+    p.add_argument("--vision-hidden-size", type=int, default=d.vision_hidden_size)
+    p.add_argument("--image-size", type=int, default=d.image_size)
+    p.add_argument("--only", choices=FRAMEWORKS, help="run one framework only (e.g. for profiling)")
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args.worker, args.spec, args.worker_out)
+        return
+    if args.batch_size % args.group_size or args.batch_size % args.micro_batch_size:
+        raise SystemExit("--batch-size must be a multiple of --group-size and of --micro-batch-size")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
+    base = BenchSpec(workdir=workdir, group_size=args.group_size, batch_size=args.batch_size,
+                     micro_batch_size=args.micro_batch_size, completion_length=args.completion_length,
+                     natural_length=args.natural_length, warmup_steps=args.warmup_steps, steps=args.steps, lr=args.lr,
+                     threads=args.threads, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                     intermediate_size=args.intermediate_size, vision_depth=args.vision_depth,
+                     vision_hidden_size=args.vision_hidden_size, image_size=args.image_size)
+    build_assets(base)
+    prompt_len = check_same_prompt(base)
+    frameworks = [args.only] if args.only else list(FRAMEWORKS)
+    comparisons = []
+    for beta in args.betas:
+        spec = BenchSpec(**{**asdict(base), "beta": beta})
+        runs = []
+        for repeat in range(args.repeats):
+            for framework in frameworks:  # interleaved: vlrft, TRL, vlrft, TRL, ...
+                result = run_one(framework, spec)
+                print(f"beta={beta:g} run {repeat + 1}/{args.repeats} {framework}: "
+                      f"median {result.median_step_s:.3f} s/step, "
+                      f"peak RSS {result.peak_rss_mib:.0f} MiB", flush=True)
+                runs.append(result)
+        if len(frameworks) == 2:
+            comparisons.append(compare(beta, runs))
+    if comparisons:
+        print_table(base, prompt_len, comparisons)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"spec": asdict(base), "prompt_length": prompt_len,
+                                              "comparisons": [asdict(c) for c in comparisons]}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
