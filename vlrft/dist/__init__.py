@@ -1,0 +1,1 @@
+"""Distributed strategies (single process, DDP); see strategy.py."""
