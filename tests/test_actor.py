@@ -96,3 +96,35 @@ def test_frozen_vision_tower_gets_no_gradient(group_batch):
     actor.logprobs(seqs).logprobs.sum().backward()
     assert all(p.grad is None for p in model.model.visual.parameters())
     assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path):
+    from PIL import Image
+
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    Image.new("RGB", (56, 84), (200, 40, 40)).save(tmp_path / "a.png")
+    samples = [Sample(id="img", prompt="<image>Color?", images=[str(tmp_path / "a.png")]),
+               Sample(id="text", prompt="A longer text-only prompt here"),
+               Sample(id="two", prompt="<image><image>Same?", images=[str(tmp_path / "a.png")] * 2)]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
+    completions = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21], [22, 23]]
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(processor, model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1, 2, 2], tokens.pad_id)
+
+    def run(share: bool):
+        actor.share_prompts = share
+        model.zero_grad()
+        out = actor.logprobs(seqs)
+        out.logprobs.sum().backward()
+        return out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shared, shared_grads = run(True)
+    full, full_grads = run(False)
+    assert torch.allclose(shared, full, atol=1e-5)
+    assert shared_grads.keys() == full_grads.keys()
+    for name in full_grads:
+        assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name

@@ -124,26 +124,79 @@ class ActorVL(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
+        backbone, _ = split_head(model)
+        # Prompt sharing needs the model's own 3-D (M-RoPE) position rule to place completions after a cached prompt.
+        self.share_prompts = hasattr(backbone, "get_rope_index")
 
     def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
-        """Final-layer hidden states [B, P + C, H] of the rows."""
+        """Final-layer hidden states [B, P + C, H] of the rows, each row computed in full."""
         backbone, _ = split_head(self.model)
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                       mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
         kwargs.update(self._vision(batch.visual, batch.row_prompt))
         return backbone(**kwargs).last_hidden_state
 
+    def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
+        """Hidden states [B, C, H] that predict each completion token (the state before it)."""
+        p, c = batch.prompt_width, batch.completion_width
+        checkpointing = getattr(base_of(self.model), "is_gradient_checkpointing", False)
+        if self.share_prompts and batch.visual.num_samples < len(batch) and not checkpointing:
+            return self._predicting_states_shared(batch)
+        return self.hidden_states(batch)[:, p - 1:p - 1 + c]
+
+    def _prefix_positions(self, backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor,
+                          visual: dict) -> torch.Tensor:
+        """[3, U, P] M-RoPE positions of the prompts, by the model's own rule."""
+        if "image_grid_thw" in visual or "video_grid_thw" in visual:
+            accepted = inspect.signature(backbone.get_rope_index).parameters
+            extra = {k: v for k, v in visual.items() if k in accepted and k not in ("input_ids", "attention_mask")}
+            positions, _ = backbone.get_rope_index(input_ids=ids, mm_token_type_ids=mm, attention_mask=mask, **extra)
+            return positions
+        text = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return text[None].expand(3, -1, -1)
+
+    def _predicting_states_shared(self, batch: SequenceBatch) -> torch.Tensor:
+        """Each distinct prompt runs once; its KV cache is repeated for the rows that continue it.
+
+        Gradients flow from every row's completion through the shared cache into the one prompt
+        pass. Completion positions continue the prompt's last position (M-RoPE text positions), so
+        the result equals the full forward of every row.
+        """
+        backbone, _ = split_head(self.model)
+        p, c = batch.prompt_width, batch.completion_width
+        first_row: dict[int, int] = {}
+        for r, u in enumerate(batch.row_prompt):
+            first_row.setdefault(u, r)
+        prompt_rows = torch.tensor([first_row[u] for u in range(batch.visual.num_samples)], device=batch.input_ids.device)
+        ids, mask = batch.input_ids[prompt_rows, :p], batch.attention_mask[prompt_rows, :p]
+        mm = mm_token_type_ids(ids, self.image_token_id, self.video_token_id)
+        visual = batch.visual.model_inputs()
+        positions = self._prefix_positions(backbone, ids, mask, mm, visual)
+        prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                              use_cache=True, **visual)
+        rows = torch.tensor(batch.row_prompt, device=ids.device)
+        cache = prompt_out.past_key_values
+        cache.batch_select_indices(rows)
+        step = torch.arange(1, c + 1, device=ids.device)
+        completion_positions = positions[:, rows, p - 1:p] + step
+        completion_ids = batch.input_ids[:, p:]
+        completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
+                                  position_ids=completion_positions, past_key_values=cache, use_cache=True,
+                                  mm_token_type_ids=torch.zeros_like(completion_ids))
+        last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
+        return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
+
     def logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         """Logprob and entropy of each completion token under softmax(logits / temperature)."""
         _, head = split_head(self.model)
-        hidden = self.hidden_states(batch)
+        states = self.predicting_states(batch)
         p, c = batch.prompt_width, batch.completion_width
         mask = batch.completion_mask.bool()
-        predicting = hidden[:, p - 1:p - 1 + c][mask]  # hidden state before each completion token
+        predicting = states[mask]
         targets = batch.input_ids[:, p:p + c][mask]
         lp, ent = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens, self.suppressed_ids)
-        logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, lp)
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device).masked_scatter(mask, ent)
+        logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, lp)
+        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, ent)
         return TokenLogprobs(logprobs, entropy)
 
     def forward(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
