@@ -40,9 +40,10 @@ def test_cut_at_stop_keeps_the_stop_token_and_names_the_reason():
     assert cut_at_stop([5, 6, 2], {2}, 3) == ([5, 6, 2], FINISH_STOP)
 
 
-def test_groups_are_contiguous_and_logprobs_match_the_trainer(setup):
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_groups_are_contiguous_and_logprobs_match_the_trainer(setup, share):
     processor, model, tokens, batch = setup
-    engine = HFEngine(lambda: model, processor, tokens)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
     torch.manual_seed(0)
     out = engine.generate(batch, SamplingParams(n=3, max_new_tokens=6, temperature=1.0))
     assert isinstance(out, Rollouts) and len(out) == 9 and out.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -82,9 +83,20 @@ def test_batched_generation_equals_one_prompt_at_a_time(setup):
     assert together.completion_ids == alone.completion_ids
 
 
-def test_stop_string_cuts_right_after_it(setup):
+def test_group_decoder_and_transformers_generate_agree(setup):
     processor, model, tokens, batch = setup
-    engine = HFEngine(lambda: model, processor, tokens)
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=0.0, repetition_penalty=1.3)
+    ours = HFEngine(lambda: model, processor, tokens, share_prompts=True).generate(batch, sampling)
+    theirs = HFEngine(lambda: model, processor, tokens, share_prompts=False).generate(batch, sampling)
+    assert ours.completion_ids == theirs.completion_ids and ours.finish_reasons == theirs.finish_reasons
+    for a, b in zip(ours.logprobs, theirs.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)  # different batch shapes, same math
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_stop_string_cuts_right_after_it(setup, share):
+    processor, model, tokens, batch = setup
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
     torch.manual_seed(1)
     free = engine.generate(batch, SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
     text = free.texts[0]

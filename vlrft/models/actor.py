@@ -68,6 +68,28 @@ def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[in
     return [starts[p] + k for p in row_prompt for k in range(counts[p])]
 
 
+def prompt_positions(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor,
+                     visual: dict) -> torch.Tensor:
+    """[3, B, P] M-RoPE positions of left-padded prompts, by the model's own rule (`get_rope_index`).
+
+    Tokens after a prompt continue at its last position + 1, + 2, ... on all three axes; the trainer's
+    shared-prompt forward and the rollout decoder both rely on that.
+    """
+    if "image_grid_thw" in visual or "video_grid_thw" in visual:
+        accepted = inspect.signature(backbone.get_rope_index).parameters
+        extra = {k: v for k, v in visual.items() if k in accepted and k not in ("input_ids", "attention_mask")}
+        positions, _ = backbone.get_rope_index(input_ids=ids, mm_token_type_ids=mm, attention_mask=mask, **extra)
+        return positions
+    text = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return text[None].expand(3, -1, -1)
+
+
+def supports_prompt_sharing(model: nn.Module) -> bool:
+    """Whether the model exposes its M-RoPE rule, which placing tokens after a cached prompt needs."""
+    backbone, _ = split_head(model)
+    return hasattr(backbone, "get_rope_index")
+
+
 class VisionInputs:
     """Builds the visual keyword arguments of a training forward for rows sharing prompts."""
 
@@ -124,9 +146,7 @@ class ActorVL(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
-        backbone, _ = split_head(model)
-        # Prompt sharing needs the model's own 3-D (M-RoPE) position rule to place completions after a cached prompt.
-        self.share_prompts = hasattr(backbone, "get_rope_index")
+        self.share_prompts = supports_prompt_sharing(model)
 
     def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Final-layer hidden states [B, P + C, H] of the rows, each row computed in full."""
@@ -144,17 +164,6 @@ class ActorVL(nn.Module):
             return self._predicting_states_shared(batch)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]
 
-    def _prefix_positions(self, backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor,
-                          visual: dict) -> torch.Tensor:
-        """[3, U, P] M-RoPE positions of the prompts, by the model's own rule."""
-        if "image_grid_thw" in visual or "video_grid_thw" in visual:
-            accepted = inspect.signature(backbone.get_rope_index).parameters
-            extra = {k: v for k, v in visual.items() if k in accepted and k not in ("input_ids", "attention_mask")}
-            positions, _ = backbone.get_rope_index(input_ids=ids, mm_token_type_ids=mm, attention_mask=mask, **extra)
-            return positions
-        text = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        return text[None].expand(3, -1, -1)
-
     def _predicting_states_shared(self, batch: SequenceBatch) -> torch.Tensor:
         """Each distinct prompt runs once; its KV cache is repeated for the rows that continue it.
 
@@ -171,7 +180,7 @@ class ActorVL(nn.Module):
         ids, mask = batch.input_ids[prompt_rows, :p], batch.attention_mask[prompt_rows, :p]
         mm = mm_token_type_ids(ids, self.image_token_id, self.video_token_id)
         visual = batch.visual.model_inputs()
-        positions = self._prefix_positions(backbone, ids, mask, mm, visual)
+        positions = prompt_positions(backbone, ids, mask, mm, visual)
         prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
                               use_cache=True, **visual)
         rows = torch.tensor(batch.row_prompt, device=ids.device)

@@ -99,12 +99,13 @@ class HFEngine:
     """Rollouts with `model.generate` on the (unwrapped) policy; `max_batch_prompts` prompts per call."""
 
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
-                 max_batch_prompts: int = 16, record_logprobs: bool = True):
+                 max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None):
         self._get_model = get_model
         self.processor = processor
         self.tokens = tokens
         self.max_batch_prompts = max_batch_prompts
         self.record_logprobs = record_logprobs
+        self.share_prompts = share_prompts  # None: when the model supports it (vlrft.rollout.decode)
 
     def generation_config(self, sampling: SamplingParams):
         from transformers import GenerationConfig
@@ -142,9 +143,13 @@ class HFEngine:
                             texts=[one.texts[r] for r in rows])
         from transformers import LogitsProcessorList
 
+        from vlrft.models.actor import supports_prompt_sharing
         from vlrft.vision import mm_token_type_ids
 
         model = self._get_model()
+        share = supports_prompt_sharing(model) if self.share_prompts is None else self.share_prompts
+        if share:
+            return self._generate_groups(model, batch, sampling)
         was_training = model.training
         model.eval()
         config = self.generation_config(sampling)
@@ -179,6 +184,35 @@ class HFEngine:
             model.train(was_training)
         texts = self.processor.tokenizer.batch_decode(completions, skip_special_tokens=True)
         return Rollouts(n=sampling.n, completion_ids=completions, finish_reasons=reasons,
+                        logprobs=logprobs if self.record_logprobs else None, texts=texts)
+
+    def _generate_groups(self, model, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        """Each prompt prefilled once, its cache shared by the group (vlrft.rollout.decode)."""
+        from vlrft.rollout.decode import decode_groups
+
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        stop_ids = set(self.tokens.eos_ids) | set(sampling.stop_token_ids)
+        ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[str] = []
+        try:
+            for start in range(0, len(batch), self.max_batch_prompts):
+                index = list(range(start, min(start + self.max_batch_prompts, len(batch))))
+                rows = decode_groups(model, [batch.prompt_ids[i] for i in index],
+                                     batch.visual.select(index).to(device).model_inputs(), sampling,
+                                     pad_id=self.tokens.pad_id, stop_ids=stop_ids,
+                                     image_token_id=self.tokens.image_token_id,
+                                     video_token_id=self.tokens.video_token_id,
+                                     suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer)
+                ids.extend(rows.ids)
+                logprobs.extend(rows.logprobs)
+                reasons.extend(rows.reasons)
+        finally:
+            model.train(was_training)
+        texts = self.processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return Rollouts(n=sampling.n, completion_ids=ids, finish_reasons=reasons,
                         logprobs=logprobs if self.record_logprobs else None, texts=texts)
 
     def _cut_at_stop_string(self, ids: list[int], sampling: SamplingParams, reason: str) -> tuple[list[int], str]:
