@@ -40,6 +40,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def make_optimizer(params: list[torch.nn.Parameter], train_cfg) -> torch.optim.Optimizer:
+    """AdamW, fused into one kernel per step where torch supports it for these parameters (CPU and CUDA)."""
+    options = dict(lr=train_cfg.lr, betas=tuple(train_cfg.adam_betas), weight_decay=train_cfg.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **options)
+    except (RuntimeError, TypeError):  # e.g. a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, **options)
+
+
 class Trainer:
     """Builds everything a run needs from a `Config`; `fit()` trains, evaluates and checkpoints."""
 
@@ -64,8 +73,7 @@ class Trainer:
         self.actor.suppressed_ids = self.tokens.suppressed_ids
         self.ref = self._build_ref()
         self.critic, self.critic_wrapped, self.critic_optimizer = self._build_critic()
-        self.optimizer = torch.optim.AdamW([p for p in self.actor.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                           betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+        self.optimizer = make_optimizer([p for p in self.actor.parameters() if p.requires_grad], cfg.train)
         self.scheduler = self._build_scheduler()
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
@@ -144,8 +152,7 @@ class Trainer:
                             trust_remote_code=cfg.trust_remote_code, device=self.device)
         critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id).to(self.device)
         critic.train()
-        optimizer = torch.optim.AdamW(critic.parameters(), lr=self.cfg.train.lr, betas=tuple(self.cfg.train.adam_betas),
-                                      weight_decay=self.cfg.train.weight_decay)
+        optimizer = make_optimizer(list(critic.parameters()), self.cfg.train)
         return critic, self.strategy.wrap(critic), optimizer
 
     def _build_scheduler(self):
