@@ -37,6 +37,7 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str = ""  # local folder or Hub-format checkpoint with a processor
+    build_recipe: str | None = None  # build model.path with this recipe when it does not exist (vlrft.models.recipes)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False

@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("num_colors", "num_shapes", "max_count", "image_size", "train_size", "test_size", "seed"):
         synth.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
     synth.add_argument("--blank-images", action="store_true", help="same questions and answers over empty images")
+    synth.add_argument("--parquet", action="store_true",
+                       help="write train.parquet/test.parquet with the images embedded instead of JSONL + PNG files")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +103,19 @@ def _synth(args: argparse.Namespace) -> int:
     if args.tasks:
         fields["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
     spec = ShapesSpec(**fields, blank_images=args.blank_images)
-    paths = make_shapes(args.out_dir, spec)
+    if args.parquet:
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from vlrft.data.synthetic import embed_as_parquet
+
+        with tempfile.TemporaryDirectory() as tmp:
+            made = make_shapes(tmp, spec)
+            paths = {split: embed_as_parquet(made[split], Path(args.out_dir) / f"{split}.parquet") for split in made}
+            shutil.copy(Path(tmp) / "spec.json", Path(args.out_dir) / "spec.json")
+    else:
+        paths = make_shapes(args.out_dir, spec)
     print(f"wrote {spec.train_size} train and {spec.test_size} test samples ({', '.join(spec.tasks)}) to "
           f"{paths['train']} and {paths['test']}")
     return 0

@@ -186,3 +186,22 @@ def make_shapes(out_dir: str | Path, spec: ShapesSpec = ShapesSpec()) -> dict[st
                                                                       ("test", spec.test_size))}
     (out / "spec.json").write_text(json.dumps(asdict(spec), indent=2) + "\n", encoding="utf-8")
     return paths
+
+
+def embed_as_parquet(jsonl: str | Path, parquet: str | Path) -> Path:
+    """Rewrite a native JSONL split as one parquet file with its images embedded as {"bytes", "path"}.
+
+    One self-contained file is easy to ship (the CPU demo's data lives in the repository this way).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = Path(jsonl)
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for row in rows:
+        row["images"] = [{"bytes": (source.parent / name).read_bytes(), "path": Path(name).name}
+                         for name in row.get("images", [])]
+    target = Path(parquet)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), target, compression="zstd")
+    return target

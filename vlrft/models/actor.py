@@ -159,7 +159,9 @@ class ActorVL(nn.Module):
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
-        checkpointing = getattr(base_of(self.model), "is_gradient_checkpointing", False)
+        base = base_of(self.model)
+        checkpointing = getattr(base, "is_activation_checkpointing",
+                                getattr(base, "is_gradient_checkpointing", False))
         if self.share_prompts and batch.visual.num_samples < len(batch) and not checkpointing:
             return self._predicting_states_shared(batch)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]

@@ -24,6 +24,7 @@ from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.recipes import ensure_model
 from vlrft.rollout import make_engine
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.hf import TokenSpec
@@ -64,6 +65,10 @@ class Trainer:
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
 
+        if cfg.model.build_recipe:
+            if self.strategy.is_main:
+                ensure_model(cfg.model.path, cfg.model.build_recipe)
+            self.strategy.barrier()
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
         self.wrapped = self.strategy.wrap(self.actor)
