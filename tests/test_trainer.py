@@ -189,3 +189,75 @@ def test_truncated_completions_are_flagged_and_can_be_masked(tmp_path, tiny_vlm_
     # ... and, masked, trains nothing
     after = trainer.actor.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_ppo_with_a_critic_lora_and_gradient_checkpointing_train(tmp_path, tiny_vlm_dir, shapes):
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "algorithm.advantage=gae", "rollout.n=1",
+                 "rollout.batch_size=4", "train.total_steps=2", "train.eval_every=0", "train.eval_before_training=false",
+                 "model.lora.rank=4", "model.gradient_checkpointing=true", "train.ppo_epochs=2")
+    trainer = Trainer(cfg)
+    lora = {n: p.clone() for n, p in trainer.actor.model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)  # only the adapters train
+    value_head = trainer.critic.value_head.weight.clone()
+    history = trainer.fit()
+    assert all(math.isfinite(h["critic/value_loss"]) for h in history)
+    assert not torch.equal(value_head, trainer.critic.value_head.weight)  # the critic learned
+    changed = [n for n, p in trainer.actor.model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
+    assert changed
+    saved = tmp_path / "run" / "checkpoints" / "step_2"
+    assert (saved / "model" / "adapter_config.json").is_file() and (saved / "critic.pt").is_file()
+    # resuming a LoRA run loads the adapter on the base model and carries on
+    resumed = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "algorithm.advantage=gae", "rollout.n=1",
+                             "rollout.batch_size=4", "train.total_steps=3", "train.eval_every=0",
+                             "model.lora.rank=4", "train.resume=auto"))
+    assert resumed.step_count == 2
+    again = dict(resumed.actor.model.named_parameters())
+    assert all(torch.equal(again[n], p) for n, p in trainer.actor.model.named_parameters() if p.requires_grad)
+
+
+def test_sampled_eval_reports_pass_at_k(tmp_path, tiny_vlm_dir, shapes):
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=1", "train.eval_every=1",
+                 "train.eval_n=3", "train.eval_temperature=1.0",
+                 f"reward.functions=[{{name: '{REWARDS}:token_parity'}}]")
+    history = run(cfg)[1]
+    for h in history:
+        assert h["eval/pass@3"] >= h["eval/accuracy"]  # a prompt with any correct sample counts for pass@k
+        assert 0 < h["eval/pass@3"] <= 1  # token parity is right about half the time: some prompt passes
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    from vlrft.trainer import checkpoint
+
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=3", "train.save_every=1",
+                 "train.keep_last=2", "train.eval_every=0", "train.eval_before_training=false")
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if "step_3" in str(path) and str(path).endswith("optimizer.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        run(cfg)
+    names = sorted(p.name for p in checkpoint.list_checkpoints(tmp_path / "run"))
+    assert names == ["step_1", "step_2"]  # keep_last pruned nothing it should not; step_3 never became visible
+    assert checkpoint.resolve_resume("auto", tmp_path / "run").name == "step_2"
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "optimizer.pt").is_file()
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path, tiny_vlm_dir, shapes):
+    from vlrft.trainer import checkpoint
+
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=3", "train.save_every=1",
+                 "train.keep_last=1", "train.eval_every=0", "train.eval_before_training=false")
+    run(cfg)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "run")] == ["step_3"]
+
+
+def test_wandb_without_the_package_says_which_extra(tmp_path, tiny_vlm_dir, shapes):
+    if __import__("importlib").util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "logging.wandb=true", "train.total_steps=1")
+    with pytest.raises(UserError, match=r"pip install 'vlrft\[wandb\]'"):
+        run(cfg)

@@ -212,6 +212,7 @@ class Trainer:
         self.engine.wake()
         collected = collect(self, step)
         self.engine.sleep()
+        shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
             collected.rewards = self.reward_moments.normalize(collected.rewards)
@@ -219,7 +220,7 @@ class Trainer:
         with self.timer("time/train"):
             loss_stats, skipped = update(self, collected, experience)
         self.engine.update_weights(self.strategy.unwrap(self.wrapped))
-        metrics = self._step_metrics(collected, experience, loss_stats, skipped)
+        metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
         for name, seconds in self._times.items():
@@ -230,9 +231,9 @@ class Trainer:
             self.logger.log_completions(step, self._completion_rows(collected, experience, step))
         return metrics
 
-    def _step_metrics(self, collected: Collected, exp: Experience, loss_stats: Stats, skipped: int) -> dict:
+    def _step_metrics(self, collected: Collected, rewards: torch.Tensor, exp: Experience, loss_stats: Stats,
+                      skipped: int) -> dict:
         stats = Stats()
-        rewards = collected.rewards
         valid = ~torch.isnan(rewards)
         stats.add("reward/mean", torch.where(valid, rewards, torch.zeros(())).sum(), valid.sum())
         stats.add("reward/frac_not_applicable", (~valid).float().sum(), rewards.numel())
