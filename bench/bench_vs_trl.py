@@ -214,7 +214,8 @@ def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
         "data": {"train_files": [str(spec.data_dir / "train.jsonl")], "format": "native",
                  "min_pixels": pixels, "max_pixels": pixels},
         "rollout": {"engine": "hf", "n": spec.group_size, "batch_size": spec.batch_size,
-                    "max_new_tokens": spec.completion_length, "temperature": 1.0},
+                    "max_new_tokens": spec.completion_length, "temperature": 1.0,
+                    "min_new_tokens": 0 if spec.natural_length else spec.completion_length},
         "reward": {"functions": [{"name": "exact_match"}]},
         "algorithm": {"advantage": "grpo", "scale_rewards": "group", "loss_agg": "token-mean",
                       "kl_coef": spec.beta, "kl_estimator": "k3", "kl_in": "loss"},
@@ -226,16 +227,6 @@ def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
     path = Path(spec.workdir) / f"vlrft_beta{spec.beta}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     trainer = Trainer(load_config(path))
-    if not spec.natural_length:
-        # vlrft has no `min_new_tokens` option; mask EOS exactly as TRL's generation_kwargs below does.
-        make_config = trainer.engine.generation_config
-
-        def full_length(sampling):
-            generation_config = make_config(sampling)
-            generation_config.min_new_tokens = sampling.max_new_tokens
-            return generation_config
-
-        trainer.engine.generation_config = full_length
     rss_before = _rss_mib()
     clocks = [_clock()]
     setup = clocks[0][0] - t_start

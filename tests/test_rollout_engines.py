@@ -76,13 +76,13 @@ def encoded(tiny_processor, tiny_vlm_dir):
 # ---------------------------------------------------------------------------------------------- sampling options
 
 TOKENS = TokenSpec(pad_id=0, eos_ids=(2, 9), image_token_id=6, video_token_id=7, suppressed_ids=(6, 7, 3))
-SAMPLED = SamplingParams(n=4, max_new_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+SAMPLED = SamplingParams(n=4, max_new_tokens=33, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
                          repetition_penalty=1.1, stop=("</answer>",), stop_token_ids=(9, 11))
 
 
 def test_vllm_sampling_options_map_every_field():
     kwargs = vllm_sampling_kwargs(SAMPLED, TOKENS)
-    assert kwargs == dict(n=4, max_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+    assert kwargs == dict(n=4, max_tokens=33, min_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
                           stop=["</answer>"], stop_token_ids=[2, 9, 11], ignore_eos=False, logprobs=0,
                           detokenize=True, skip_special_tokens=True,
                           logit_bias={6: -math.inf, 7: -math.inf, 3: -math.inf})
@@ -101,7 +101,7 @@ def test_vllm_greedy_and_disabled_options():
 
 def test_sglang_sampling_options_map_every_field():
     params = sglang_sampling_params(SAMPLED, TOKENS)
-    assert params == dict(n=4, max_new_tokens=33, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+    assert params == dict(n=4, max_new_tokens=33, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
                           repetition_penalty=1.1, stop=["</answer>"], stop_token_ids=[2, 9, 11], ignore_eos=False,
                           skip_special_tokens=True, logit_bias={"6": -math.inf, "7": -math.inf, "3": -math.inf})
     greedy = sglang_sampling_params(SamplingParams(temperature=0.0, top_k=5), TOKENS)

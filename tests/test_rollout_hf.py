@@ -116,3 +116,21 @@ def test_engine_restores_training_mode(setup):
     HFEngine(lambda: model, processor, tokens).generate(batch.select([1]), SamplingParams(n=1, max_new_tokens=2))
     assert model.training
     model.eval()
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_min_new_tokens_holds_back_the_stop_tokens(setup, share):
+    processor, model, tokens, batch = setup
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
+    # make the end-of-turn token by far the likeliest, so only min_new_tokens can hold it back
+    bias = torch.zeros(model.lm_head.weight.shape[0])
+    bias[list(tokens.eos_ids)] = 50.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    try:
+        free = engine.generate(batch, SamplingParams(n=2, max_new_tokens=6, temperature=1.0))
+        held = engine.generate(batch, SamplingParams(n=2, max_new_tokens=6, min_new_tokens=4, temperature=1.0))
+    finally:
+        model.lm_head.bias = None
+    assert all(len(ids) == 1 for ids in free.completion_ids)  # stops at once
+    assert all(len(ids) == 5 and ids[-1] in tokens.eos_ids for ids in held.completion_ids)
+    assert all(not set(ids[:4]) & set(tokens.eos_ids) for ids in held.completion_ids)

@@ -75,6 +75,7 @@ class RolloutConfig:
     n: int = 8  # completions per prompt (the group size)
     batch_size: int = 64  # completions per step over all ranks (= prompts per step * n)
     max_new_tokens: int = 512
+    min_new_tokens: int = 0  # stop tokens are not sampled before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

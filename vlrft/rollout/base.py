@@ -27,6 +27,7 @@ class SamplingParams:
 
     n: int = 1
     max_new_tokens: int = 64
+    min_new_tokens: int = 0  # stop tokens cannot be sampled before this many tokens
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -41,7 +42,8 @@ class SamplingParams:
 
     @classmethod
     def from_config(cls, cfg: "RolloutConfig", **overrides) -> "SamplingParams":
-        params = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+        params = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p,
                       top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
                       stop=tuple(cfg.stop), stop_token_ids=tuple(cfg.stop_token_ids))
         params.update(overrides)

@@ -94,6 +94,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     alive = torch.arange(total, device=device)  # original row of each running row
     for step in range(sampling.max_new_tokens):
         scores = processors(history, head(hidden).float())
+        if step < sampling.min_new_tokens:  # too early to stop
+            scores = scores.index_fill(1, stop_tensor, float("-inf"))
         if sampling.greedy:
             tokens = scores.argmax(dim=-1)
         else:

@@ -112,7 +112,7 @@ class HFEngine:
 
         options = dict(
             max_new_tokens=sampling.max_new_tokens,
-            min_new_tokens=0,
+            min_new_tokens=sampling.min_new_tokens,
             num_return_sequences=sampling.n,
             eos_token_id=list(self.tokens.eos_ids) + [i for i in sampling.stop_token_ids if i not in self.tokens.eos_ids],
             pad_token_id=self.tokens.pad_id,

@@ -46,6 +46,7 @@ def sglang_sampling_params(sampling: SamplingParams, tokens: "TokenSpec") -> dic
     params: dict[str, Any] = dict(
         n=sampling.n,
         max_new_tokens=sampling.max_new_tokens,
+        min_new_tokens=sampling.min_new_tokens,
         temperature=0.0 if sampling.greedy else sampling.temperature,  # SGLang: 0 is greedy (top_k=1)
         top_p=1.0 if sampling.greedy else sampling.top_p,
         top_k=-1 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,  # SGLang: -1 is off

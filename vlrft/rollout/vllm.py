@@ -48,6 +48,7 @@ def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs
     kwargs: dict[str, Any] = dict(
         n=sampling.n,
         max_tokens=sampling.max_new_tokens,
+        min_tokens=sampling.min_new_tokens,
         temperature=0.0 if sampling.greedy else sampling.temperature,  # vLLM: 0 is greedy
         top_p=1.0 if sampling.greedy else sampling.top_p,
         top_k=0 if sampling.greedy or sampling.top_k <= 0 else sampling.top_k,  # vLLM >= 0.10: 0 (or -1) is off
