@@ -17,7 +17,9 @@ from typing import Any
 from vlrft.config import Config, LoggingConfig, to_dict
 from vlrft.errors import MissingDependencyError
 
-HEADLINE = ("reward/mean", "eval/accuracy", "kl", "entropy", "completions/mean_length")
+# metric -> its short name in the progress bar
+HEADLINE = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "kl": "kl", "entropy": "entropy",
+            "completions/mean_length": "len"}
 
 
 @dataclass
@@ -85,8 +87,8 @@ class RunLogger:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix({k.split("/")[-1] if k != "eval/accuracy" else "eval_acc": f"{metrics[k]:.3g}"
-                                   for k in HEADLINE if isinstance(metrics.get(k), (int, float))}, refresh=True)
+            self._bar.set_postfix({short: f"{metrics[key]:.3g}" for key, short in HEADLINE.items()
+                                   if isinstance(metrics.get(key), (int, float))}, refresh=True)
 
     def log_completions(self, step: int, rows: list[CompletionRow]) -> None:
         with self.completions_path.open("a", encoding="utf-8") as f:

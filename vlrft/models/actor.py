@@ -160,8 +160,9 @@ class ActorVL(nn.Module):
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
         base = base_of(self.model)
-        checkpointing = getattr(base, "is_activation_checkpointing",
-                                getattr(base, "is_gradient_checkpointing", False))
+        name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"  # the older name is deprecated in transformers 5
+        checkpointing = bool(getattr(base, name, False))
         if self.share_prompts and batch.visual.num_samples < len(batch) and not checkpointing:
             return self._predicting_states_shared(batch)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]

@@ -62,7 +62,7 @@ def supervised_warm_start(model_dir: Path, samples: list, settings: WarmStart, d
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"warm_start/first_loss": losses[0], "warm_start/last_loss": losses[-1]}
 

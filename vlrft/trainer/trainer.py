@@ -66,7 +66,8 @@ class Trainer:
         self._times: dict[str, float] = defaultdict(float)
 
         if cfg.model.build_recipe:
-            if self.strategy.is_main:
+            if self.strategy.is_main and not (Path(cfg.model.path) / "config.json").is_file():
+                self.message(f"{cfg.model.path} does not exist yet: building it with recipe '{cfg.model.build_recipe}'")
                 ensure_model(cfg.model.path, cfg.model.build_recipe)
             self.strategy.barrier()
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
