@@ -198,7 +198,7 @@ class Trainer:
 
     def message(self, text: str) -> None:
         if self.strategy.is_main:
-            if self.logger is not None:
+            if getattr(self, "logger", None) is not None:
                 self.logger.message(text)
             else:
                 print(text, flush=True)
