@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vlrft.data.processor import left_pad
 from vlrft.models.actor import prompt_positions, split_head
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
@@ -62,8 +63,6 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None) -> DecodedRows:
     """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt."""
-    from vlrft.rollout.hf import left_pad
-
     backbone, head = split_head(model)
     device = head.weight.device
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_id))

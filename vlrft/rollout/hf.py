@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from vlrft.data.processor import left_pad
 from vlrft.rollout.base import Rollouts, SamplingParams, cut_at_stop
 
 if TYPE_CHECKING:
@@ -53,17 +54,6 @@ class TokenSpec:
                 suppressed.append(int(value))
         return cls(pad_id=int(pad), eos_ids=tuple(eos), image_token_id=image_id, video_token_id=video_id,
                    suppressed_ids=tuple(suppressed))
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists into (input_ids, attention_mask), as generation wants."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 class _LogprobRecorder:
