@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from PIL import Image
 
 
-def test_top_k_off_is_not_overridden_by_the_checkpoint_generation_config(tiny_vlm_dir):
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_top_k_off_is_not_overridden_by_the_checkpoint_generation_config(tiny_vlm_dir, share):
     from vlrft.config import DataConfig
     from vlrft.data import PromptEncoder
     from vlrft.data.sample import Sample
@@ -17,13 +19,64 @@ def test_top_k_off_is_not_overridden_by_the_checkpoint_generation_config(tiny_vl
     folder = tiny_vlm_dir()
     processor, model = load_processor(folder), load_policy(folder)
     model.generation_config.top_k = 1  # what a checkpoint's generation_config.json may carry
+    model.generation_config.min_p = 1.0
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     sample = Sample(id="red", prompt="<image>What color is the shape?", images=[Image.new("RGB", (56, 56), (200, 30, 30))])
     batch = PromptEncoder(processor, DataConfig()).encode([sample]).batch
-    engine = HFEngine(lambda: model, processor, tokens)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
 
     torch.manual_seed(0)
     rollouts = engine.generate(batch, SamplingParams(n=6, max_new_tokens=6, temperature=1.0, top_k=0))
 
-    # With the checkpoint's top_k=1 leaking in, all six completions would be the same greedy one.
+    # With the checkpoint's top_k=1 or min_p=1 leaking in, all six completions would be the same greedy one.
     assert len({tuple(ids) for ids in rollouts.completion_ids}) > 1
+
+
+def _engine_and_batch(tiny_vlm_dir):
+    from vlrft.config import DataConfig
+    from vlrft.data import PromptEncoder
+    from vlrft.data.sample import Sample
+    from vlrft.models.loading import load_policy, load_processor
+    from vlrft.rollout.hf import TokenSpec
+
+    folder = tiny_vlm_dir()
+    processor, model = load_processor(folder), load_policy(folder).eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    samples = [Sample(id="red", prompt="<image>What color is the shape?",
+                      images=[Image.new("RGB", (56, 56), (200, 30, 30))]),
+               Sample(id="text", prompt="Say something.")]
+    batch = PromptEncoder(processor, DataConfig()).encode(samples).batch
+    return processor, model, tokens, batch
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_recorded_logprobs_are_of_the_tempered_distribution_actually_sampled(tiny_vlm_dir, share):
+    """The TIS weights compare the trainer's logprobs at the rollout temperature with these: they must agree."""
+    from vlrft.models.actor import ActorVL
+    from vlrft.rollout.base import SamplingParams
+    from vlrft.rollout.hf import HFEngine
+    from vlrft.trainer.sequences import build_sequences
+
+    processor, model, tokens, batch = _engine_and_batch(tiny_vlm_dir)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
+    torch.manual_seed(0)
+    out = engine.generate(batch, SamplingParams(n=3, max_new_tokens=6, temperature=0.7, top_k=0))
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
+    with torch.no_grad():
+        expected = actor.logprobs(seqs, temperature=0.7).logprobs
+    for row, lp in enumerate(out.logprobs):
+        assert torch.allclose(expected[row, :len(lp)], torch.tensor(lp), atol=1e-4), row
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["group-decoder", "transformers-generate"])
+def test_recorded_logprobs_come_after_top_k(tiny_vlm_dir, share):
+    """With top_k=1 only one token survives the warpers: it was sampled with probability 1 (logprob 0)."""
+    from vlrft.rollout.base import SamplingParams
+    from vlrft.rollout.hf import HFEngine
+
+    processor, model, tokens, batch = _engine_and_batch(tiny_vlm_dir)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=5, temperature=1.0, top_k=1))
+    values = torch.tensor([v for row in out.logprobs for v in row])
+    assert values.numel() > 0 and torch.allclose(values, torch.zeros_like(values), atol=1e-5)

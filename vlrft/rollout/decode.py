@@ -29,32 +29,35 @@ class DecodedRows:
     reasons: list[str]
 
 
+def sampling_warpers(sampling: SamplingParams):
+    """transformers' temperature / top-k / top-p / min-p warpers for `sampling`, in `generate`'s order."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, \
+        TopPLogitsWarper
+
+    warpers = LogitsProcessorList()
+    if sampling.greedy:
+        return warpers
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    if sampling.min_p > 0:
+        warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
+    return warpers
+
+
 def sampling_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...], device, tokenizer=None):
     """transformers logits processors for `sampling`, in the order `generate` applies them."""
-    from transformers import (
-        LogitsProcessorList,
-        MinPLogitsWarper,
-        RepetitionPenaltyLogitsProcessor,
-        SuppressTokensLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SuppressTokensLogitsProcessor
 
     processors = LogitsProcessorList()
     if sampling.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyLogitsProcessor(penalty=sampling.repetition_penalty))
     if suppressed_ids:
         processors.append(SuppressTokensLogitsProcessor(list(suppressed_ids), device=device))
-    if not sampling.greedy:
-        if sampling.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(sampling.temperature))
-        if sampling.top_k > 0:
-            processors.append(TopKLogitsWarper(top_k=sampling.top_k))
-        if sampling.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-        if sampling.min_p > 0:
-            processors.append(MinPLogitsWarper(min_p=sampling.min_p))
+    processors.extend(sampling_warpers(sampling))
     return processors
 
 

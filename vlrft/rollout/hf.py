@@ -57,7 +57,7 @@ class TokenSpec:
 
 
 class _LogprobRecorder:
-    """Logits processor (placed last) recording the logprob of each sampled token under the final scores.
+    """Logits processor (placed after the warpers) recording the logprob of each sampled token under the final scores.
 
     At step t it keeps log_softmax(scores_t); at step t+1 the token sampled at t is the last column
     of `input_ids`, so only one [batch, vocab] tensor is alive at a time.
@@ -113,11 +113,12 @@ class HFEngine:
         if sampling.greedy:
             options.update(do_sample=False)
         else:
-            # top_k=0 (not None) turns top-k off: `generate` fills None fields from the checkpoint's
-            # generation_config.json (Qwen-VL Instruct ships a small top_k) and then from its own default (50).
-            options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                           top_k=sampling.top_k,
-                           min_p=sampling.min_p if sampling.min_p > 0 else None)
+            # The warpers are passed to `generate` as logits processors (`sampling_warpers`), ahead of
+            # the logprob recorder: `generate` appends its own warpers after every custom processor,
+            # so a recorder there would see the untempered scores. Here every warper is neutral;
+            # top_k=0 and min_p=0.0 (not None) keep `generate` from filling them from the checkpoint's
+            # generation_config.json (Qwen-VL Instruct ships a small top_k) or its own default (50).
+            options.update(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
         if sampling.stop:
             options["stop_strings"] = list(sampling.stop)
         return GenerationConfig(**options)
@@ -134,6 +135,7 @@ class HFEngine:
         from transformers import LogitsProcessorList
 
         from vlrft.models.actor import supports_prompt_sharing
+        from vlrft.rollout.decode import sampling_warpers
         from vlrft.vision import mm_token_type_ids
 
         model = self._get_model()
@@ -143,6 +145,7 @@ class HFEngine:
         was_training = model.training
         model.eval()
         config = self.generation_config(sampling)
+        warpers = sampling_warpers(sampling)
         device = next(model.parameters()).device
         stop_ids = set(config.eos_token_id)
         completions: list[list[int]] = []
@@ -157,8 +160,8 @@ class HFEngine:
                                                                   self.tokens.video_token_id).to(device))
                 kwargs.update(batch.visual.select(index).to(device).model_inputs())
                 recorder = _LogprobRecorder() if self.record_logprobs else None
-                out = model.generate(**kwargs, generation_config=config,
-                                     logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                processors = LogitsProcessorList([*warpers, *([recorder] if recorder else [])])
+                out = model.generate(**kwargs, generation_config=config, logits_processor=processors,
                                      tokenizer=self.processor.tokenizer if sampling.stop else None)
                 new = out[:, input_ids.shape[1]:].cpu()
                 step_lp = recorder.finish(out) if recorder else None
