@@ -63,15 +63,39 @@ def forward_pass(trainer, collected, model, width: int, fn) -> torch.Tensor:
     return out
 
 
+def training_masks(completion_ids: list[list[int]], truncated: list[bool], mask_truncated: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_mask, loss_mask) [N, C]: every generated token; the tokens that train (truncated rows zeroed)."""
+    width = max(1, max((len(c) for c in completion_ids), default=1))
+    token_mask = padded([[1.0] * len(c) for c in completion_ids], width)
+    mask = token_mask.clone()
+    if mask_truncated:
+        mask[torch.tensor(truncated, dtype=torch.bool)] = 0.0
+    return token_mask, mask
+
+
+def score_advantages(algo, rewards: torch.Tensor, token_mask: torch.Tensor, group_size: int, *,
+                     old: torch.Tensor | None, ref: torch.Tensor | None, kl_coef: float,
+                     values: torch.Tensor | None = None, reduce=None):
+    """Advantages from every generated token, so each row of a group is scored the same way.
+
+    With `kl_in: reward` a row's score is reward - coef * sum of KL over all its tokens, truncated
+    rows included: `mask_truncated` removes a row's gradient (the loss mask), never its KL term,
+    so the group mean/std compare like with like.
+    """
+    token_rewards = None
+    if algo.kl_in == "reward" and ref is not None and kl_coef > 0:
+        token_rewards = kl_reward_penalty(old, ref, token_mask.bool(), kl_coef, algo.kl_estimator)
+    return compute_advantages(algo, rewards, token_mask.bool(), group_size, values=values,
+                              token_rewards=token_rewards, reduce=reduce)
+
+
 def make_experience(trainer, collected) -> Experience:
     cfg = trainer.cfg
     algo = cfg.algorithm
     rollouts = collected.rollouts
-    width = max(1, max(len(c) for c in rollouts.completion_ids))
-    token_mask = padded([[1.0] * len(c) for c in rollouts.completion_ids], width)
-    mask = token_mask.clone()
-    if algo.mask_truncated:
-        mask[torch.tensor(rollouts.truncated, dtype=torch.bool)] = 0.0
+    token_mask, mask = training_masks(rollouts.completion_ids, rollouts.truncated, algo.mask_truncated)
+    width = token_mask.shape[1]
     temperature = trainer.train_temperature
     logprob_fn = lambda model, seqs: model.logprobs(seqs, temperature).logprobs  # noqa: E731
 
@@ -87,11 +111,8 @@ def make_experience(trainer, collected) -> Experience:
             values = forward_pass(trainer, collected, trainer.critic, width, lambda m, s: m(s))
     engine = None if rollouts.logprobs is None else padded(rollouts.logprobs, width)
 
-    token_rewards = None
-    if algo.kl_in == "reward" and ref is not None and trainer.kl_controller.value > 0:
-        token_rewards = kl_reward_penalty(old, ref, mask.bool(), trainer.kl_controller.value, algo.kl_estimator)
-    result = compute_advantages(algo, collected.rewards, mask.bool(), cfg.rollout.n, values=values,
-                                token_rewards=token_rewards, reduce=trainer.sum_reduce)
+    result = score_advantages(algo, collected.rewards, token_mask, cfg.rollout.n, old=old, ref=ref,
+                              kl_coef=trainer.kl_controller.value, values=values, reduce=trainer.sum_reduce)
     return Experience(mask=mask * result.valid[:, None].float(), token_mask=token_mask, advantages=result.advantages,
                       returns=result.returns, old_logprobs=old, ref_logprobs=ref, engine_logprobs=engine,
                       values=values, valid=result.valid, advantage_stats=result.stats)
