@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -28,6 +29,34 @@ def test_kl_estimators(kind, expected):
 def test_k3_is_never_negative_and_finite_for_extreme_log_ratios():
     out = kl_estimate(torch.tensor([-1000.0, 1000.0]), torch.zeros(2), "k3")
     assert torch.isfinite(out).all() and (out >= 0).all()
+
+
+def test_k3_is_clamped_to_ten_by_default_as_verl_and_openrlhf_do():
+    # d = -5 (policy far below the reference): k3 = exp(5) - 6 = 142.41, gradient 1 - exp(5) = -147.41
+    logp = torch.tensor([-5.0, -0.5], requires_grad=True)
+    kl_estimate(logp, torch.zeros(2), "k3").sum().backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, 1 - math.exp(0.5)])  # the clamped token adds no gradient
+    assert kl_estimate(logp, torch.zeros(2), "k3").tolist() == pytest.approx([10.0, math.exp(0.5) - 1.5])
+    assert AlgorithmConfig().kl_k3_clamp == 10.0
+
+
+def test_k3_clamp_off_keeps_the_raw_estimate_and_its_gradient():
+    logp = torch.tensor([-5.0], requires_grad=True)
+    value = kl_estimate(logp, torch.zeros(1), "k3", k3_clamp=None)
+    value.sum().backward()
+    assert value.item() == pytest.approx(math.exp(5) - 6) and logp.grad.item() == pytest.approx(1 - math.exp(5))
+
+
+def test_the_k3_clamp_reaches_the_loss_and_the_reward_penalty():
+    from vlrft.algo import policy_loss
+
+    logp, ref, mask = torch.tensor([[-5.0]], requires_grad=True), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool)
+    for clamp, expected in ((10.0, 10.0), (None, math.exp(5) - 6)):
+        cfg = dataclasses.replace(AlgorithmConfig(), kl_in="loss", kl_k3_clamp=clamp)
+        out = policy_loss(cfg, logp, logp.detach(), torch.zeros(1, 1), mask, ref_logprobs=ref, kl_coef=1.0)
+        assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+        penalty = kl_reward_penalty(logp, ref, mask, 1.0, "k3", clamp)
+        assert penalty.item() == pytest.approx(-expected, rel=1e-5)
 
 
 def test_unknown_estimator_is_rejected():

@@ -131,6 +131,7 @@ class AlgorithmConfig:
     dual_clip: float | None = None  # e.g. 3.0
     kl_coef: float = 0.0  # beta; 0 means no reference model is loaded
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_k3_clamp: float | None = 10.0  # k3 clamped to [-x, x] as verl/OpenRLHF do; null = off
     kl_in: Literal["loss", "reward"] = "loss"
     kl_controller: Literal["fixed", "adaptive"] = "fixed"
     kl_target: float = 0.1
@@ -279,6 +280,7 @@ class Config:
             ("lam", 0 <= a.lam <= 1, "a number in [0, 1]"),
             ("kl_target", not adaptive or a.kl_target > 0, "a number > 0 with kl_controller=adaptive"),
             ("kl_horizon", not adaptive or a.kl_horizon > 0, "a positive integer with kl_controller=adaptive"),
+            ("kl_k3_clamp", a.kl_k3_clamp is None or a.kl_k3_clamp > 0, "a number > 0 (default 10) or null for no clamp"),
             ("reward_clip", a.reward_clip is None or a.reward_clip > 0, "a number > 0 or null to disable"),
             ("value_clip", a.value_clip > 0, "a number > 0 (e.g. 0.2)"),
             ("gspo_clip_eps_low", 0 <= a.gspo_clip_eps_low < 1, "a number in [0, 1) (default 3e-4)"),

@@ -17,12 +17,18 @@ from vlrft.config import AlgorithmConfig
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
+# verl (`low_var_kl`) and OpenRLHF clamp the k3 value to +-10: far below the reference (d = -5)
+# k3 = exp(5) - 6 = 142 with gradient -147 per token, and one such token outweighs the rest of the batch.
+K3_CLAMP = 10.0
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str, k3_clamp: float | None = K3_CLAMP) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     With d = logp - logp_ref: k1 = d (unbiased, can be negative), k2 = d^2 / 2 (low variance,
     biased), k3 = exp(-d) - 1 + d (unbiased and never negative). d is clamped to [-20, 20] so
-    that exp never overflows to inf.
+    that exp never overflows to inf, and k3 to [-k3_clamp, k3_clamp] (`algorithm.kl_k3_clamp`,
+    None = off) as verl and OpenRLHF do: a clamped token contributes no gradient.
     """
     d = (logprobs - ref_logprobs).clamp(-20.0, 20.0)
     if kind == "k1":
@@ -30,13 +36,15 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return 0.5 * d.square()
     if kind == "k3":
-        return torch.exp(-d) - 1.0 + d
+        k3 = torch.exp(-d) - 1.0 + d
+        return k3 if k3_clamp is None else k3.clamp(-k3_clamp, k3_clamp)
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 
-def kl_reward_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, coef: float, kind: str) -> Tensor:
+def kl_reward_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, coef: float, kind: str,
+                      k3_clamp: float | None = K3_CLAMP) -> Tensor:
     """Per-token rewards -coef * KL for `kl_in: reward` (zero on padding); pass as `token_rewards`."""
-    kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), kind)
+    kl = kl_estimate(logprobs.detach(), ref_logprobs.detach(), kind, k3_clamp)
     return -coef * kl * mask.to(kl.dtype)
 
 
@@ -72,7 +80,7 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
     def state_dict(self) -> dict[str, float]:
-        # the coefficient is the only state; resume must restore it (DESIGN §5)
+        # the coefficient is the only state; resume must restore it (docs/design.md, "Resume")
         return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, float]) -> None:

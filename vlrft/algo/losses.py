@@ -286,10 +286,11 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, ad
         if ref_logprobs is None:
             raise UserError("algorithm.kl_coef > 0 with kl_in: loss needs the reference model's logprobs "
                             "(ref_logprobs); the trainer must load the reference model")
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator)
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator, cfg.kl_k3_clamp)
         loss = loss + kl_coef * aggregate(kl, mask, cfg.loss_agg, **agg)
     if ref_logprobs is not None:
-        stats.add_masked("actor/kl_ref", kl_estimate(logprobs.detach(), ref_logprobs.detach(), cfg.kl_estimator), mask)
+        stats.add_masked("actor/kl_ref", kl_estimate(logprobs.detach(), ref_logprobs.detach(), cfg.kl_estimator,
+                                                      cfg.kl_k3_clamp), mask)
 
     _record_policy_stats(stats, sur, pg, pg_mask, mask, logprobs, old_logprobs, entropy)
     return LossOutput(loss=loss * world_size, stats=stats)

@@ -85,7 +85,7 @@ def score_advantages(algo, rewards: torch.Tensor, token_mask: torch.Tensor, grou
     """
     token_rewards = None
     if algo.kl_in == "reward" and ref is not None and kl_coef > 0:
-        token_rewards = kl_reward_penalty(old, ref, token_mask.bool(), kl_coef, algo.kl_estimator)
+        token_rewards = kl_reward_penalty(old, ref, token_mask.bool(), kl_coef, algo.kl_estimator, algo.kl_k3_clamp)
     return compute_advantages(algo, rewards, token_mask.bool(), group_size, values=values,
                               token_rewards=token_rewards, reduce=reduce)
 
