@@ -80,3 +80,19 @@ def test_recorded_logprobs_come_after_top_k(tiny_vlm_dir, share):
     out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=5, temperature=1.0, top_k=1))
     values = torch.tensor([v for row in out.logprobs for v in row])
     assert values.numel() > 0 and torch.allclose(values, torch.zeros_like(values), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_every_vision_special_token_is_suppressed_including_vision_pad(tiny_vlm_dir, arch):
+    """A completion holding a vision placeholder breaks the trainer's forward ("image tokens != features")."""
+    from vlrft.models.loading import load_processor
+    from vlrft.rollout.hf import TokenSpec
+    from transformers import AutoConfig
+
+    folder = tiny_vlm_dir(arch)
+    processor, config = load_processor(folder), AutoConfig.from_pretrained(folder)
+    tokens = TokenSpec.from_model(processor, config)
+    vocab = processor.tokenizer.get_vocab()
+    names = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+    assert set(tokens.suppressed_ids) == {vocab[name] for name in names}
+    assert not {vocab["<|im_end|>"], vocab["<|endoftext|>"]} & set(tokens.suppressed_ids)
