@@ -52,7 +52,7 @@ def test_missing_and_malformed_config_are_one_line(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text("train: {lr: 1.0e-6}\n")
     assert_one_line_error(vlrft("config", good, "train.lr=fast"), "train.lr='fast' is invalid; expected a number")
-    ok = vlrft("config", good, "rollout.n=4", "rollout.batch_size=8")
+    ok = vlrft("config", good, "rollout.n=4", "rollout.global_batch_completions=8")
     assert ok.returncode == 0 and "n: 4" in ok.stdout
 
 

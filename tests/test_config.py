@@ -18,13 +18,13 @@ def write(tmp_path, text, name="cfg.yaml"):
 def test_yaml_and_overrides_merge_with_types(tmp_path):
     path = write(tmp_path, """
         model: {path: /models/tiny}
-        rollout: {n: 4, batch_size: 16}
+        rollout: {n: 4, global_batch_completions: 16}
         train: {lr: 1.0e-5}
     """)
     cfg = load_config(path, ["train.lr=1e-6", "rollout.n=8", "algorithm.dual_clip=3", "data.train_files=[a.jsonl,b.jsonl]"])
     assert cfg.model.path == "/models/tiny"
     assert cfg.train.lr == pytest.approx(1e-6) and isinstance(cfg.train.lr, float)
-    assert cfg.rollout.n == 8 and cfg.rollout.batch_size == 16
+    assert cfg.rollout.n == 8 and cfg.rollout.global_batch_completions == 16
     assert cfg.algorithm.dual_clip == 3.0 and isinstance(cfg.algorithm.dual_clip, float)
     assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
     assert cfg.prompts_per_step == 2
@@ -54,12 +54,13 @@ def test_nested_reward_functions_and_interpolation(tmp_path):
     (["model.freeze_vision_tower=maybe"], "config: model.freeze_vision_tower='maybe' is invalid; expected true/false"),
     (["algorithm.advantage=ppo2"], "config: algorithm.advantage='ppo2' is invalid; expected one of 'grpo', 'drgrpo', 'rloo'"),
     (["reward.functions=[{nam: acc}]"], "config: unknown key 'reward.functions[0].nam' (did you mean 'reward.functions[0].name'?)"),
-    (["rollout.n=3"], "config: rollout.batch_size=64 is not allowed; expected a multiple of rollout.n=3"),
+    (["rollout.n=3"], "config: rollout.global_batch_completions=64 is not allowed; expected a multiple of rollout.n=3"),
     (["rollout.n=0"], "config: rollout.n=0 is not allowed; expected a positive integer"),
-    (["train.mini_batch_size=48"], "config: train.mini_batch_size=48 is not allowed; expected a divisor of rollout.batch_size=64"),
+    (["train.global_mini_batch_completions=48"], "config: train.global_mini_batch_completions=48 is not allowed; "
+                                                "expected a divisor of rollout.global_batch_completions=64"),
     (["algorithm.clip_eps_low=1.5"], "config: algorithm.clip_eps_low=1.5 is not allowed; expected a number in [0, 1)"),
     (["algorithm.dual_clip=0.5"], "config: algorithm.dual_clip=0.5 is not allowed; expected a number > 1"),
-    (["algorithm.advantage=rloo", "rollout.n=1", "rollout.batch_size=8"], "config: rollout.n=1 is not allowed; expected at least 2"),
+    (["algorithm.advantage=rloo", "rollout.n=1", "rollout.global_batch_completions=8"], "config: rollout.n=1 is not allowed; expected at least 2"),
     (["train.resume=/no/such/ckpt"], "config: train.resume='/no/such/ckpt' is not allowed; expected 'none', 'auto' or the path"),
     (["lr"], "config: override 'lr' is not of the form section.key=value"),
 ])
@@ -72,7 +73,7 @@ def test_bad_values_fail_with_one_clear_message(overrides, message):
 
 def test_batch_must_split_into_whole_groups_per_rank():
     # 64 completions / n=8 -> 8 prompts; 3 ranks cannot each get whole groups
-    with pytest.raises(ConfigError, match=r"rollout.batch_size=64 .* multiple of rollout.n \* world_size = 24"):
+    with pytest.raises(ConfigError, match=r"rollout.global_batch_completions=64 .* multiple of rollout.n \* world_size = 24"):
         load_config(None, ["train.strategy=ddp"], world_size=3)
     assert load_config(None, ["train.strategy=ddp"], world_size=4).prompts_per_step == 8
     with pytest.raises(ConfigError, match="train.strategy='single' is not allowed; expected 'ddp' when running 2 processes"):
@@ -100,3 +101,27 @@ def test_saved_config_round_trips_and_drops_secrets(tmp_path):
     again = load_config(saved)
     assert again.train.lr == pytest.approx(3e-6)
     assert again.rollout == cfg.rollout and again.algorithm == cfg.algorithm
+
+
+def test_old_batch_size_names_still_load_and_say_what_to_use(tmp_path, capsys):
+    import vlrft.config as config
+
+    config._warned.clear()
+    path = write(tmp_path, """
+        rollout: {n: 4, batch_size: 16}
+        train: {micro_batch_size: 2, mini_batch_size: 8, eval_batch_size: 5}
+    """)
+    cfg = load_config(path)
+    assert cfg.rollout.global_batch_completions == 16 and cfg.train.micro_batch_completions_per_rank == 2
+    assert cfg.train.global_mini_batch_completions == 8 and cfg.train.eval_batch_prompts == 5
+    assert cfg.rollout.batch_size == 16 and cfg.train.micro_batch_size == 2  # code reading the old names works
+    err = capsys.readouterr().err
+    assert "config key 'rollout.batch_size' is deprecated; use 'rollout.global_batch_completions' " \
+           "(completions per step over all ranks" in err
+    assert "'train.micro_batch_size' is deprecated; use 'train.micro_batch_completions_per_rank'" in err
+    assert "'train.eval_batch_size' is deprecated; use 'train.eval_batch_prompts'" in err
+    # an old-name override overrides the file's new-name key; both names in one place is an error
+    new = write(tmp_path, "rollout: {n: 4, global_batch_completions: 16}\n", name="new.yaml")
+    assert load_config(new, ["rollout.batch_size=8"]).rollout.global_batch_completions == 8
+    with pytest.raises(ConfigError, match="both 'rollout.batch_size' and 'rollout.global_batch_completions' are set"):
+        load_config(None, ["rollout.batch_size=8", "rollout.global_batch_completions=8"])

@@ -13,7 +13,7 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 def test_shipped_config_is_valid(path):
     cfg = load_config(path, world_size=1 if path.name == "demo.yaml" else 8)
     assert cfg.model.path and cfg.data.train_files and cfg.reward.functions
-    assert cfg.rollout.batch_size % cfg.rollout.n == 0
+    assert cfg.rollout.global_batch_completions % cfg.rollout.n == 0
 
 
 def test_the_demo_data_ships_with_the_repository():

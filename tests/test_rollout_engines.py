@@ -566,7 +566,7 @@ def test_rank_layout_groups_and_seeds():
 def test_config_checks_engine_fields():
     cfg = Config()
     cfg.rollout.engine, cfg.rollout.tensor_parallel_size = "vllm", 3
-    cfg.rollout.batch_size, cfg.rollout.n, cfg.train.strategy = 16, 4, "ddp"
+    cfg.rollout.global_batch_completions, cfg.rollout.n, cfg.train.strategy = 16, 4, "ddp"
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=3 .* divisor of the number of processes \(4\)"):
         cfg.validate(world_size=4)
     cfg.rollout.tensor_parallel_size, cfg.rollout.gpu_memory_utilization = 2, 1.5

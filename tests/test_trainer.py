@@ -28,10 +28,10 @@ def config(tmp_path, model_dir, shapes, *overrides):
         f"model.path={model_dir}", "model.dtype=float32",
         f"data.train_files=[{shapes['train']}]", f"data.eval_files=[{shapes['test']}]",
         "data.min_pixels=784", "data.max_pixels=3136",
-        "rollout.n=4", "rollout.batch_size=16", "rollout.max_new_tokens=5",
+        "rollout.n=4", "rollout.global_batch_completions=16", "rollout.max_new_tokens=5",
         f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]",
-        f"train.output_dir={tmp_path / 'run'}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_size=8",
-        "train.eval_every=2", "train.eval_batch_size=8",
+        f"train.output_dir={tmp_path / 'run'}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_completions_per_rank=8",
+        "train.eval_every=2", "train.eval_batch_prompts=8",
         "logging.progress=false", "logging.completions_every=1", "logging.completions_rows=3",
     ]
     return load_config(None, base + list(overrides))
@@ -85,7 +85,7 @@ def _without_times(records):
 def test_resume_is_bitwise_exact(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     # Off-policy PPO epochs, an adaptive KL controller, running reward normalisation and a cosine schedule:
     # every piece of state a resume must restore.
-    extra = ["train.total_steps=4", "train.save_every=2", "train.ppo_epochs=2", "train.mini_batch_size=8",
+    extra = ["train.total_steps=4", "train.save_every=2", "train.ppo_epochs=2", "train.global_mini_batch_completions=8",
              "train.lr_scheduler=cosine", "algorithm.kl_coef=0.1", "algorithm.kl_controller=adaptive",
              "algorithm.normalize_rewards=true", "train.eval_temperature=1.0"]
     straight = config(tmp_path / "a", tiny_vlm_dir("qwen2_vl"), shapes, *extra)
@@ -193,7 +193,7 @@ def test_truncated_completions_are_flagged_and_can_be_masked(tmp_path, tiny_vlm_
 
 def test_ppo_with_a_critic_lora_and_gradient_checkpointing_train(tmp_path, tiny_vlm_dir, shapes):
     cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "algorithm.advantage=gae", "rollout.n=1",
-                 "rollout.batch_size=4", "train.total_steps=2", "train.eval_every=0", "train.eval_before_training=false",
+                 "rollout.global_batch_completions=4", "train.total_steps=2", "train.eval_every=0", "train.eval_before_training=false",
                  "model.lora.rank=4", "model.gradient_checkpointing=true", "train.ppo_epochs=2")
     trainer = Trainer(cfg)
     lora = {n: p.clone() for n, p in trainer.actor.model.named_parameters() if p.requires_grad}
@@ -208,7 +208,7 @@ def test_ppo_with_a_critic_lora_and_gradient_checkpointing_train(tmp_path, tiny_
     assert (saved / "model" / "adapter_config.json").is_file() and (saved / "critic.pt").is_file()
     # resuming a LoRA run loads the adapter on the base model and carries on
     resumed = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "algorithm.advantage=gae", "rollout.n=1",
-                             "rollout.batch_size=4", "train.total_steps=3", "train.eval_every=0",
+                             "rollout.global_batch_completions=4", "train.total_steps=3", "train.eval_every=0",
                              "model.lora.rank=4", "train.resume=auto"))
     assert resumed.step_count == 2
     again = dict(resumed.actor.model.named_parameters())

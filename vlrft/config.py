@@ -13,217 +13,327 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from vlrft.errors import ConfigError
 
 SECRET = {"secret": True}  # field metadata: never written to the saved config
 
 
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
+           secret: bool = False) -> Any:
+    """A dataclass field with its help text, which `vlrft config --explain` and docs/config.md show.
+
+    `factory` builds a mutable default (a list or dict); `secret` keeps the value out of saved configs.
+    """
+    metadata: dict[str, Any] = {"help": help}
+    if secret:
+        metadata.update(SECRET)
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class LoraConfig:
     """LoRA through PEFT; rank 0 means full fine-tuning."""
 
-    rank: int = 0
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    rank: int = option(0, "LoRA rank; 0 = full fine-tuning (every parameter trains)")
+    alpha: int = option(16, "LoRA scaling numerator (the update is scaled by alpha / rank)")
+    dropout: float = option(0.0, "dropout on the LoRA adapters' input")
+    target_modules: list[str] = option(help="modules that get adapters: ['all-linear'] or module names such as "
+                                       "['q_proj', 'v_proj']", factory=lambda: ["all-linear"])
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # local folder or Hub-format checkpoint with a processor
-    build_recipe: str | None = None  # build model.path with this recipe when it does not exist (vlrft.models.recipes)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    attn_implementation: str = "sdpa"
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
-    freeze_vision_tower: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    ref_path: str | None = None  # reference policy for KL; defaults to `path`
-    critic_path: str | None = None  # value model for GAE; defaults to `path` with a fresh value head
+    """The policy, and the reference and critic models derived from it."""
+
+    path: str = option("", "the policy: a local folder (or Hub-format checkpoint) with weights and a processor")
+    build_recipe: str | None = option(None, "build model.path with this recipe when it does not exist yet, e.g. "
+                                      "'shapes-demo' (vlrft.models.recipes)")
+    dtype: Literal["float32", "bfloat16", "float16"] = option(
+        "bfloat16", "compute dtype on GPU: the reference model's weights and the policy's autocast (the policy's "
+        "weights and optimizer stay float32); CPU always computes in float32")
+    attn_implementation: str = option("sdpa", "transformers attention kernel: 'sdpa', 'eager' or 'flash_attention_2'")
+    trust_remote_code: bool = option(False, "allow model folders that ship their own Python code (transformers' "
+                                     "trust_remote_code)")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward: less memory, about a third "
+                                          "more compute")
+    freeze_vision_tower: bool = option(False, "train only the language model; the vision encoder (and its "
+                                       "merger) gets no gradient")
+    lora: LoraConfig = option(help="LoRA adapters (model.lora.rank > 0 turns them on)", factory=LoraConfig)
+    ref_path: str | None = option(None, "reference policy for the KL term; default: model.path (loaded only "
+                                  "when algorithm.kl_coef > 0)")
+    critic_path: str | None = option(None, "value model for algorithm.advantage=gae; default: model.path with a "
+                                     "fresh value head")
 
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)
-    eval_files: list[str] = field(default_factory=list)
-    format: Literal["auto", "native", "easyr1", "verl", "trl", "openrlhf"] = "auto"
-    image_root: str | None = None  # relative image paths resolve against this (default: the data file's folder)
-    system_prompt: str | None = None
-    prompt_suffix: str | None = None  # appended to every user prompt, e.g. an answer-format instruction
-    max_prompt_length: int = 1024  # tokens, vision tokens included; longer prompts are errors or skips
-    min_pixels: int = 28 * 28 * 4
-    max_pixels: int = 28 * 28 * 1024
-    video_fps: float = 2.0
-    video_max_frames: int = 32
-    on_bad_sample: Literal["error", "skip"] = "error"
-    max_source_pixels: int = 89_478_485  # images larger than this (width*height) are refused before decoding (bombs)
-    max_aspect_ratio: float = 200.0  # images longer than this ratio are refused (Qwen-VL cannot patch them)
-    shuffle: bool = True
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
+    """Training and evaluation data, and how images, videos and prompts are prepared."""
+
+    train_files: list[str] = option(help="training data files (JSONL, JSON, Parquet, CSV); see data.format",
+                                    factory=list)
+    eval_files: list[str] = option(help="evaluation data files, same formats; empty = no evaluation", factory=list)
+    format: Literal["auto", "native", "easyr1", "verl", "trl", "openrlhf"] = option(
+        "auto", "field layout of the data files; 'auto' recognises each of the others from the columns")
+    image_root: str | None = option(None, "relative image paths resolve against this folder (default: the data "
+                                    "file's folder)")
+    system_prompt: str | None = option(None, "system message put before every prompt; null = none")
+    prompt_suffix: str | None = option(None, "text appended to every user prompt, e.g. an answer-format "
+                                       "instruction")
+    max_prompt_length: int = option(1024, "tokens, vision tokens included; a longer prompt is an error or a skip "
+                                    "(data.on_bad_sample)")
+    min_pixels: int = option(28 * 28 * 4, "images smaller than this (width*height) are scaled up to it before "
+                             "patching (fewer vision tokens: lower it)")
+    max_pixels: int = option(28 * 28 * 1024, "images larger than this (width*height) are scaled down to it; the "
+                             "main knob for vision tokens per image")
+    video_fps: float = option(2.0, "frames sampled per second of video")
+    video_max_frames: int = option(32, "at most this many frames per video")
+    on_bad_sample: Literal["error", "skip"] = option(
+        "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
+    max_source_pixels: int = option(89_478_485, "images larger than this (width*height) are refused before "
+                                    "decoding (decompression bombs)")
+    max_aspect_ratio: float = option(200.0, "images longer than this ratio are refused (Qwen-VL cannot patch them)")
+    shuffle: bool = option(True, "shuffle the training prompts each epoch (seeded by train.seed)")
+    max_train_samples: int | None = option(None, "use only the first N training samples; null = all")
+    max_eval_samples: int | None = option(None, "use only the first N evaluation samples; null = all")
 
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
-    n: int = 8  # completions per prompt (the group size)
-    batch_size: int = 64  # completions per step over all ranks (= prompts per step * n)
-    max_new_tokens: int = 512
-    min_new_tokens: int = 0  # stop tokens are not sampled before this many tokens
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    """Sampling completions: the engine, the batch and the sampling options."""
+
+    engine: Literal["hf", "vllm", "sglang"] = option(
+        "hf", "'hf': transformers on the policy itself (no extra memory); 'vllm' / 'sglang': a colocated engine on "
+        "the GPU (much faster sampling)")
+    n: int = option(8, "completions per prompt (the group size of GRPO/RLOO)")
+    global_batch_completions: int = option(64, "completions per step over all ranks (= prompts per step * "
+                                           "rollout.n); was rollout.batch_size")
+    max_new_tokens: int = option(512, "longest completion in tokens; longer ones are cut and flagged as truncated")
+    min_new_tokens: int = option(0, "stop tokens are not sampled before this many tokens")
+    temperature: float = option(1.0, "sampling temperature; 0 = greedy. The trainer's logprobs use the same one")
+    top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off")
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off")
+    min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one; 0 = off")
+    repetition_penalty: float = option(1.0, "divide the logits of tokens already in the sequence by this; 1 = off")
+    stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
+    stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
+                                       factory=list)
     # vLLM / SGLang only
-    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (vLLM) / static memory (SGLang)
-    tensor_parallel_size: int = 1  # ranks sharing one engine (within a node); must divide the number of processes
-    sleep_between_steps: bool = True  # release engine weights + KV cache while the trainer runs
-    max_model_len: int | None = None  # default: data.max_prompt_length + rollout.max_new_tokens
-    weight_sync_bucket_mb: int = 512  # weights are sent to the engine in buckets of about this size
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed verbatim to vllm.LLM / sglang.Engine
+    gpu_memory_utilization: float = option(0.5, "vLLM/SGLang: fraction of the GPU the engine may take (vLLM) / "
+                                           "its static memory (SGLang)")
+    tensor_parallel_size: int = option(1, "vLLM/SGLang: ranks sharing one engine (within a node); must divide the "
+                                       "number of processes")
+    sleep_between_steps: bool = option(True, "vLLM/SGLang: release engine weights and KV cache while the trainer "
+                                       "runs")
+    max_model_len: int | None = option(None, "vLLM/SGLang: longest sequence; default: data.max_prompt_length + "
+                                       "rollout.max_new_tokens")
+    weight_sync_bucket_mb: int = option(512, "vLLM/SGLang: weights are sent to the engine in buckets of about "
+                                        "this many MB")
+    engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
+                                           factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        """Old name of `global_batch_completions`, for code written against it (config files get a warning)."""
+        return self.global_batch_completions
 
 
 @dataclass
 class RewardFunctionConfig:
     """One reward function: a built-in name, `module:function` or `path.py:function`, with a weight."""
 
-    name: str = ""
-    weight: float = 1.0
-    kwargs: dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments (a factory class gets them once)
-    alias: str | None = None  # key in metrics and RewardResult.per_function; default: the function's name
+    name: str = option("", "a built-in reward (see docs/rewards.md), 'module:function' or 'path.py:function'")
+    weight: float = option(1.0, "the reward is the weighted sum of the functions' values")
+    kwargs: dict[str, Any] = option(help="fixed keyword arguments (a factory class gets them once)", factory=dict)
+    alias: str | None = option(None, "key in metrics and RewardResult.per_function; default: the function's name")
 
 
 @dataclass
 class RewardConfig:
-    functions: list[RewardFunctionConfig] = field(default_factory=list)
-    # label -> functions for that label; samples whose label is not here use `functions`
-    recipes: dict[str, list[RewardFunctionConfig]] = field(default_factory=dict)
-    timeout_s: float = 30.0
-    on_error: Literal["raise", "none"] = "raise"  # "none": an error counts as "not applicable"
-    max_concurrency: int = 16  # reward function calls running at once
-    remote_url: str | None = None  # default URL of the "remote" reward function
-    remote_api_key: str | None = field(default=None, metadata=SECRET)  # else the VLRFT_REWARD_API_KEY variable
+    """Reward functions, per-label recipes, timeouts and the math grader processes."""
+
+    functions: list[RewardFunctionConfig] = option(
+        help="reward functions of every sample (list of {name, weight, kwargs, alias})", factory=list)
+    recipes: dict[str, list[RewardFunctionConfig]] = option(
+        help="label -> reward functions for samples with that label; other samples use reward.functions",
+        factory=dict)
+    timeout_s: float = option(30.0, "seconds one reward call may take before it fails (see reward.on_error)")
+    on_error: Literal["raise", "none"] = option(
+        "raise", "a reward function that raises or times out: 'raise' stops the run naming it, 'none' counts the "
+        "reward as not applicable")
+    max_concurrency: int = option(16, "reward function calls running at once")
+    remote_url: str | None = option(None, "default URL of the 'remote' reward function (vlrft reward-server)")
+    remote_api_key: str | None = option(None, "API key of the 'remote' reward; else the VLRFT_REWARD_API_KEY "
+                                        "variable (never saved)", secret=True)
     # Math answers are graded (math-verify/sympy) in worker processes that are killed when they overrun:
-    grader_processes: int = 0  # per rank; 0 = min(4, CPU cores / local ranks)
-    grader_timeout_s: float = 5.0  # per answer; an answer that takes longer to grade scores 0
-    grader_memory_mb: int = 2048  # address-space limit of each grader process
+    grader_processes: int = option(0, "math grader processes per rank; 0 = min(4, CPU cores / local ranks)")
+    grader_timeout_s: float = option(5.0, "seconds to grade one math answer; an answer that takes longer scores 0")
+    grader_memory_mb: int = option(2048, "address-space limit of each math grader process, in MB")
 
 
 @dataclass
 class AlgorithmConfig:
-    # built-ins: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, cpgd; or a name added with
-    # vlrft.algo.register_advantage (registered before the config is validated)
-    advantage: str = "grpo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    policy_loss: str = "ppo"  # built-ins: ppo, gspo, cpgd; or a name added with vlrft.algo.register_policy_loss
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    dual_clip: float | None = None  # e.g. 3.0
-    kl_coef: float = 0.0  # beta; 0 means no reference model is loaded
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_k3_clamp: float | None = 10.0  # k3 clamped to [-x, x] as verl/OpenRLHF do; null = off
-    kl_in: Literal["loss", "reward"] = "loss"
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    kl_target: float = 0.1
-    kl_horizon: int = 10000
-    entropy_coef: float = 0.0
-    high_entropy_token_frac: float | None = None  # train only on the top fraction of tokens by entropy
-    tis_cap: float | None = None  # truncated importance sampling vs the engine's logprobs
-    gamma: float = 1.0
-    lam: float = 1.0
-    value_clip: float = 0.2
-    value_coef: float = 0.5
-    overlong_buffer: int = 0  # tokens before max_new_tokens where the overlong penalty starts; 0 = off
-    overlong_penalty: float = 1.0
-    reward_clip: float | None = None
-    normalize_rewards: bool = False  # running mean/std normalisation of rewards
-    mask_truncated: bool = False  # completions that hit max_new_tokens get no gradient
-    dynamic_sampling: bool = False  # drop zero-variance groups and refill from new prompts
-    max_refill_rounds: int = 4
-    adv_eps: float = 1e-6  # added to every std an advantage is divided by (GRPO, batch scale, whitening)
-    gae_whiten: bool = True  # whiten GAE advantages once over the whole batch (all ranks), as PPO does
+    """Advantage estimator, policy loss, KL control and reward shaping (docs/design.md has the formulas)."""
+
+    advantage: str = option(
+        "grpo", "advantage estimator: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, cpgd; a name "
+        "added with vlrft.algo.register_advantage; or 'module:function' / 'path.py:function'")
+    scale_rewards: Literal["group", "batch", "none"] = option(
+        "group", "GRPO's divisor: the group's std ('group'), the batch's std ('batch'), or none (Dr. GRPO)")
+    policy_loss: str = option(
+        "ppo", "policy loss: ppo, gspo, cpgd; a name added with vlrft.algo.register_policy_loss; or "
+        "'module:function' / 'path.py:function'")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = option(
+        "token-mean", "how token losses become one number: mean over all tokens (DAPO), mean of per-sequence means "
+        "(GRPO paper), or sums (Dr. GRPO: seq-mean-token-sum-norm divides by max_new_tokens)")
+    clip_eps_low: float = option(0.2, "PPO clip: the ratio may fall to 1 - clip_eps_low")
+    clip_eps_high: float = option(0.2, "PPO clip: the ratio may rise to 1 + clip_eps_high (DAPO clip-higher: 0.28)")
+    dual_clip: float | None = option(None, "dual-clip PPO: bound the loss of negative advantages at this times "
+                                     "the advantage (e.g. 3.0); null = off")
+    kl_coef: float = option(0.0, "beta, the weight of KL(policy || reference); 0 = no KL and no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", "per-token KL estimate (Schulman): k1 = d, k2 = d^2/2, "
+                                                      "k3 = exp(-d) - 1 + d with d = logp - logp_ref")
+    kl_k3_clamp: float | None = option(10.0, "k3 is clamped to [-x, x] as verl and OpenRLHF do (a token far "
+                                       "below the reference adds no huge gradient); null = off")
+    kl_in: Literal["loss", "reward"] = option(
+        "loss", "where the KL goes: added to the loss ('loss', GRPO) or subtracted from the rewards before "
+        "advantages ('reward', PPO/RLHF)")
+    kl_controller: Literal["fixed", "adaptive"] = option(
+        "fixed", "'fixed' keeps kl_coef; 'adaptive' steers the measured KL to kl_target (Ziegler et al. 2019)")
+    kl_target: float = option(0.1, "adaptive KL controller: the KL it steers to")
+    kl_horizon: int = option(10000, "adaptive KL controller: horizon in completions (larger = slower changes)")
+    entropy_coef: float = option(0.0, "entropy bonus: the loss subtracts this times the mean token entropy")
+    high_entropy_token_frac: float | None = option(
+        None, "train only on this top fraction of tokens by entropy (the 80/20 rule paper: 0.2); null = all")
+    tis_cap: float | None = option(
+        None, "truncated importance sampling: weight each token by min(p_policy / p_engine, tis_cap) to correct "
+        "the engine/trainer mismatch (e.g. 2.0); null = off")
+    gamma: float = option(1.0, "discount of token returns (REINFORCE++, GAE)")
+    lam: float = option(1.0, "GAE lambda")
+    value_clip: float = option(0.2, "critic: new values may move this far from the old ones before the clipped "
+                               "loss takes over")
+    value_coef: float = option(0.5, "weight of the critic's loss")
+    overlong_buffer: int = option(0, "DAPO overlong penalty: it ramps up over the last this-many tokens before "
+                                  "max_new_tokens; 0 = off")
+    overlong_penalty: float = option(1.0, "DAPO overlong penalty at and beyond max_new_tokens")
+    reward_clip: float | None = option(None, "clip rewards to [-x, x] before advantages; null = off")
+    normalize_rewards: bool = option(False, "normalise rewards by their running mean and std (checkpointed)")
+    mask_truncated: bool = option(False, "completions that hit max_new_tokens get no gradient (they still count "
+                                  "in their group's statistics)")
+    dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
+                                    "refill with new prompts")
+    max_refill_rounds: int = option(4, "dynamic sampling: at most this many extra rollout rounds per step")
+    adv_eps: float = option(1e-6, "added to every std an advantage is divided by (GRPO, batch scale, whitening)")
+    gae_whiten: bool = option(True, "whiten GAE advantages once over the whole batch (all ranks), as PPO does")
     # GSPO clips the length-normalised sequence ratio, which moves far less than token ratios (paper: 3e-4 / 4e-4)
-    gspo_clip_eps_low: float = 3e-4
-    gspo_clip_eps_high: float = 4e-4
+    gspo_clip_eps_low: float = option(3e-4, "GSPO: the sequence ratio may fall to 1 - this")
+    gspo_clip_eps_high: float = option(4e-4, "GSPO: the sequence ratio may rise to 1 + this")
     # CPGD (arXiv:2505.12504): advantage weight after group-mean centring: "std" (divide by the group std),
     # "clip_filter" (multiply by groups / groups-with-nonzero-variance, capped at cpgd_weight_cap), "none"
-    cpgd_weight: Literal["std", "clip_filter", "none"] = "std"
-    cpgd_weight_cap: float = 3.0
-    cpgd_drift_coef: float = 0.01  # alpha, weight of the policy-drift term KL(pi_old || pi_theta); 0 = off
-    cpgd_drift_clip: float = 2.0  # cap on (ratio - 1) in the drift gradient, as in the reference implementation
+    cpgd_weight: Literal["std", "clip_filter", "none"] = option(
+        "std", "CPGD advantage weight after group-mean centring: divide by the group std, multiply by groups / "
+        "groups-with-nonzero-variance ('clip_filter'), or none")
+    cpgd_weight_cap: float = option(3.0, "CPGD clip_filter: the weight's upper bound")
+    cpgd_drift_coef: float = option(0.01, "CPGD: alpha, weight of the policy-drift term KL(pi_old || pi_theta); "
+                                    "0 = off")
+    cpgd_drift_clip: float = option(2.0, "CPGD: cap on (ratio - 1) in the drift gradient, as in the reference "
+                                    "implementation")
 
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "runs/vlrft"
-    total_steps: int = 100
-    seed: int = 42
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
-    micro_batch_size: int = 4  # completions per forward pass per rank
-    strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2
-    resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
-    eval_every: int = 0  # steps; 0 = no periodic eval
-    eval_before_training: bool = True
-    eval_n: int = 1  # samples per eval prompt (pass@k uses them)
-    eval_temperature: float = 0.0  # 0 = greedy
-    eval_batch_size: int = 32  # prompts per eval generate call
-    eval_accuracy_reward: str | None = None  # reward function whose value > 0.5 means correct; default: the first
+    """Optimisation, batching, checkpoints and evaluation."""
+
+    output_dir: str = option("runs/vlrft", "folder for checkpoints, metrics, completions and the saved config")
+    total_steps: int = option(100, "training steps (one rollout batch and its updates each)")
+    seed: int = option(42, "seed of data order, sampling and initialisation")
+    lr: float = option(1e-6, "AdamW learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_betas: list[float] = option(help="AdamW betas", factory=lambda: [0.9, 0.999])
+    lr_scheduler: Literal["constant", "cosine", "linear"] = option(
+        "constant", "learning-rate schedule after warm-up (cosine and linear decay to 0 at total_steps)")
+    warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
+    max_grad_norm: float = option(1.0, "clip the global gradient norm to this")
+    ppo_epochs: int = option(1, "passes over each rollout batch")
+    global_mini_batch_completions: int | None = option(
+        None, "completions per optimizer step over all ranks; default: the whole rollout batch (one update per "
+        "epoch); was train.mini_batch_size")
+    micro_batch_completions_per_rank: int = option(
+        4, "completions per forward/backward pass on each rank (gradients accumulate up to the mini-batch); "
+        "was train.micro_batch_size")
+    strategy: Literal["single", "ddp"] = option("single", "'single' process, or 'ddp' under torchrun (gloo on CPU, "
+                                                "NCCL on GPUs)")
+    save_every: int = option(0, "save a checkpoint every this many steps; 0 = only at the end")
+    keep_last: int = option(2, "keep this many newest checkpoints")
+    resume: str = option("none", "'none', 'auto' (the latest checkpoint in output_dir) or a checkpoint path")
+    eval_every: int = option(0, "evaluate every this many steps; 0 = no periodic evaluation")
+    eval_before_training: bool = option(True, "evaluate once before the first step")
+    eval_n: int = option(1, "samples per eval prompt (pass@k uses them)")
+    eval_temperature: float = option(0.0, "eval sampling temperature; 0 = greedy")
+    eval_batch_prompts: int = option(32, "prompts per evaluation generate call; was train.eval_batch_size")
+    eval_accuracy_reward: str | None = option(None, "reward function whose value > 0.5 means correct; default: "
+                                              "the first")
+
+    # Old names, for code written against them (config files using them get a warning; DEPRECATED_KEYS).
+    @property
+    def mini_batch_size(self) -> int | None:
+        return self.global_mini_batch_completions
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.micro_batch_completions_per_rank
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.eval_batch_prompts
 
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "vlrft"
-    wandb_run_name: str | None = None
-    wandb_api_key: str | None = field(default=None, metadata=SECRET)  # prefer the WANDB_API_KEY variable
-    log_every: int = 1
-    completions_every: int = 10  # steps between completion tables; 0 = never
-    completions_rows: int = 8
-    progress: bool = True
+    """Where metrics and sample completions go."""
+
+    tensorboard: bool = option(True, "write TensorBoard event files under output_dir")
+    wandb: bool = option(False, "log to Weights & Biases (needs the wandb package)")
+    wandb_project: str = option("vlrft", "W&B project")
+    wandb_run_name: str | None = option(None, "W&B run name; default: W&B's")
+    wandb_api_key: str | None = option(None, "W&B API key; prefer the WANDB_API_KEY variable (never saved)",
+                                       secret=True)
+    log_every: int = option(1, "log metrics every this many steps")
+    completions_every: int = option(10, "steps between completion tables; 0 = never")
+    completions_rows: int = option(8, "completions shown per table")
+    progress: bool = option(True, "show a progress bar on the terminal")
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    model: ModelConfig = option(help="the policy and the models derived from it", factory=ModelConfig)
+    data: DataConfig = option(help="training and evaluation data", factory=DataConfig)
+    rollout: RolloutConfig = option(help="sampling completions", factory=RolloutConfig)
+    reward: RewardConfig = option(help="reward functions", factory=RewardConfig)
+    algorithm: AlgorithmConfig = option(help="advantages, losses, KL and reward shaping", factory=AlgorithmConfig)
+    train: TrainConfig = option(help="optimisation, batching, checkpoints and evaluation", factory=TrainConfig)
+    logging: LoggingConfig = option(help="metrics and completion tables", factory=LoggingConfig)
 
     @property
     def prompts_per_step(self) -> int:
-        return self.rollout.batch_size // self.rollout.n
+        return self.rollout.global_batch_completions // self.rollout.n
 
     def validate(self, world_size: int | None = None) -> "Config":
         """Check values against each other; raises `ConfigError` naming the first problem."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         r, t, a = self.rollout, self.train, self.algorithm
         _positive("rollout.n", r.n)
-        _positive("rollout.batch_size", r.batch_size)
+        _positive("rollout.global_batch_completions", r.global_batch_completions)
         _positive("rollout.max_new_tokens", r.max_new_tokens)
-        _positive("train.micro_batch_size", t.micro_batch_size)
+        _positive("train.micro_batch_completions_per_rank", t.micro_batch_completions_per_rank)
         _positive("train.ppo_epochs", t.ppo_epochs)
         _positive("data.max_prompt_length", self.data.max_prompt_length)
         d = self.data
@@ -244,18 +354,20 @@ class Config:
             if world % r.tensor_parallel_size:
                 _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
                       f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
-        if r.batch_size % r.n:
-            _fail("rollout.batch_size", r.batch_size,
+        if r.global_batch_completions % r.n:
+            _fail("rollout.global_batch_completions", r.global_batch_completions,
                   f"a multiple of rollout.n={r.n} (each prompt's group of {r.n} completions stays whole)")
         if self.prompts_per_step % world:
-            _fail("rollout.batch_size", r.batch_size,
+            _fail("rollout.global_batch_completions", r.global_batch_completions,
                   f"a multiple of rollout.n * world_size = {r.n * world} so every one of the {world} ranks gets whole groups")
-        if t.mini_batch_size is not None:
-            _positive("train.mini_batch_size", t.mini_batch_size)
-            if r.batch_size % t.mini_batch_size:
-                _fail("train.mini_batch_size", t.mini_batch_size, f"a divisor of rollout.batch_size={r.batch_size}")
-            if t.mini_batch_size % world:
-                _fail("train.mini_batch_size", t.mini_batch_size, f"a multiple of world_size={world}")
+        mini = t.global_mini_batch_completions
+        if mini is not None:
+            _positive("train.global_mini_batch_completions", mini)
+            if r.global_batch_completions % mini:
+                _fail("train.global_mini_batch_completions", mini,
+                      f"a divisor of rollout.global_batch_completions={r.global_batch_completions}")
+            if mini % world:
+                _fail("train.global_mini_batch_completions", mini, f"a multiple of world_size={world}")
         if not 0 <= a.clip_eps_low < 1:
             _fail("algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
         if a.clip_eps_high < 0:
@@ -427,11 +539,55 @@ def _coerce_or_fail(tp: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"config: {key}={value!r} is invalid; expected {_type_name(tp)}") from None
 
 
+# Old key -> new key. Batch sizes now say what they count and over which ranks; the old keys still
+# load, with a warning naming the new one.
+DEPRECATED_KEYS: dict[str, str] = {
+    "rollout.batch_size": "rollout.global_batch_completions",
+    "train.mini_batch_size": "train.global_mini_batch_completions",
+    "train.micro_batch_size": "train.micro_batch_completions_per_rank",
+    "train.eval_batch_size": "train.eval_batch_prompts",
+}
+_warned: set[str] = set()
+
+
+def rename_deprecated(data: dict, prefix: str = "") -> dict:
+    """A copy of the mapping at `prefix` (recursively for the top level) with deprecated keys renamed.
+
+    Prints one warning per old key per process; giving both the old and the new key is an error.
+    """
+    out = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if full in DEPRECATED_KEYS:
+            new_full = DEPRECATED_KEYS[full]
+            new_key = new_full.rsplit(".", 1)[1]
+            if new_key in data:
+                raise ConfigError(f"config: both '{full}' and '{new_full}' are set; keep only '{new_full}' "
+                                  f"('{full}' is its deprecated name)")
+            if full not in _warned and os.environ.get("RANK", "0") == "0":
+                _warned.add(full)
+                print(f"vlrft: config key '{full}' is deprecated; use '{new_full}' ({_help_of(new_full)})",
+                      file=sys.stderr)
+            key = new_key
+        elif not prefix and isinstance(value, dict):
+            value = rename_deprecated(value, full)
+        out[key] = value
+    return out
+
+
+def _help_of(key: str) -> str:
+    section, name = key.split(".", 1)
+    owner = typing.get_type_hints(Config)[section]
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(owner) if f.name == name)
+
+
 def build_dataclass(cls: type, data: dict, prefix: str = "") -> Any:
     """Build dataclass `cls` from a plain dict, naming the full key of any unknown or mistyped entry."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
+    if cls is Config or any(old.startswith(f"{prefix}.") for old in DEPRECATED_KEYS):
+        data = rename_deprecated(data, prefix)
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
@@ -498,9 +654,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...), not {type(raw).__name__}")
-        merged = OmegaConf.create(raw)
-    if overrides:
-        merged = OmegaConf.merge(merged, _parse_overrides(list(overrides)))
+        merged = OmegaConf.create(rename_deprecated(raw))
+    if overrides:  # renamed on their own, so an old-name override still overrides the file's new-name key
+        parsed = OmegaConf.to_container(_parse_overrides(list(overrides)), resolve=False)
+        merged = OmegaConf.merge(merged, OmegaConf.create(rename_deprecated(parsed)))
     try:
         data = OmegaConf.to_container(merged, resolve=True)
     except Exception as exc:

@@ -23,7 +23,7 @@ class PromptSampler:
             raise UserError("the training data has no usable samples; check data.train_files (`vlrft data check`)")
         if batch_size <= 0 or world_size <= 0 or batch_size % world_size:
             raise UserError(f"prompts per step ({batch_size}) must be a positive multiple of the number of ranks "
-                            f"({world_size}); adjust rollout.batch_size")
+                            f"({world_size}); adjust rollout.global_batch_completions")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside [0, {world_size})")
         self.num_samples, self.batch_size, self.seed, self.shuffle = num_samples, batch_size, seed, shuffle

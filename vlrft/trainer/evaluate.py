@@ -33,8 +33,8 @@ def evaluate(trainer, step: int) -> dict[str, float]:
     sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
     key = trainer.accuracy_key
     stats = Stats()
-    for start in range(0, len(samples), cfg.train.eval_batch_size):
-        encoded = trainer.encoder.encode(samples[start:start + cfg.train.eval_batch_size])
+    for start in range(0, len(samples), cfg.train.eval_batch_prompts):
+        encoded = trainer.encoder.encode(samples[start:start + cfg.train.eval_batch_prompts])
         stats.add("eval/skipped", float(len(encoded.skipped)), 1.0)
         batch = encoded.batch
         if len(batch) == 0:

@@ -55,7 +55,7 @@ def forward_pass(trainer, collected, model, width: int, fn) -> torch.Tensor:
     """Run `fn(model, seqs) -> [B, c]` over micro-batches of all rows, padded into one [N, width] tensor."""
     n_rows = len(collected.rollouts)
     out = torch.zeros((n_rows, width), dtype=torch.float32)
-    for rows in micro_batches(list(range(n_rows)), trainer.cfg.train.micro_batch_size):
+    for rows in micro_batches(list(range(n_rows)), trainer.cfg.train.micro_batch_completions_per_rank):
         seqs = sequences_for(trainer, collected, rows)
         with trainer.autocast():
             values = fn(model, seqs).float().cpu()
