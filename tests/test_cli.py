@@ -84,3 +84,16 @@ def test_generate_answers_with_an_image(tmp_path, tiny_vlm_dir):
     assert out.stdout.strip()  # random weights: some text, decoded from exactly the generated tokens
     assert_one_line_error(vlrft("generate", tiny_vlm_dir("qwen2_vl"), "hi", "--image", tmp_path / "none.png"),
                           "--image", "is not a file")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.timeout_s=0", "reward.timeout_s=0.0 is not allowed"),
+    ("reward.grader_timeout_s=-1", "reward.grader_timeout_s=-1.0 is not allowed"),
+    ("reward.functions=[{name: nosuchfn}]", "reward.functions[0].name='nosuchfn': reward function 'nosuchfn' is not"),
+])
+def test_bad_reward_settings_fail_vlrft_config_before_anything_loads(override, message, capsys):
+    from vlrft.cli import main
+
+    assert main(["config", str(REPO / "configs" / "demo.yaml"), override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("vlrft config: error: config: ")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from vlrft.errors import ConfigError
+from vlrft.registry import ADVANTAGES, POLICY_LOSSES, REWARDS
 
 SECRET = {"secret": True}  # field metadata: never written to the saved config
 
@@ -177,6 +178,29 @@ class RewardConfig:
     grader_processes: int = option(0, "math grader processes per rank; 0 = min(4, CPU cores / local ranks)")
     grader_timeout_s: float = option(5.0, "seconds to grade one math answer; an answer that takes longer scores 0")
     grader_memory_mb: int = option(2048, "address-space limit of each math grader process, in MB")
+
+    def validate(self) -> None:
+        """Timeouts and limits, and that every reward function name resolves (at load time, not mid-run)."""
+        for key, ok, allowed in (
+            ("timeout_s", self.timeout_s > 0, "a number of seconds > 0"),
+            ("grader_timeout_s", self.grader_timeout_s > 0, "a number of seconds > 0"),
+            ("max_concurrency", self.max_concurrency > 0, "a positive integer"),
+            ("grader_processes", self.grader_processes >= 0, "an integer >= 0 (0 = automatic)"),
+            ("grader_memory_mb", self.grader_memory_mb > 0, "a positive number of MB"),
+        ):
+            if not ok:
+                _fail(f"reward.{key}", getattr(self, key), allowed)
+        groups = [("reward.functions", self.functions)]
+        groups += [(f"reward.recipes.{label}", fns) for label, fns in self.recipes.items()]
+        for where, functions in groups:
+            for i, fn in enumerate(functions):
+                key = f"{where}[{i}].name"
+                if not fn.name:
+                    _fail(key, fn.name, "a reward function: a built-in name, 'module:function' or 'path.py:function'")
+                try:
+                    REWARDS.is_known(fn.name)
+                except ConfigError as exc:
+                    raise ConfigError(str(exc).replace("reward.functions[*].name", key, 1)) from None
 
 
 @dataclass
@@ -376,10 +400,8 @@ class Config:
             _fail("algorithm.dual_clip", a.dual_clip, "a number > 1 (e.g. 3.0) or null to disable")
         if a.kl_coef < 0:
             _fail("algorithm.kl_coef", a.kl_coef, "a number >= 0")
-        _check_registered("algorithm.advantage", a.advantage, BUILTIN_ADVANTAGES, "advantages", "ADVANTAGE_ESTIMATORS",
-                          "register_advantage")
-        _check_registered("algorithm.policy_loss", a.policy_loss, BUILTIN_POLICY_LOSSES, "losses", "POLICY_LOSSES",
-                          "register_policy_loss")
+        ADVANTAGES.is_known(a.advantage)
+        POLICY_LOSSES.is_known(a.policy_loss)
         if a.advantage == "rloo" and r.n < 2:
             _fail("rollout.n", r.n, "at least 2 for algorithm.advantage=rloo (leave-one-out needs siblings)")
         if a.high_entropy_token_frac is not None and not 0 < a.high_entropy_token_frac <= 1:
@@ -413,6 +435,7 @@ class Config:
             _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
         if t.strategy == "single" and world > 1:
             _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
+        self.reward.validate()
         return self
 
 
@@ -420,22 +443,6 @@ def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"config: {key}={value!r} is not allowed; expected {allowed}")
 
 
-BUILTIN_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "cpgd")
-BUILTIN_POLICY_LOSSES = ("ppo", "gspo", "cpgd")
-
-
-def _check_registered(key: str, name: str, builtins: tuple[str, ...], module: str, registry: str,
-                      decorator: str) -> None:
-    """Accept a built-in name at once; only for other names import the (torch-based) registry to look it up."""
-    if name in builtins:
-        return
-    import importlib
-
-    known = getattr(importlib.import_module(f"vlrft.algo.{module}"), registry)
-    if name not in known:
-        names = [*builtins, *sorted(set(known) - set(builtins))]
-        raise ConfigError(f"config: {key}={name!r} is invalid; expected one of {', '.join(map(repr, names))} "
-                          f"(or a name registered with vlrft.algo.{decorator})")
 
 
 def _positive(key: str, value: int) -> None:

@@ -3,7 +3,7 @@
 Inputs are the scalar reward per completion ([N], NaN = "not applicable"), the completion-token
 mask [N, T] and the group size G (rows [g*G, (g+1)*G) are the completions of prompt g).
 Advantages are computed once per rollout batch, here, and never re-normalised later (not per
-micro-batch, not in a buffer, not in the loss; DESIGN §5).
+micro-batch, not in a buffer, not in the loss; docs/design.md, "The spine's rules").
 
 Multi-rank: the trainer places whole groups on each rank, so group statistics are local. Batch
 statistics (`scale_rewards: batch`, REINFORCE++ and GAE whitening, CPGD's clip-filter weight) go
@@ -29,7 +29,7 @@ from torch import Tensor
 from vlrft.algo.groups import group_moments, zero_variance_groups
 from vlrft.algo.stats import Stats
 from vlrft.config import AlgorithmConfig
-from vlrft.errors import UserError
+from vlrft.registry import ADVANTAGES
 
 Reducer = Callable[[Tensor], Tensor]
 
@@ -66,28 +66,22 @@ class AdvantageResult:
 
 
 AdvantageEstimator = Callable[[AdvantageInput], EstimatorOutput]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = ADVANTAGES.entries
 
 
-def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator adding an estimator under `name` (then usable as `algorithm.advantage: name`)."""
+def register_advantage(name: str, *, override: bool = False) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator adding an estimator under `name` (then usable as `algorithm.advantage: name`).
 
-    def add(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({ADVANTAGE_ESTIMATORS[name]!r})")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return add
+    A different function under a taken name is an error unless `override=True` (vlrft.registry's rule).
+    """
+    return ADVANTAGES.register(name, override=override)
 
 
 def compute_advantages(cfg: AlgorithmConfig, rewards: Tensor, mask: Tensor, group_size: int,
                        values: Tensor | None = None, token_rewards: Tensor | None = None,
                        reduce: Reducer | None = None) -> AdvantageResult:
     """Run the estimator named by `cfg.advantage`; never returns NaN, whatever the rewards."""
-    if cfg.advantage not in ADVANTAGE_ESTIMATORS:
-        raise UserError(f"config: algorithm.advantage={cfg.advantage!r} is not a registered estimator; "
-                        f"expected one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    estimator = ADVANTAGES.resolve(cfg.advantage)  # a registered name, module:function or path.py:function
     if rewards.ndim != 1 or mask.ndim != 2 or mask.shape[0] != rewards.shape[0]:
         raise ValueError(f"rewards {tuple(rewards.shape)} and mask {tuple(mask.shape)} must be [N] and [N, T]")
     if torch.isinf(rewards).any():  # NaN means "not applicable"; an infinite reward is a bug upstream
@@ -100,7 +94,7 @@ def compute_advantages(cfg: AlgorithmConfig, rewards: Tensor, mask: Tensor, grou
                          values=None if values is None else values.detach().float(),
                          token_rewards=None if token_rewards is None else token_rewards.detach().float(),
                          reduce=reduce)
-    out = ADVANTAGE_ESTIMATORS[cfg.advantage](inp)
+    out = estimator(inp)
     valid = ~torch.isnan(sequence_scores(inp))
     keep = inp.mask & valid[:, None]
     zero = torch.zeros((), dtype=torch.float32, device=mask.device)

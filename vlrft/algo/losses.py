@@ -30,6 +30,7 @@ from vlrft.algo.kl import kl_estimate
 from vlrft.algo.stats import Stats
 from vlrft.config import AlgorithmConfig
 from vlrft.errors import UserError
+from vlrft.registry import POLICY_LOSSES as POLICY_LOSS_REGISTRY
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough never to matter, small enough never to overflow
@@ -108,17 +109,15 @@ class Surrogate:
 
 
 SurrogateFn = Callable[[AlgorithmConfig, Tensor, Tensor, Tensor, Tensor], Surrogate]
-POLICY_LOSSES: dict[str, SurrogateFn] = {}
+POLICY_LOSSES: dict[str, SurrogateFn] = POLICY_LOSS_REGISTRY.entries
 
 
-def register_policy_loss(name: str) -> Callable[[SurrogateFn], SurrogateFn]:
-    """Decorator adding a per-token surrogate `fn(cfg, logprobs, old_logprobs, advantages, mask) -> Surrogate`."""
+def register_policy_loss(name: str, *, override: bool = False) -> Callable[[SurrogateFn], SurrogateFn]:
+    """Decorator adding a per-token surrogate `fn(cfg, logprobs, old_logprobs, advantages, mask) -> Surrogate`.
 
-    def add(fn: SurrogateFn) -> SurrogateFn:
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return add
+    A different function under a taken name is an error unless `override=True` (vlrft.registry's rule).
+    """
+    return POLICY_LOSS_REGISTRY.register(name, override=override)
 
 
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float,
@@ -240,15 +239,13 @@ def policy_loss(cfg: AlgorithmConfig, logprobs: Tensor, old_logprobs: Tensor, ad
     See the module docstring for `num_tokens` / `num_seqs` / `world_size`; count the denominators
     over the same mask passed here (e.g. `mask & advantages.valid[:, None]` to drop not-applicable rows).
     """
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise UserError(f"config: algorithm.policy_loss={cfg.policy_loss!r} is not registered; "
-                        f"expected one of {', '.join(sorted(POLICY_LOSSES))}")
+    surrogate = POLICY_LOSS_REGISTRY.resolve(cfg.policy_loss)  # a registered name, module:function or path.py:function
     mask = mask.bool()
     # float32 throughout: bf16 log-ratios near 0 lose the precision the clip decisions depend on
     logprobs = logprobs.float()
     old_logprobs, advantages = old_logprobs.detach().float(), advantages.detach().float()
     entropy = None if entropy is None else entropy.float()
-    sur = POLICY_LOSSES[cfg.policy_loss](cfg, logprobs, old_logprobs, advantages, mask)
+    sur = surrogate(cfg, logprobs, old_logprobs, advantages, mask)
     pg = sur.per_token
     stats = Stats()
 
