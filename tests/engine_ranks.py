@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, RankLayout
-from vlrft.rollout.hf import TokenSpec
+from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import EngineSample
 from vlrft.rollout.requests import EngineInputError, PromptRequest
 

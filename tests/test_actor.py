@@ -8,8 +8,8 @@ from vlrft.data import PromptEncoder, Sample
 from vlrft.models.actor import ActorVL, freeze_vision
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.models.logprobs import token_logprobs
-from vlrft.rollout.hf import TokenSpec
-from vlrft.trainer.sequences import build_sequences
+from vlrft.tokens import TokenSpec
+from vlrft.batch import build_sequences
 
 
 def test_chunked_logprobs_equal_a_full_log_softmax():

@@ -18,7 +18,7 @@ import sys
 sys.modules["torchvision"] = None  # before anything imports it: behaves as if torchvision were not installed
 import numpy as np, torch
 from PIL import Image
-from vlrft.models.vision_stack import has_torchvision
+from vlrft.vision_stack import has_torchvision
 from vlrft.models.tiny import TinySpec, build_processor
 from vlrft.config import DataConfig
 from vlrft.data import PromptEncoder, Sample

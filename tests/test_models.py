@@ -110,7 +110,7 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
         from vlrft.errors import MissingDependencyError
         from vlrft.models.loading import load_policy, load_processor
         from vlrft.models.tiny import TinySpec, build_tiny_vlm
-        from vlrft.models.vision_stack import has_torchvision
+        from vlrft.vision_stack import has_torchvision
         assert not has_torchvision()
         for folder in [{str(folder)!r}, str(build_tiny_vlm({str(tmp_path / 'built')!r}, TinySpec(arch="qwen3_vl")))]:
             proc = load_processor(folder)

@@ -28,7 +28,7 @@ from vlrft.data import PromptEncoder, Sample
 from vlrft.errors import ConfigError, MissingDependencyError
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, Memory, RankLayout
-from vlrft.rollout.hf import TokenSpec
+from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import (EngineError, EngineSample, PromptMismatchError, sglang_samples, to_rollouts,
                                    vllm_samples)
 from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOutput, expand_vision_placeholders,

@@ -18,7 +18,7 @@ from PIL import Image
 from vlrft.config import Config
 from vlrft.data import PromptEncoder, Sample
 from vlrft.rollout.base import FINISH_LENGTH, SamplingParams
-from vlrft.rollout.hf import TokenSpec
+from vlrft.tokens import TokenSpec
 
 ENGINES = ["vllm", "sglang"]
 # Heads of 64 dims: every attention backend of both engines takes them.

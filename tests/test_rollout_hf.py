@@ -8,8 +8,9 @@ from vlrft.data import PromptEncoder, Sample
 from vlrft.models.actor import ActorVL
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, cut_at_stop
-from vlrft.rollout.hf import HFEngine, TokenSpec
-from vlrft.trainer.sequences import build_sequences
+from vlrft.rollout.hf import HFEngine
+from vlrft.tokens import TokenSpec
+from vlrft.batch import build_sequences
 
 
 @pytest.fixture(scope="module")

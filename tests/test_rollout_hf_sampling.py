@@ -14,7 +14,8 @@ def test_top_k_off_is_not_overridden_by_the_checkpoint_generation_config(tiny_vl
     from vlrft.data.sample import Sample
     from vlrft.models.loading import load_policy, load_processor
     from vlrft.rollout.base import SamplingParams
-    from vlrft.rollout.hf import HFEngine, TokenSpec
+    from vlrft.rollout.hf import HFEngine
+    from vlrft.tokens import TokenSpec
 
     folder = tiny_vlm_dir()
     processor, model = load_processor(folder), load_policy(folder)
@@ -37,7 +38,7 @@ def _engine_and_batch(tiny_vlm_dir):
     from vlrft.data import PromptEncoder
     from vlrft.data.sample import Sample
     from vlrft.models.loading import load_policy, load_processor
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
 
     folder = tiny_vlm_dir()
     processor, model = load_processor(folder), load_policy(folder).eval()
@@ -55,7 +56,7 @@ def test_recorded_logprobs_are_of_the_tempered_distribution_actually_sampled(tin
     from vlrft.models.actor import ActorVL
     from vlrft.rollout.base import SamplingParams
     from vlrft.rollout.hf import HFEngine
-    from vlrft.trainer.sequences import build_sequences
+    from vlrft.batch import build_sequences
 
     processor, model, tokens, batch = _engine_and_batch(tiny_vlm_dir)
     engine = HFEngine(lambda: model, processor, tokens, share_prompts=share)
@@ -86,7 +87,7 @@ def test_recorded_logprobs_come_after_top_k(tiny_vlm_dir, share):
 def test_every_vision_special_token_is_suppressed_including_vision_pad(tiny_vlm_dir, arch):
     """A completion holding a vision placeholder breaks the trainer's forward ("image tokens != features")."""
     from vlrft.models.loading import load_processor
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
     from transformers import AutoConfig
 
     folder = tiny_vlm_dir(arch)

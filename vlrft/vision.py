@@ -1,4 +1,4 @@
-"""The one place that knows how visual tensors are laid out (DESIGN.md §3).
+"""The one place that knows how visual tensors are laid out (docs/design.md, "Visual tensors").
 
 Qwen-VL processors flatten every patch of every image in a batch into one `pixel_values` tensor of
 shape `[sum_i t_i*h_i*w_i, D]`, with `image_grid_thw` `[num_images, 3]` (videos likewise).

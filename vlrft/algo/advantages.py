@@ -3,7 +3,7 @@
 Inputs are the scalar reward per completion ([N], NaN = "not applicable"), the completion-token
 mask [N, T] and the group size G (rows [g*G, (g+1)*G) are the completions of prompt g).
 Advantages are computed once per rollout batch, here, and never re-normalised later (not per
-micro-batch, not in a buffer, not in the loss; docs/design.md, "The spine's rules").
+micro-batch, not in a buffer, not in the loss; docs/design.md, "Traps").
 
 Multi-rank: the trainer places whole groups on each rank, so group statistics are local. Batch
 statistics (`scale_rewards: batch`, REINFORCE++ and GAE whitening, CPGD's clip-filter weight) go

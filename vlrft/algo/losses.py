@@ -125,7 +125,7 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_hi
     """-min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), with the dual-clip bound -c A for A < 0 when set.
 
     Clip fractions count only tokens where the clip binds given A's sign, measured on the ratio
-    before clamping (DESIGN §5): above 1+eps_high with A > 0, below 1-eps_low with A < 0.
+    before clamping (docs/design.md, "Traps"): above 1+eps_high with A > 0, below 1-eps_low with A < 0.
     """
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)

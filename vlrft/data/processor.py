@@ -262,7 +262,7 @@ class PromptEncoder:
 
     def _require_video(self) -> None:
         if self._video_processor is None:
-            from vlrft.models.vision_stack import has_torchvision, require_video_support
+            from vlrft.vision_stack import has_torchvision, require_video_support
 
             if not has_torchvision():
                 require_video_support("a sample with a video")

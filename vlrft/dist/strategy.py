@@ -2,7 +2,7 @@
 
 One code path for one process and many: the trainer only talks to a `Strategy`. `SingleProcess`
 is the identity; `DDPStrategy` runs under `torchrun` (gloo on CPU, NCCL on GPUs). Every collective
-here is called by every rank in the same order (DESIGN.md §2 rule 6).
+here is called by every rank in the same order (docs/design.md, spine rule 6).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from torch import nn
 
 from vlrft.errors import MissingDependencyError
 from vlrft.models.logprobs import token_logprobs
-from vlrft.trainer.sequences import SequenceBatch
+from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
+from vlrft.batch import SequenceBatch
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -68,26 +69,10 @@ def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[in
     return [starts[p] + k for p in row_prompt for k in range(counts[p])]
 
 
-def prompt_positions(backbone: nn.Module, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor,
-                     visual: dict) -> torch.Tensor:
-    """[3, B, P] M-RoPE positions of left-padded prompts, by the model's own rule (`get_rope_index`).
-
-    Tokens after a prompt continue at its last position + 1, + 2, ... on all three axes; the trainer's
-    shared-prompt forward and the rollout decoder both rely on that.
-    """
-    if "image_grid_thw" in visual or "video_grid_thw" in visual:
-        accepted = inspect.signature(backbone.get_rope_index).parameters
-        extra = {k: v for k, v in visual.items() if k in accepted and k not in ("input_ids", "attention_mask")}
-        positions, _ = backbone.get_rope_index(input_ids=ids, mm_token_type_ids=mm, attention_mask=mask, **extra)
-        return positions
-    text = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return text[None].expand(3, -1, -1)
-
-
 def supports_prompt_sharing(model: nn.Module) -> bool:
     """Whether the model exposes its M-RoPE rule, which placing tokens after a cached prompt needs."""
     backbone, _ = split_head(model)
-    return hasattr(backbone, "get_rope_index")
+    return has_rope_index(backbone)
 
 
 class VisionInputs:
@@ -189,8 +174,7 @@ class ActorVL(nn.Module):
         rows = torch.tensor(batch.row_prompt, device=ids.device)
         cache = prompt_out.past_key_values
         cache.batch_select_indices(rows)
-        step = torch.arange(1, c + 1, device=ids.device)
-        completion_positions = positions[:, rows, p - 1:p] + step
+        completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         completion_ids = batch.input_ids[:, p:]
         completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
                                   position_ids=completion_positions, past_key_values=cache, use_cache=True,

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vlrft.errors import UserError
-from vlrft.models.vision_stack import has_torchvision, require_video_support
+from vlrft.vision_stack import has_torchvision, require_video_support
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")

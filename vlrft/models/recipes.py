@@ -38,8 +38,8 @@ def supervised_warm_start(model_dir: Path, samples: list, settings: WarmStart, d
     from vlrft.data import PromptEncoder
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy, load_processor
-    from vlrft.rollout.hf import TokenSpec
-    from vlrft.trainer.sequences import build_sequences
+    from vlrft.tokens import TokenSpec
+    from vlrft.batch import build_sequences
 
     processor = load_processor(model_dir)
     model = load_policy(model_dir).train()

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from vlrft.models.chat_template import QWEN_VL_CHAT_TEMPLATE
-from vlrft.models.vision_stack import has_torchvision
+from vlrft.vision_stack import has_torchvision
 
 Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")

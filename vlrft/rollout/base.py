@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from vlrft.tokens import TokenSpec  # noqa: F401  the token ids every engine is built with (vlrft.tokens)
+
 if TYPE_CHECKING:
     import torch
 

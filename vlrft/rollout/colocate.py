@@ -25,7 +25,7 @@ from vlrft.rollout.weights import PolicyWeights, policy_module
 
 if TYPE_CHECKING:
     from vlrft.data import PromptBatch
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

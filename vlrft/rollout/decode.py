@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.data.processor import left_pad
-from vlrft.models.actor import prompt_positions, split_head
+from vlrft.models.actor import split_head
+from vlrft.models.positions import prompt_positions
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
 
@@ -78,7 +79,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     cache = out.past_key_values
     cache.batch_select_indices(rows)
     hidden = out.last_hidden_state[rows, -1]
-    position = positions[:, rows, -1]  # [3, rows]: the last prompt position of each row
+    position = positions[:, rows, -1]  # [3, rows]: the last prompt position; each new token adds 1 on all axes
     attention = mask[rows]
     history = ids[rows]  # prompt + generated ids: what repetition penalty and stop strings look at
     processors = sampling_processors(sampling, suppressed_ids, device)
@@ -120,7 +121,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             alive, tokens, position, history = alive[index], tokens[index], position[:, index], history[index]
             attention = attention[index]
             cache.batch_select_indices(index)
-        position = position + 1
+        position = position + 1  # as vlrft.models.positions.positions_after places them
         attention = torch.cat([attention, attention.new_ones(len(alive), 1)], dim=1)
         out = backbone(input_ids=tokens[:, None], attention_mask=attention, position_ids=position[:, :, None],
                        past_key_values=cache, use_cache=True, mm_token_type_ids=torch.zeros_like(tokens[:, None]))

@@ -2,7 +2,7 @@
 
 Pure Python (no engine import), so every rule here is unit-tested on CPU.
 
-One tokenization (DESIGN.md §2 rule 1), engine by engine:
+One tokenization (docs/design.md, spine rule 1), engine by engine:
 
 * SGLang takes our prompt ids verbatim together with our processor's tensors: `input_ids` plus one
   `{"format": "processor_output", "pixel_values": ..., "image_grid_thw": ...}` item per prompt. With
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from vlrft.data import PromptBatch
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
 
 
 class EngineInputError(UserError):

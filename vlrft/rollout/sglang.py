@@ -33,7 +33,7 @@ from vlrft.rollout.outputs import EngineSample, sglang_samples
 from vlrft.rollout.requests import PromptRequest, sglang_requests
 
 if TYPE_CHECKING:
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
 
 SUPPRESSED_LOGIT_BIAS = float("-inf")
 WEIGHTS_TAG = "weights"  # sglang.srt.constants.GPU_MEMORY_TYPE_WEIGHTS

@@ -37,7 +37,7 @@ from vlrft.rollout.outputs import EngineSample, vllm_samples
 from vlrft.rollout.requests import PromptRequest, vllm_requests
 
 if TYPE_CHECKING:
-    from vlrft.rollout.hf import TokenSpec
+    from vlrft.tokens import TokenSpec
 
 SUPPRESSED_LOGIT_BIAS = float("-inf")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.algo import compute_advantages, kl_reward_penalty
-from vlrft.trainer.sequences import SequenceBatch, build_sequences
+from vlrft.batch import SequenceBatch, build_sequences
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The SPMD trainer: one process per device (or one in all), the same code path for both.
 
-One step (DESIGN.md §2): collect prompts -> rollouts -> rewards (`collect`), old/ref logprobs and
+One step (docs/design.md, "One step"): collect prompts -> rollouts -> rewards (`collect`), old/ref logprobs and
 advantages (`make_experience`), PPO epochs over mini/micro-batches (`update`), weights to the
 engine, metrics reduced over ranks, then evaluation and checkpoints when due.
 """
@@ -27,7 +27,7 @@ from vlrft.models.loading import load_policy, load_processor
 from vlrft.models.recipes import ensure_model
 from vlrft.rollout import make_engine
 from vlrft.rollout.base import SamplingParams
-from vlrft.rollout.hf import TokenSpec
+from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer.collect import Collected, collect
 from vlrft.trainer.evaluate import accuracy_reward_key, evaluate

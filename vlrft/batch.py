@@ -1,0 +1,65 @@
+"""Prompt + completion token rows for training forwards, built from the prompts' own ids (no re-tokenization).
+
+Layout of one batch: every prompt is left-padded to the batch's widest prompt `P`, every completion
+right-padded to the widest completion `C`; completion token `t` of a row sits at column `P + t` and is
+predicted by the hidden state at column `P + t - 1`. The rows refer to their prompt's visual inputs
+by index (`row_prompt`), so a group of n completions shares one copy of the prompt's pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vlrft.vision import VisualBatch
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    input_ids: torch.Tensor  # [B, P + C]
+    attention_mask: torch.Tensor  # [B, P + C]
+    completion_mask: torch.Tensor  # [B, C] float, 1 on generated tokens (the stop token included)
+    prompt_width: int  # P
+    row_prompt: tuple[int, ...]  # row -> sample of `visual`
+    visual: VisualBatch  # the distinct prompts these rows use, each once
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_mask.shape[1]
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_width:]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "SequenceBatch":
+        return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                             self.completion_mask.to(device), self.prompt_width, self.row_prompt,
+                             self.visual.to(device))
+
+
+def build_sequences(prompt_ids: Sequence[Sequence[int]], visual: VisualBatch, completion_ids: Sequence[Sequence[int]],
+                    row_prompt: Sequence[int], pad_id: int, rows: Sequence[int] | None = None) -> SequenceBatch:
+    """Rows `rows` (default all) of completions `completion_ids`, completion r belonging to prompt `row_prompt[r]`."""
+    rows = list(range(len(completion_ids))) if rows is None else list(rows)
+    distinct: dict[int, int] = {}
+    for r in rows:
+        distinct.setdefault(row_prompt[r], len(distinct))
+    prompts = [prompt_ids[p] for p in distinct]
+    width_p = max(len(p) for p in prompts)
+    width_c = max(1, max(len(completion_ids[r]) for r in rows))
+    ids = torch.full((len(rows), width_p + width_c), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    completion_mask = torch.zeros((len(rows), width_c), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        prompt, completion = prompt_ids[row_prompt[r]], completion_ids[r]
+        ids[i, width_p - len(prompt):width_p] = torch.as_tensor(prompt, dtype=torch.long)
+        ids[i, width_p:width_p + len(completion)] = torch.as_tensor(completion, dtype=torch.long)
+        attention[i, width_p - len(prompt):width_p + len(completion)] = 1
+        completion_mask[i, :len(completion)] = 1.0
+    return SequenceBatch(ids, attention, completion_mask, width_p,
+                         tuple(distinct[row_prompt[r]] for r in rows), visual.select(list(distinct)))
