@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vlrft {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"vlrft {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"vlrft {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130
 
 

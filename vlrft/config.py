@@ -177,9 +177,11 @@ class TrainConfig:
     mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
     micro_batch_size: int = 4  # completions per forward pass per rank
     strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
-    save_every: int = 0  # steps; 0 = only at the end
-    keep_last: int = 2
+    save_every: int = 20  # steps; 0 = only at the end (a crash then loses every step)
+    keep_last: int = 2  # checkpoints of this run kept; older ones of the same run are deleted
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
+    overwrite: bool = False  # start over in a non-empty output_dir, deleting the run files there
+    save_on_interrupt: bool = True  # Ctrl-C finishes the step, saves a checkpoint, then stops
     eval_every: int = 0  # steps; 0 = no periodic eval
     eval_before_training: bool = True
     eval_n: int = 1  # samples per eval prompt (pass@k uses them)

@@ -29,9 +29,11 @@ from vlrft.rollout import make_engine
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.hf import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer import run_folder
 from vlrft.trainer.collect import Collected, collect
 from vlrft.trainer.evaluate import accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Experience, make_experience
+from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.update import update
 
 
@@ -53,8 +55,10 @@ def make_optimizer(params: list[torch.nn.Parameter], train_cfg) -> torch.optim.O
 class Trainer:
     """Builds everything a run needs from a `Config`; `fit()` trains, evaluates and checkpoints."""
 
-    def __init__(self, cfg: Config, strategy: Strategy | None = None):
+    def __init__(self, cfg: Config, strategy: Strategy | None = None, evaluate_only: bool = False):
+        """`evaluate_only`: for `vlrft eval`, which writes nothing into train.output_dir (no folder checks)."""
         self.cfg = cfg
+        self.evaluate_only = evaluate_only
         self.strategy = strategy or make_strategy(cfg.train.strategy)
         self.device = self.strategy.device
         world, rank = self.strategy.world_size, self.strategy.rank
@@ -62,6 +66,11 @@ class Trainer:
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
         self.resume_from = ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
+        self._stale_run_files = [] if evaluate_only else run_folder.check_output_dir(
+            self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
+        resumed_id = ckpt.load_trainer_state(self.resume_from).get("run_id") if self.resume_from else None
+        self.run_id = self.strategy.broadcast_object(resumed_id if self.resume_from else run_folder.new_run_id())
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
 
@@ -295,29 +304,44 @@ class Trainer:
         cfg = self.cfg
         history = []
         if self.strategy.is_main:
+            run_folder.clear(self._stale_run_files)
             save_config(cfg, self.output_dir)
             self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count)
             if self.resume_from is not None:
                 self.message(f"resumed from {self.resume_from} at step {self.step_count}")
+        self.strategy.barrier()  # the old run's files are gone before any rank writes
         try:
-            if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
-                metrics = evaluate(self, 0)
-                self._log(0, metrics)
-                history.append({"step": 0, **metrics})
-            while self.step_count < cfg.train.total_steps:
-                metrics = self.train_step()
-                step = self.step_count
-                if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
-                                                                   step == cfg.train.total_steps):
-                    metrics.update(evaluate(self, step))
-                self._log(step, metrics)
-                history.append({"step": step, **metrics})
-                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps:
-                    self.save()
+            with InterruptGuard(cfg.train.save_on_interrupt) as interrupt:
+                if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
+                    metrics = evaluate(self, 0)
+                    self._log(0, metrics)
+                    history.append({"step": 0, **metrics})
+                while self.step_count < cfg.train.total_steps:
+                    metrics = self.train_step()
+                    step = self.step_count
+                    if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
+                                                                       step == cfg.train.total_steps):
+                        metrics.update(evaluate(self, step))
+                    self._log(step, metrics)
+                    history.append({"step": step, **metrics})
+                    due = (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps
+                    stop = self._stop_requested(interrupt)
+                    if due or stop:
+                        with interrupt.saving():
+                            saved = self.save()
+                    if stop and step < cfg.train.total_steps:
+                        raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
+                                                  "with train.resume=auto")
         finally:
             if self.logger is not None:
                 self.logger.close()
         return history
+
+    def _stop_requested(self, interrupt: InterruptGuard) -> bool:
+        """Whether a Ctrl-C on any rank asked to save and stop (all ranks agree, so all save together)."""
+        if not interrupt.save_on_interrupt:
+            return False
+        return self.max_reduce(torch.tensor([float(interrupt.requested)])).item() > 0
 
     def _log(self, step: int, metrics: dict) -> None:
         if self.strategy.is_main and self.logger is not None and (step % self.cfg.logging.log_every == 0 or
@@ -328,7 +352,8 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size}
+                "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size,
+                "run_id": self.run_id}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
