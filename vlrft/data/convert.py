@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlrft.data.media import MediaError, open_image_source, local_path, encode_image_bytes
+from vlrft.data.media import MediaError, encode_image_bytes, local_path, open_image_source, to_rgb
 from vlrft.data.readers import read_dataset
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample
 
@@ -59,7 +59,7 @@ def _image_bytes(ref: Any) -> tuple[bytes, str]:
         return raw, (fmt or "png").lower().replace("jpeg", "jpg")
     image = open_image_source(ref)  # PIL image, numpy array, or raises MediaError (missing file, URL, ...)
     if image.mode not in ("RGB", "RGBA", "L", "LA", "P"):
-        image = image.convert("RGB")
+        image = to_rgb(image)
     return encode_image_bytes(image, "PNG"), "png"
 
 
