@@ -1,6 +1,7 @@
 """Nothing lost: one run per output folder, lineage-only pruning, Ctrl-C that saves, crash leftovers repaired."""
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -166,3 +167,13 @@ def test_a_torn_metrics_line_and_a_restart_from_scratch_duplicate_nothing(tmp_pa
     events.Reload()
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4]
     assert torch.isfinite(torch.tensor([m["reward/mean"] for m in read_metrics(out)])).all()
+
+
+def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path, tiny_vlm_dir, shapes):
+    from vlrft.trainer.update import parameters_finite
+
+    assert parameters_finite([torch.zeros(2), torch.ones(3)]) and not parameters_finite([torch.tensor([1.0, math.inf])])
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=r"step 1: the optimizer step made the weights non-finite .*train.lr"):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.lr=1e39", "train.total_steps=1"))
+    assert ckpt.list_checkpoints(out) == []

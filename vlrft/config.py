@@ -220,6 +220,7 @@ class Config:
     def validate(self, world_size: int | None = None) -> "Config":
         """Check values against each other; raises `ConfigError` naming the first problem."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        validate_numbers(self)
         r, t, a = self.rollout, self.train, self.algorithm
         _positive("rollout.n", r.n)
         _positive("rollout.batch_size", r.batch_size)
@@ -302,6 +303,62 @@ class Config:
         if t.strategy == "single" and world > 1:
             _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
         return self
+
+
+# (key, test, what is allowed) for numbers whose range no other check covers; every float must also be finite.
+_NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
+    ("train.lr", lambda v: v > 0, "a number > 0, e.g. 1e-6"),
+    ("train.weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("train.max_grad_norm", lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"),
+    ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    ("rollout.temperature", lambda v: v >= 0,
+     "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),
+    ("rollout.top_k", lambda v: v >= -1, "an integer >= 1, or 0 / -1 for off"),
+    ("rollout.min_p", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0 = off)"),
+    ("rollout.repetition_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
+    ("rollout.min_new_tokens", lambda v: v >= 0, "an integer >= 0"),
+    ("model.lora.dropout", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    ("algorithm.entropy_coef", lambda v: v >= 0, "a number >= 0"),
+    ("algorithm.value_coef", lambda v: v >= 0, "a number >= 0"),
+    ("algorithm.overlong_penalty", lambda v: v >= 0, "a number >= 0"),
+    ("reward.timeout_s", lambda v: v > 0, "a number of seconds > 0"),
+    ("reward.grader_timeout_s", lambda v: v > 0, "a number of seconds > 0"),
+)
+
+
+def _non_finite_numbers(obj: Any, prefix: str) -> typing.Iterator[tuple[str, float]]:
+    """(key, value) of every NaN/inf float in a dataclass tree (lists and mappings included)."""
+    import math
+
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _non_finite_numbers(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _non_finite_numbers(item, f"{prefix}[{i}]")
+    elif isinstance(obj, dict):  # reward recipes; free-form kwargs (values of any type) are the callee's to check
+        for key, item in obj.items():
+            if isinstance(item, list) or dataclasses.is_dataclass(item):
+                yield from _non_finite_numbers(item, f"{prefix}.{key}")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        yield prefix, obj
+
+
+def validate_numbers(cfg: "Config") -> None:
+    """Every float finite (a NaN learning rate or temperature trains garbage silently) and key ranges respected."""
+    for key, value in _non_finite_numbers(cfg, ""):
+        _fail(key, value, "a finite number (not nan or inf)")
+    for key, ok, allowed in _NUMBER_RANGES:
+        section, *rest = key.split(".")
+        value = getattr(cfg, section)
+        for name in rest:
+            value = getattr(value, name)
+        if not ok(value):
+            _fail(key, value, allowed)
+    for i, beta in enumerate(cfg.train.adam_betas):
+        if not 0 <= beta < 1:
+            _fail(f"train.adam_betas[{i}]", beta, "a number in [0, 1), e.g. [0.9, 0.999]")
 
 
 def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:
