@@ -260,10 +260,14 @@ class Trainer:
         stats.add("data/skipped_prompts", float(collected.skipped_prompts))
         stats.add("rollout/rounds", float(collected.rounds))
         stats.add("optimizer/skipped_steps", float(skipped))
+        error_keys = [f"reward/{name}/errors" for name in collected.reward_errors]  # failures under on_error=none
+        for key, count in zip(error_keys, collected.reward_errors.values()):
+            stats.add(key, float(count))
         stats = stats.merge(loss_stats).merge(exp.advantage_stats)
         reduced = stats.reduce(self.sum_reduce, self.max_reduce)
         metrics = reduced.means()
-        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std"):
+        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std",
+                     *error_keys):
             metrics[name] = float(reduced.sums[name])
         # headline names
         for alias, source in (("kl", "actor/kl_ref"), ("entropy", "actor/entropy"), ("clip_ratio/region", "actor/clipfrac")):
