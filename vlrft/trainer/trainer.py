@@ -65,7 +65,7 @@ class Trainer:
         cfg.validate(world)
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
-        self.resume_from = ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        self.resume_from = None if evaluate_only else ckpt.resolve_resume(cfg.train.resume, self.output_dir)
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
         self._stale_run_files = [] if evaluate_only else run_folder.check_output_dir(
             self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
@@ -86,19 +86,22 @@ class Trainer:
                                            getattr(self.actor.model, "generation_config", None),
                                            cfg.rollout.stop_token_ids)
         self.actor.suppressed_ids = self.tokens.suppressed_ids
-        self.ref = self._build_ref()
-        self.critic, self.critic_wrapped, self.critic_optimizer = self._build_critic()
+        self.ref = None if evaluate_only else self._build_ref()
+        self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
+            self._build_critic()
         self.optimizer = make_optimizer([p for p in self.actor.parameters() if p.requires_grad], cfg.train)
         self.scheduler = self._build_scheduler()
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
-        self.train_samples = self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
+        # `vlrft eval` needs only the eval data: the training files are not read (they may not even exist there)
+        self.train_samples = [] if evaluate_only else \
+            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
         self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
                              if cfg.data.eval_files else [])
         self.prompts_per_rank = cfg.prompts_per_step // world
         self.mini_batch_per_rank = (cfg.train.mini_batch_size or cfg.rollout.batch_size) // world
-        self.sampler = PromptSampler(len(self.train_samples), cfg.prompts_per_step, cfg.train.seed,
-                                     cfg.data.shuffle, rank, world)
+        self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
+                                                                cfg.train.seed, cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
@@ -127,7 +130,7 @@ class Trainer:
 
     def _build_actor(self) -> ActorVL:
         cfg = self.cfg.model
-        lora = cfg.lora.rank > 0
+        lora = cfg.lora.rank > 0 and not self.evaluate_only  # evaluation runs the (merged) weights as they are
         weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
         model = load_policy(weights, dtype="float32", attn_implementation=cfg.attn_implementation,
                             trust_remote_code=cfg.trust_remote_code, device=self.device)
