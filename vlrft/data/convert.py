@@ -106,10 +106,15 @@ class _MediaWriter:
         return target.relative_to(self.base).as_posix()
 
 
+# Columns by which `detect_format` recognises another layout: kept under a `source_` name, so the output reads as native.
+LAYOUT_MARKERS = ("problem", "reward_model", "data_source", "extra_info", "image", "solution")
+
+
 def _native_row(sample: Sample, images: list, videos: list) -> dict:
     row: dict[str, Any] = {}
     for key, value in sample.extra.items():
-        row[f"extra_{key}" if key in NATIVE_FIELDS else key] = value
+        name = f"extra_{key}" if key in NATIVE_FIELDS else f"source_{key}" if key in LAYOUT_MARKERS else key
+        row[name] = value
     row.update(id=sample.id, prompt=sample.prompt, images=images, videos=videos, answer=sample.answer,
                label=sample.label)
     return row
