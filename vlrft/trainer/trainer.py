@@ -73,6 +73,12 @@ class Trainer:
         self.run_id = self.strategy.broadcast_object(resumed_id if self.resume_from else run_folder.new_run_id())
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
+        # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
+        # the training files are not read (they may not even exist there).
+        self.train_samples = [] if evaluate_only else \
+            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
+        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
+                             if cfg.data.eval_files else [])
 
         if cfg.model.build_recipe:
             if self.strategy.is_main and not (Path(cfg.model.path) / "config.json").is_file():
@@ -93,11 +99,6 @@ class Trainer:
         self.scheduler = self._build_scheduler()
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
-        # `vlrft eval` needs only the eval data: the training files are not read (they may not even exist there)
-        self.train_samples = [] if evaluate_only else \
-            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
-        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
-                             if cfg.data.eval_files else [])
         self.prompts_per_rank = cfg.prompts_per_step // world
         self.mini_batch_per_rank = (cfg.train.mini_batch_size or cfg.rollout.batch_size) // world
         self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
@@ -126,7 +127,32 @@ class Trainer:
         if not samples:
             raise UserError(f"config: {key}={files!r} holds no samples; list JSONL/parquet/HF-dataset files "
                             "(check them with `vlrft data check FILE`)")
-        return samples[:limit] if limit else samples
+        samples = samples[:limit] if limit else samples
+        return self._without_bad_media(samples, key) if self.cfg.data.validate_media else samples
+
+    def _without_bad_media(self, samples: list, key: str) -> list:
+        """Decode every image up front (cached, parallel) on the main rank; honour data.on_bad_sample."""
+        from vlrft.data.media import MediaLimits
+        from vlrft.data.validate import find_bad_media
+
+        data = self.cfg.data
+        problems = None
+        if self.strategy.is_main:
+            problems = find_bad_media(samples, MediaLimits(data.max_source_pixels, data.max_aspect_ratio),
+                                      progress=self.cfg.logging.progress)
+        problems = self.strategy.broadcast_object(problems)
+        if not problems:
+            return samples
+        bad = {p.index for p in problems}
+        if data.on_bad_sample == "error":
+            raise UserError(f"{key}: {len(bad)} of {len(samples)} samples have unusable media, first: {problems[0]}; "
+                            "fix them or set data.on_bad_sample=skip (`vlrft data check FILE` lists every one)")
+        self.message(f"{key}: left out {len(bad)} of {len(samples)} samples with unusable media "
+                     f"(data.on_bad_sample=skip), first: {problems[0]}")
+        kept = [sample for i, sample in enumerate(samples) if i not in bad]
+        if not kept:
+            raise UserError(f"{key}: no sample has usable media; check the files with `vlrft data check FILE`")
+        return kept
 
     def _build_actor(self) -> ActorVL:
         cfg = self.cfg.model
