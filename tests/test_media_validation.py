@@ -48,7 +48,7 @@ def test_a_bad_image_stops_the_run_before_any_model_loads(tmp_path, tiny_vlm_dir
         raise AssertionError("a model was loaded before the data was checked")
 
     monkeypatch.setattr(trainer_module, "load_processor", no_model)
-    with pytest.raises(UserError, match=r"data.train_files: 1 of 8 samples have unusable media, first: "
+    with pytest.raises(UserError, match=r"data.train_files: 1 of 8 samples are unusable, first: "
                                         r"train.jsonl line 6, field 'images\[0\]': .*not an image file"):
         Trainer(config(tmp_path, tiny_vlm_dir(), data))
     assert not (tmp_path / "run").exists()
@@ -58,7 +58,7 @@ def test_with_skip_bad_media_are_left_out_and_training_runs(tmp_path, tiny_vlm_d
     data = make_data(tmp_path, bad={1: b"", 6: b"GIF89a"})
     trainer = Trainer(config(tmp_path, tiny_vlm_dir(), data, "data.on_bad_sample=skip"))
     assert sorted(s.answer for s in trainer.train_samples) == ["0", "2", "3", "4", "5", "7"]
-    assert "left out 2 of 8 samples with unusable media" in capsys.readouterr().out
+    assert "left out 2 of 8 unusable samples" in capsys.readouterr().out
     trainer.fit()
 
 
@@ -81,3 +81,12 @@ def test_images_that_passed_are_not_decoded_again_until_they_change(tmp_path, mo
     assert sorted(Path(c).name for c in calls) == ["0.png", "3.png"]  # the changed file is checked again
     calls.clear()
     assert len(validate.find_bad_media(samples, MediaLimits(max_source_pixels=100))) == 8  # new limits: new check
+
+
+def test_a_placeholder_count_mismatch_is_found_before_training(tmp_path, tiny_vlm_dir):
+    data = make_data(tmp_path)
+    lines = data.read_text().splitlines()
+    lines[2] = lines[2].replace("<image>What", "<image><image>What")
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"1 of 8 samples are unusable, first: train.jsonl line 3, field 'prompt': the prompt has 2 <image>"):
+        Trainer(config(tmp_path, tiny_vlm_dir(), data))

@@ -62,7 +62,7 @@ class DataConfig:
     video_fps: float = 2.0
     video_max_frames: int = 32
     on_bad_sample: Literal["error", "skip"] = "error"
-    validate_media: bool = True  # decode every image once before training (cached); bad ones per on_bad_sample
+    validate_media: bool = True  # check every prompt and decode every image before training (cached); per on_bad_sample
     max_source_pixels: int = 89_478_485  # images larger than this (width*height) are refused before decoding (bombs)
     max_aspect_ratio: float = 200.0  # images longer than this ratio are refused (Qwen-VL cannot patch them)
     shuffle: bool = True

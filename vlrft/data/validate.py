@@ -129,6 +129,20 @@ def _check_video(ref: Any, limits: MediaLimits) -> str | None:
     return None  # decoded (and checked) when its batch is encoded
 
 
+def find_bad_prompts(samples: Sequence[Sample], system_prompt: str | None = None,
+                     prompt_suffix: str | None = None) -> list[MediaProblem]:
+    """Samples whose chat cannot be built: placeholder count != media count, empty prompt, no user message."""
+    from vlrft.data.sample import BadSampleError, build_messages
+
+    problems = []
+    for i, sample in enumerate(samples):
+        try:
+            build_messages(sample, system_prompt, prompt_suffix)
+        except BadSampleError as exc:
+            problems.append(MediaProblem(i, sample.source, exc.field, exc.reason))
+    return problems
+
+
 def find_bad_media(samples: Sequence[Sample], limits: MediaLimits, workers: int | None = None,
                    use_cache: bool = True, progress: bool = False) -> list[MediaProblem]:
     """Every unusable image or video reference of `samples`, in sample order (see the module docstring)."""

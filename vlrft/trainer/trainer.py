@@ -128,30 +128,33 @@ class Trainer:
             raise UserError(f"config: {key}={files!r} holds no samples; list JSONL/parquet/HF-dataset files "
                             "(check them with `vlrft data check FILE`)")
         samples = samples[:limit] if limit else samples
-        return self._without_bad_media(samples, key) if self.cfg.data.validate_media else samples
+        return self._without_bad_samples(samples, key) if self.cfg.data.validate_media else samples
 
-    def _without_bad_media(self, samples: list, key: str) -> list:
-        """Decode every image up front (cached, parallel) on the main rank; honour data.on_bad_sample."""
+    def _without_bad_samples(self, samples: list, key: str) -> list:
+        """Check every prompt and decode every image up front (cached, parallel) on the main rank, before any
+        model loads, so a bad sample stops the run now and not at the step that draws it; honour data.on_bad_sample."""
         from vlrft.data.media import MediaLimits
-        from vlrft.data.validate import find_bad_media
+        from vlrft.data.validate import find_bad_media, find_bad_prompts
 
         data = self.cfg.data
         problems = None
         if self.strategy.is_main:
-            problems = find_bad_media(samples, MediaLimits(data.max_source_pixels, data.max_aspect_ratio),
-                                      progress=self.cfg.logging.progress)
+            problems = find_bad_prompts(samples, data.system_prompt, data.prompt_suffix)
+            problems += find_bad_media(samples, MediaLimits(data.max_source_pixels, data.max_aspect_ratio),
+                                       progress=self.cfg.logging.progress)
+            problems.sort(key=lambda p: p.index)
         problems = self.strategy.broadcast_object(problems)
         if not problems:
             return samples
         bad = {p.index for p in problems}
         if data.on_bad_sample == "error":
-            raise UserError(f"{key}: {len(bad)} of {len(samples)} samples have unusable media, first: {problems[0]}; "
+            raise UserError(f"{key}: {len(bad)} of {len(samples)} samples are unusable, first: {problems[0]}; "
                             "fix them or set data.on_bad_sample=skip (`vlrft data check FILE` lists every one)")
-        self.message(f"{key}: left out {len(bad)} of {len(samples)} samples with unusable media "
+        self.message(f"{key}: left out {len(bad)} of {len(samples)} unusable samples "
                      f"(data.on_bad_sample=skip), first: {problems[0]}")
         kept = [sample for i, sample in enumerate(samples) if i not in bad]
         if not kept:
-            raise UserError(f"{key}: no sample has usable media; check the files with `vlrft data check FILE`")
+            raise UserError(f"{key}: no sample is usable; check the files with `vlrft data check FILE`")
         return kept
 
     def _build_actor(self) -> ActorVL:
