@@ -9,6 +9,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# the media-check cache of a test session stays out of the user's ~/.cache
+os.environ.setdefault("VLRFT_CACHE_DIR", __import__("tempfile").mkdtemp(prefix="vlrft-test-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides, strict types, cross-field validation, saved without secrets."""
 
+import re
 import textwrap
 
 import pytest
@@ -134,3 +135,24 @@ def test_old_batch_size_names_still_load_and_say_what_to_use(tmp_path, capsys):
     assert load_config(new, ["rollout.batch_size=8"]).rollout.global_batch_completions == 8
     with pytest.raises(ConfigError, match="both 'rollout.batch_size' and 'rollout.global_batch_completions' are set"):
         load_config(None, ["rollout.batch_size=8", "rollout.global_batch_completions=8"])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.lr=nan", "train.lr"), ("train.lr=inf", "train.lr"), ("train.lr=-inf", "train.lr"),
+    ("rollout.temperature=-0.5", "rollout.temperature"), ("rollout.temperature=nan", "rollout.temperature"),
+    ("rollout.top_p=1.5", "rollout.top_p"), ("rollout.top_p=0", "rollout.top_p"), ("rollout.top_k=-2", "rollout.top_k"),
+    ("rollout.min_p=2", "rollout.min_p"), ("rollout.repetition_penalty=0", "rollout.repetition_penalty"),
+    ("train.weight_decay=-1", "train.weight_decay"), ("train.max_grad_norm=inf", "train.max_grad_norm"),
+    ("train.adam_betas=[0.9,1.5]", "train.adam_betas[1]"), ("train.eval_temperature=-1", "train.eval_temperature"),
+    ("algorithm.entropy_coef=nan", "algorithm.entropy_coef"), ("algorithm.clip_eps_high=inf", "algorithm.clip_eps_high"),
+    ("model.lora.dropout=1.0", "model.lora.dropout"), ("reward.timeout_s=0", "reward.timeout_s"),
+    ("reward.functions=[{name: accuracy, weight: .nan}]", "reward.functions[0].weight"),
+])
+def test_float_options_must_be_finite_and_in_range(override, key):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {key}=")):
+        load_config(None, [override])
+
+
+def test_off_values_of_sampling_options_are_accepted():
+    cfg = load_config(None, ["rollout.top_k=-1", "rollout.top_p=1.0", "rollout.temperature=0"])
+    assert cfg.rollout.top_k == -1

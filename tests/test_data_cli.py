@@ -122,3 +122,17 @@ def test_synth_writes_the_shapes_task(tmp_path, capsys):
     train = read_samples(tmp_path / "train.jsonl")
     assert [s.label for s in train] == ["color", "count", "color", "count"]
     assert np.asarray(Image.open(train[0].images[0])).shape == (56, 56, 3)
+
+
+def test_convert_of_a_verl_file_writes_native_columns(tmp_path, capsys):
+    from vlrft.data import read_dataset
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 1+1?"}], "data_source": "math",
+             "reward_model": {"ground_truth": "2", "style": "rule"}, "extra_info": {"index": 0}}]
+    (tmp_path / "verl.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "convert", str(tmp_path / "verl.jsonl"), str(tmp_path / "out.jsonl")]) == 0
+    converted = read_dataset(tmp_path / "out.jsonl")
+    assert converted.formats[str(tmp_path / "out.jsonl")] == "native"
+    sample = converted.samples[0]
+    assert (sample.answer, sample.label) == ("2", "math")
+    assert sample.extra["source_reward_model"]["style"] == "rule" and sample.extra["source_extra_info"] == {"index": 0}

@@ -203,3 +203,19 @@ def test_read_split_uses_the_data_config(tmp_path, caplog):
     assert read_split(cfg, "eval").samples == []
     with pytest.raises(UserError, match="data.train_files is empty"):
         read_split(DataConfig(), "train")
+
+
+def test_a_non_utf8_byte_names_file_and_line_or_is_skipped(tmp_path):
+    from vlrft.data.readers import read_dataset as read
+
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n'
+                     b'{"prompt": "fine", "answer": "3"}\n')
+    with pytest.raises(UserError, match=r"latin1.jsonl line 2, field '<row>': not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        read(path)
+    result = read(path, on_bad_sample="skip")
+    assert [s.answer for s in result.samples] == ["1", "3"] and result.skipped[0].source == "latin1.jsonl line 2"
+    listing = tmp_path / "latin1.json"
+    listing.write_bytes(b'[\n{"prompt": "caf\xe9", "answer": "2"}]')
+    with pytest.raises(UserError, match=r"latin1.json' is not valid UTF-8 \(byte 0xe9 on line 2\)"):
+        read(listing)

@@ -176,6 +176,24 @@ def test_server_rejects_malformed_requests_with_a_reason(server):
     assert response.status_code == 400 and "'completions' must be a list of strings" in response.json()["error"]
 
 
+@pytest.mark.parametrize("body,content_type,status,reason", [
+    ({"completions": ["a"], "labels": [["x"]]}, "application/json", 400, "'labels[0]' must be a string or null"),
+    ({"completions": ["a"], "references": [{"a": 1}]}, "application/json", 400, "'references[0]' must be a string"),
+    ({"completions": ["a"], "images": [1]}, "application/json", 400, "'images' must be a list of base64"),
+    ("[" * 100_000 + "]" * 100_000, "application/json", 400, "nested too deeply"),
+    ("{\"completions\": [\"a\"", "application/json", 400, "not valid JSON"),
+    (b'{"completions": ["\xff"]}', "application/json", 400, "not valid JSON"),
+    ({"completions": ["a"]}, "text/plain", 415, "send the request as application/json"),
+])
+def test_server_answers_malformed_requests_with_400_or_415_and_a_reason(server, body, content_type, status, reason):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": content_type}
+    data = json.dumps(body) if isinstance(body, dict) else body
+    response = requests.post(server, data=data, headers=headers, timeout=30)
+    assert response.status_code == status and reason in response.json()["error"]
+    assert requests.post(server, json={"completions": ["a"]}, headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=10).status_code == 200  # still serving
+
+
 def test_remote_needs_a_url():
     with pytest.raises(UserError, match="needs a URL: set reward.remote_url"):
         RewardSet.from_config(RewardConfig(functions=[F("remote")]))

@@ -147,6 +147,13 @@ def test_a_failing_reward_names_the_function_or_counts_as_not_applicable(tmp_pat
     before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
     history = trainer.fit()
     assert history[-1]["reward/frac_not_applicable"] == 1.0
+    # every failure is counted per function and step, in metrics.jsonl and TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert history[-1]["reward/broken/errors"] == 16.0 == read_metrics(tmp_path / "b" / "run")[-1]["reward/broken/errors"]
+    events = EventAccumulator(str(tmp_path / "b" / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/broken/errors")] == [(1, 16.0)]
     assert all(math.isfinite(v) for v in history[-1].values())  # no signal, and no NaN either
     after = trainer.actor.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("vlrft.commands.eval_cmd", "evaluate a model on the config's eval set"),
     "config": ("vlrft.commands.config_cmd", "load, validate and print a config with overrides applied"),
     "generate": ("vlrft.commands.generate_cmd", "answer one prompt (with optional images) with a model folder"),
+    "export": ("vlrft.commands.export_cmd", "merge a LoRA checkpoint into its base model (a full Hugging Face folder)"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight Qwen-VL model + processor folder (tests, demo)"),
     "data": ("vlrft.commands.data_cmd", "check, convert or generate datasets (data check|convert|synth)"),
     "reward-server": ("vlrft.commands.reward_server_cmd", "serve reward functions over HTTP for the 'remote' reward"),
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"vlrft {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"vlrft {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"vlrft {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
         return 130
 
 

@@ -99,6 +99,8 @@ class DataConfig:
     video_max_frames: int = option(32, "at most this many frames per video")
     on_bad_sample: Literal["error", "skip"] = option(
         "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
+    validate_media: bool = option(True, "before training, check every prompt and decode every image once (cached "
+                                  "by file fingerprint); bad ones are errors or skips per data.on_bad_sample")
     max_source_pixels: int = option(89_478_485, "images larger than this (width*height) are refused before "
                                     "decoding (decompression bombs)")
     max_aspect_ratio: float = option(200.0, "images longer than this ratio are refused (Qwen-VL cannot patch them)")
@@ -295,9 +297,14 @@ class TrainConfig:
         "was train.micro_batch_size")
     strategy: Literal["single", "ddp"] = option("single", "'single' process, or 'ddp' under torchrun (gloo on CPU, "
                                                 "NCCL on GPUs)")
-    save_every: int = option(0, "save a checkpoint every this many steps; 0 = only at the end")
-    keep_last: int = option(2, "keep this many newest checkpoints")
+    save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
+                             "loses every step)")
+    keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "
+                            "deleted (never another run's)")
     resume: str = option("none", "'none', 'auto' (the latest checkpoint in output_dir) or a checkpoint path")
+    overwrite: bool = option(False, "start over in a non-empty output_dir, deleting the run files there; without "
+                             "it (or resume) a non-empty output_dir is refused")
+    save_on_interrupt: bool = option(True, "Ctrl-C finishes the current step, saves a checkpoint, then stops")
     eval_every: int = option(0, "evaluate every this many steps; 0 = no periodic evaluation")
     eval_before_training: bool = option(True, "evaluate once before the first step")
     eval_n: int = option(1, "samples per eval prompt (pass@k uses them)")
@@ -353,6 +360,7 @@ class Config:
     def validate(self, world_size: int | None = None) -> "Config":
         """Check values against each other; raises `ConfigError` naming the first problem."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        validate_numbers(self)
         r, t, a = self.rollout, self.train, self.algorithm
         _positive("rollout.n", r.n)
         _positive("rollout.global_batch_completions", r.global_batch_completions)
@@ -437,6 +445,62 @@ class Config:
             _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
         self.reward.validate()
         return self
+
+
+# (key, test, what is allowed) for numbers whose range no other check covers; every float must also be finite.
+_NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
+    ("train.lr", lambda v: v > 0, "a number > 0, e.g. 1e-6"),
+    ("train.weight_decay", lambda v: v >= 0, "a number >= 0"),
+    ("train.max_grad_norm", lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"),
+    ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    ("rollout.temperature", lambda v: v >= 0,
+     "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),
+    ("rollout.top_k", lambda v: v >= -1, "an integer >= 1, or 0 / -1 for off"),
+    ("rollout.min_p", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0 = off)"),
+    ("rollout.repetition_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
+    ("rollout.min_new_tokens", lambda v: v >= 0, "an integer >= 0"),
+    ("model.lora.dropout", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
+    ("algorithm.entropy_coef", lambda v: v >= 0, "a number >= 0"),
+    ("algorithm.value_coef", lambda v: v >= 0, "a number >= 0"),
+    ("algorithm.overlong_penalty", lambda v: v >= 0, "a number >= 0"),
+    ("reward.timeout_s", lambda v: v > 0, "a number of seconds > 0"),
+    ("reward.grader_timeout_s", lambda v: v > 0, "a number of seconds > 0"),
+)
+
+
+def _non_finite_numbers(obj: Any, prefix: str) -> typing.Iterator[tuple[str, float]]:
+    """(key, value) of every NaN/inf float in a dataclass tree (lists and mappings included)."""
+    import math
+
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _non_finite_numbers(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _non_finite_numbers(item, f"{prefix}[{i}]")
+    elif isinstance(obj, dict):  # reward recipes; free-form kwargs (values of any type) are the callee's to check
+        for key, item in obj.items():
+            if isinstance(item, list) or dataclasses.is_dataclass(item):
+                yield from _non_finite_numbers(item, f"{prefix}.{key}")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        yield prefix, obj
+
+
+def validate_numbers(cfg: "Config") -> None:
+    """Every float finite (a NaN learning rate or temperature trains garbage silently) and key ranges respected."""
+    for key, value in _non_finite_numbers(cfg, ""):
+        _fail(key, value, "a finite number (not nan or inf)")
+    for key, ok, allowed in _NUMBER_RANGES:
+        section, *rest = key.split(".")
+        value = getattr(cfg, section)
+        for name in rest:
+            value = getattr(value, name)
+        if not ok(value):
+            _fail(key, value, allowed)
+    for i, beta in enumerate(cfg.train.adam_betas):
+        if not 0 <= beta < 1:
+            _fail(f"train.adam_betas[{i}]", beta, "a number in [0, 1), e.g. [0.9, 0.999]")
 
 
 def _fail(key: str, value: Any, allowed: str) -> typing.NoReturn:

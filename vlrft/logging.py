@@ -55,7 +55,11 @@ class RunLogger:
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            tb_dir = self.dir / "tensorboard"
+            if start_step == 0:  # a restart from scratch: earlier event files hold steps this run writes again
+                for old in tb_dir.glob("events.out.tfevents.*"):
+                    old.unlink()
+            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=start_step + 1 if start_step else None)
         self._wandb = self._init_wandb(cfg) if self.cfg.wandb else None
         self._bar = None
         if self.cfg.progress:
@@ -138,12 +142,23 @@ def _truncate_after(path: Path, step: int) -> None:
     if step == 0:
         path.unlink()
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [json.dumps(record) for record in _records(path) if record.get("step", 0) <= step]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
+def _records(path: Path) -> list[dict]:
+    """The JSON lines of a log; a line torn by a crash mid-write (not valid JSON) is dropped."""
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def read_metrics(output_dir: str | Path) -> list[dict]:
-    """The metrics.jsonl records of a run, in order."""
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The metrics.jsonl records of a run, in order (a torn last line from a crash is skipped)."""
+    return _records(Path(output_dir) / "metrics.jsonl")

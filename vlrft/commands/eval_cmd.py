@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, validate=False)
     if not cfg.data.eval_files:
         raise UserError("config: data.eval_files is empty; list the held-out files to evaluate on")
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, evaluate_only=True)
     try:
         metrics = evaluate(trainer, trainer.step_count)
     finally:

@@ -4,7 +4,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model folder (save_pretrained layout, with its processor) or Hub id")
+    parser.add_argument("model", help="model folder (save_pretrained layout, with its processor), a LoRA checkpoint's "
+                                      "model/ folder (merged into its base), or a Hub id")
     parser.add_argument("prompt", help="the user message")
     parser.add_argument("--image", action="append", default=[], help="image file; repeat for several")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -16,18 +17,23 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import torch
-    from PIL import Image
 
+    from vlrft.config import DataConfig
+    from vlrft.data.media import MediaError, MediaLimits, load_image
     from vlrft.errors import UserError
     from vlrft.models.loading import load_policy, load_processor
 
-    processor = load_processor(args.model)
-    model = load_policy(args.model).eval()
+    limits = MediaLimits(DataConfig.max_source_pixels, DataConfig.max_aspect_ratio)
     images = []
-    for path in args.image:
+    for path in args.image:  # checked before the model loads: same decoding and limits as training
         if not Path(path).is_file():
             raise UserError(f"--image '{path}' is not a file; pass the path of an image")
-        images.append(Image.open(path).convert("RGB"))
+        try:
+            images.append(load_image(path, limits))
+        except MediaError as exc:
+            raise UserError(f"--image '{path}': {exc}") from None
+    processor = load_processor(args.model)
+    model = load_policy(args.model).eval()
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)

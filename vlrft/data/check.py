@@ -16,13 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from vlrft.config import DataConfig
-from vlrft.data.media import MediaError, MediaLimits, load_image, load_video
+from vlrft.data.media import MediaError, MediaLimits, load_image, load_video, open_image_source
 from vlrft.data.readers import read_dataset
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample, build_messages
 
 PERCENTILES = (50, 90, 99)
+# How images of unusual PIL modes become the RGB the model sees (vlrft.data.media.to_rgb).
+MODE_NOTES = {**{m: " (16-bit, scaled to 8 bits)" for m in ("I;16", "I;16L", "I;16B", "I;16N")},
+              "I": " (32-bit integer, scaled to 8 bits by its value range)",
+              "F": " (float, scaled to 8 bits by its value range)",
+              **{m: " (transparency composited over white)" for m in ("RGBA", "RGBa", "LA", "La", "PA")},
+              "CMYK": " (converted to RGB)", "1": " (1-bit, black and white)"}
 
 
 @dataclass
@@ -36,6 +43,7 @@ class CheckReport:
     images_per_row: Counter = field(default_factory=Counter)
     videos_per_row: Counter = field(default_factory=Counter)
     labels: Counter = field(default_factory=Counter)
+    image_modes: Counter = field(default_factory=Counter)  # PIL mode of each readable image
     prompt_lengths: list[int] = field(default_factory=list)
     length_unit: str = "characters"
     max_prompt_length: int | None = None
@@ -55,6 +63,9 @@ class CheckReport:
                      f"{self.bad_rows} bad")
         lines.append("  images per row: " + _histogram(self.images_per_row))
         lines.append("  videos per row: " + _histogram(self.videos_per_row))
+        if self.image_modes:
+            lines.append("  image modes: " + ", ".join(f"{mode}: {n}{MODE_NOTES.get(mode, '')}"
+                                                      for mode, n in sorted(self.image_modes.items())))
         if self.labels:
             lines.append("  labels: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.labels.items(), key=str)))
         if self.prompt_lengths:
@@ -95,6 +106,19 @@ def _check_media(sample: Sample, cfg: DataConfig) -> list[SkippedSample]:
     return problems
 
 
+def _mode_of(ref: Any) -> list[str]:
+    """[the PIL mode of an image reference] from its header, or [] when unreadable (reported elsewhere)."""
+    try:
+        image = open_image_source(ref)
+    except MediaError:
+        return []
+    mode = image.mode
+    given = ref.values() if isinstance(ref, dict) else [ref]
+    if not any(isinstance(v, Image.Image) for v in given):
+        image.close()  # opened here for its header only
+    return [mode]
+
+
 def _prompt_chars(messages: list[dict]) -> int:
     return sum(len(p["text"]) for m in messages for p in m["content"] if p["type"] == "text")
 
@@ -110,6 +134,8 @@ def check_dataset(path: str, cfg: DataConfig, processor: Any = None, require_ans
         report.videos_per_row[len(sample.videos)] += 1
         if sample.label is not None:
             report.labels[sample.label] += 1
+        for ref in sample.images:
+            report.image_modes.update(_mode_of(ref))
         if require_answer and (sample.answer is None or not str(sample.answer).strip()):
             report.bad.append(_bad(sample, "answer", "no reference answer; add one (or pass --allow-missing-answer "
                                                      "when rewards do not need it)"))

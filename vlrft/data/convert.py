@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlrft.data.media import MediaError, open_image_source, local_path, encode_image_bytes
+from vlrft.data.media import MediaError, encode_image_bytes, local_path, open_image_source, to_rgb
 from vlrft.data.readers import read_dataset
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample
 
@@ -59,7 +59,7 @@ def _image_bytes(ref: Any) -> tuple[bytes, str]:
         return raw, (fmt or "png").lower().replace("jpeg", "jpg")
     image = open_image_source(ref)  # PIL image, numpy array, or raises MediaError (missing file, URL, ...)
     if image.mode not in ("RGB", "RGBA", "L", "LA", "P"):
-        image = image.convert("RGB")
+        image = to_rgb(image)
     return encode_image_bytes(image, "PNG"), "png"
 
 
@@ -106,10 +106,15 @@ class _MediaWriter:
         return target.relative_to(self.base).as_posix()
 
 
+# Columns by which `detect_format` recognises another layout: kept under a `source_` name, so the output reads as native.
+LAYOUT_MARKERS = ("problem", "reward_model", "data_source", "extra_info", "image", "solution")
+
+
 def _native_row(sample: Sample, images: list, videos: list) -> dict:
     row: dict[str, Any] = {}
     for key, value in sample.extra.items():
-        row[f"extra_{key}" if key in NATIVE_FIELDS else key] = value
+        name = f"extra_{key}" if key in NATIVE_FIELDS else f"source_{key}" if key in LAYOUT_MARKERS else key
+        row[name] = value
     row.update(id=sample.id, prompt=sample.prompt, images=images, videos=videos, answer=sample.answer,
                label=sample.label)
     return row

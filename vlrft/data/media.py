@@ -120,8 +120,43 @@ def _pil_open(source: Any, unreadable: str) -> Image.Image:
         raise MediaError(f"cannot read image: {exc}") from None
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+_HIGH_DEPTH = (*_SIXTEEN_BIT, "I", "F")
+
+
+def scale_to_8bit(values: np.ndarray, mode: str) -> np.ndarray:
+    """Map a 16/32-bit integer or float single-channel image onto 0..255 (PIL's convert would clip it).
+
+    16-bit modes use their full range (65535 -> 255). Mode "I" (32-bit int) and "F" (float) carry no
+    range of their own, so it is read from the values: [0, 1] floats and [0, 255] values are taken as
+    they are, [0, 65535] integers as 16-bit, anything else is stretched min..max. NaN/inf become 0.
+    """
+    x = values.astype(np.float64)
+    x[~np.isfinite(x)] = 0.0
+    lo, hi = float(x.min()), float(x.max())
+    if mode in _SIXTEEN_BIT:
+        scaled = x / 257.0
+    elif mode == "F" and lo >= 0 and hi <= 1:
+        scaled = x * 255.0
+    elif lo >= 0 and hi <= 255:
+        scaled = x
+    elif mode == "I" and lo >= 0 and hi <= 65535:
+        scaled = x / 257.0
+    else:
+        scaled = (x - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(x)
+    return np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB pixels of any PIL mode: high bit depths scaled (not clipped), transparency composited over white.
+
+    Palette, 1-bit, CMYK, YCbCr, LAB and HSV images go through PIL's own conversions, which are right for them.
+    """
+    if image.mode in _HIGH_DEPTH:
+        image = Image.fromarray(scale_to_8bit(np.asarray(image), image.mode))
+    elif image.mode == "La":  # premultiplied alpha: PIL converts it only to LA
+        image = image.convert("LA")
+    if image.mode in ("RGBA", "RGBa", "LA", "PA") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
@@ -153,7 +188,7 @@ def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
         raise MediaError(f"image {_describe(ref)} is truncated or corrupt ({exc})") from None
     if source.getexif().get(_EXIF_ORIENTATION, 1) != 1:
         source = ImageOps.exif_transpose(source)
-    return _to_rgb(source)
+    return to_rgb(source)
 
 
 def target_size(width: int, height: int, bounds: PixelBounds) -> tuple[int, int]:

@@ -40,11 +40,19 @@ class ReadResult:
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, int, Any]]:
     """(source, 0-based row index, parsed row or BadSampleError) for every non-empty line."""
     index = 0
-    with path.open("r", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded line by line, so one bad byte spoils one row, not the file
+        for line_no, raw in enumerate(handle, start=1):
+            source = f"{path.name} line {line_no}"
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                yield source, index, BadSampleError(
+                    source, None, "<row>", f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                    "save the file as UTF-8")
+                index += 1
+                continue
             if not line.strip():
                 continue
-            source = f"{path.name} line {line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -55,8 +63,15 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, int, Any]]:
 
 
 def _iter_json_list(path: Path) -> Iterator[tuple[str, int, Any]]:
+    data = path.read_bytes()
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise UserError(f"'{path}' is not valid UTF-8 (byte 0x{data[exc.start]:02x} on line {line}); save it as "
+                        "UTF-8") from None
+    try:
+        rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"'{path}' is not valid JSON ({exc.msg} at line {exc.lineno}); for one object per line "
                         "name the file .jsonl") from None

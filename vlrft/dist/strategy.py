@@ -136,4 +136,10 @@ class DDPStrategy(Strategy):
 
 def make_strategy(name: str) -> Strategy:
     """The strategy named by `train.strategy` ("single" or "ddp")."""
+    if name != "single" and not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        from vlrft.errors import UserError
+
+        raise UserError(f"train.strategy={name} runs one process per device started by torchrun; launch with "
+                        "`torchrun --nproc_per_node <devices> -m vlrft train CONFIG ...`, or use "
+                        "train.strategy=single for one process")
     return DDPStrategy(rank_info_from_env()) if name == "ddp" else Strategy(rank_info_from_env())

@@ -20,10 +20,33 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model a LoRA adapter folder (a LoRA run's `checkpoints/step_k/model`) was trained on, else None."""
+    config = Path(path) / ADAPTER_CONFIG
+    if not config.is_file() or (Path(path) / "config.json").is_file():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"'{config}' is not valid JSON ({exc}); re-save the adapter") from None
+    if not base:
+        raise UserError(f"LoRA adapter '{path}' does not name its base model (base_model_name_or_path in "
+                        f"{ADAPTER_CONFIG}); set it to the base model's folder")
+    if not Path(base).exists() and (str(base).startswith((".", "/", "~")) or str(base).count("/") != 1):
+        raise UserError(f"LoRA adapter '{path}' was trained on '{base}', which is not found; edit "
+                        f"base_model_name_or_path in {config} to point at the base model folder")
+    return str(base)
+
+
 def _check_model_dir(path: str | Path) -> Path | None:
     """Return the folder for a local path, None for a Hub id; raise when a local-looking path is missing."""
     p = Path(path)
     if p.is_dir():
+        if adapter_base(p) is not None:
+            return p
         if not (p / "config.json").is_file():
             raise UserError(f"model folder '{path}' has no config.json; point model.path at a folder written by "
                             "save_pretrained (or a Hub checkpoint)")
@@ -37,6 +60,8 @@ def _check_model_dir(path: str | Path) -> Path | None:
 def model_type_of(path: str | Path) -> str:
     """The `model_type` in a checkpoint's config.json (Hub ids are resolved through transformers)."""
     local = _check_model_dir(path)
+    if local is not None and adapter_base(local) is not None:
+        return model_type_of(adapter_base(local))
     if local is not None:
         try:
             return json.loads((local / "config.json").read_text())["model_type"]
@@ -60,12 +85,20 @@ def _check_architecture(path: str | Path) -> str:
 
 def load_policy(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
                 trust_remote_code: bool = False, device: str | torch.device = "cpu"):
-    """Load a vision-language model for training (`AutoModelForImageTextToText`)."""
+    """Load a vision-language model (`AutoModelForImageTextToText`); a LoRA adapter folder is merged into its base."""
     from transformers import AutoModelForImageTextToText
 
     _check_architecture(path)
     if dtype not in DTYPES:
         raise UserError(f"model.dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    base = adapter_base(path) if Path(path).is_dir() else None
+    if base is not None:
+        from vlrft.errors import require
+
+        peft = require("peft", "loading a LoRA adapter", "peft")
+        model = load_policy(base, dtype, attn_implementation, trust_remote_code, "cpu")
+        merged = peft.PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        return merged.requires_grad_(True).to(device)  # as trainable as any loaded model (PEFT froze the base)
     model = AutoModelForImageTextToText.from_pretrained(
         str(path), dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
@@ -93,6 +126,8 @@ def _image_only_processor_class(cls):
 def load_processor(path: str | Path, trust_remote_code: bool = False):
     """Load the processor saved with a model; image-only (PIL backend) when torchvision is absent."""
     local = _check_model_dir(path)
+    if local is not None and adapter_base(local) is not None and not any((local / f).is_file() for f in PROCESSOR_FILES):
+        return load_processor(adapter_base(local), trust_remote_code)  # an adapter saved without its processor
     if local is not None and not any((local / f).is_file() for f in PROCESSOR_FILES):
         raise UserError(f"model folder '{path}' has no processor (none of {', '.join(PROCESSOR_FILES)}); copy the "
                         "processor files from the base checkpoint or run processor.save_pretrained on the folder")

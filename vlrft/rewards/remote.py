@@ -95,8 +95,16 @@ def decode_request(payload: Any) -> dict[str, Any]:
             raise ValueError(f"'{name}' must be a list with one entry per completion ({n})")
         return value
 
+    for name, allowed, what in (("prompts", (str,), "a string"), ("references", (str, type(None)), "a string or null"),
+                                ("labels", (str, type(None)), "a string or null")):
+        for i, value in enumerate(column(name, None) if name in payload else []):
+            if not isinstance(value, allowed):
+                raise ValueError(f"'{name}[{i}]' must be {what}, got {type(value).__name__}")
+    raw_images = payload.get("images") or []
+    if not isinstance(raw_images, list) or not all(isinstance(d, str) for d in raw_images):
+        raise ValueError("'images' must be a list of base64-encoded image strings")
     pictures = []
-    for k, data in enumerate(payload.get("images") or []):
+    for k, data in enumerate(raw_images):
         try:
             pictures.append(Image.open(io.BytesIO(base64.b64decode(data, validate=True))))
         except Exception as exc:

@@ -7,6 +7,7 @@ when it is up. Use it to test the remote path locally or as a template for your 
 from __future__ import annotations
 
 import hmac
+import json
 import math
 from typing import Any
 
@@ -31,9 +32,18 @@ def build_app(reward_set: RewardSet, api_key: str | None = None, max_request_mb:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return web.json_response({"error": "missing or wrong API key (Authorization: Bearer <key>)"}, status=401)
+        if request.content_type != "application/json":
+            return web.json_response({"error": f"unsupported Content-Type {request.content_type!r}; send the request "
+                                               "as application/json"}, status=415)
         try:
-            kwargs = decode_request(await request.json())
-        except ValueError as exc:
+            payload = json.loads(await request.read())
+        except RecursionError:
+            return web.json_response({"error": "bad request: the JSON is nested too deeply"}, status=400)
+        except ValueError as exc:  # also invalid UTF-8
+            return web.json_response({"error": f"bad request: the body is not valid JSON ({exc})"}, status=400)
+        try:
+            kwargs = decode_request(payload)
+        except (ValueError, TypeError, RecursionError) as exc:
             return web.json_response({"error": f"bad request: {exc}"}, status=400)
         try:
             result = await reward_set.ascore(kwargs.pop("completions"), **kwargs)

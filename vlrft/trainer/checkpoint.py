@@ -37,6 +37,18 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def lineage_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
+    """Complete checkpoints written by run lineage `run_id`, oldest first: the only ones keep-last may prune."""
+    return [c for c in list_checkpoints(output_dir) if _run_id_of(c) == run_id]
+
+
+def _run_id_of(checkpoint: Path) -> str | None:
+    try:
+        return load_trainer_state(checkpoint).get("run_id")
+    except (OSError, ValueError):
+        return "<unreadable>"  # never equal to a real id: such a checkpoint is never pruned
+
+
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     """The checkpoint folder `train.resume` names: "none", "auto" (latest in output_dir, if any) or a path."""
     if resume == "none":
@@ -96,7 +108,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, model, proce
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        for stale in list_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
+        for stale in lineage_checkpoints(output_dir, trainer_state.get("run_id"))[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(stale, ignore_errors=True)
     strategy.barrier()
     return final

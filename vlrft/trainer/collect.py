@@ -9,7 +9,7 @@ budget runs out, zero-variance groups fill the gap: they get zero advantage, nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class Collected:
     filled_zero_std: int  # zero-variance groups kept because refills ran out
     skipped_prompts: int
     rounds: int
+    reward_errors: dict[str, int] = field(default_factory=dict)  # function key -> calls lost to an error (all rounds)
 
 
 def shape_rewards(total: torch.Tensor, rollouts: Rollouts, cfg) -> torch.Tensor:
@@ -70,6 +71,7 @@ def collect(trainer, step: int) -> Collected:
     kept: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
     spare: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
     have = groups_seen = zero_groups = skipped = rounds = 0
+    reward_errors = dict.fromkeys(trainer.rewards.keys, 0)
     max_rounds = (1 + cfg.algorithm.max_refill_rounds) if dynamic else MAX_ROUNDS_FOR_SKIPS
     while True:
         short = torch.tensor([float(have < need)])
@@ -86,6 +88,8 @@ def collect(trainer, step: int) -> Collected:
             rollouts = trainer.engine.generate(batch, trainer.sampling)
         with trainer.timer("time/reward"):
             result = score(trainer.rewards, batch, rollouts, step)
+        for key in reward_errors:
+            reward_errors[key] += int(result.stats[key].errors) if key in result.stats else 0
         rewards = shape_rewards(result.total, rollouts, cfg)
         zero = zero_variance_groups(rewards, n)
         groups_seen += len(batch)
@@ -107,7 +111,9 @@ def collect(trainer, step: int) -> Collected:
                             "data.on_bad_sample=error to see why")
         filled = need - have
         kept.extend(spare)
-    return _assemble(kept, need, n, groups_seen, zero_groups, filled, skipped, rounds)
+    collected = _assemble(kept, need, n, groups_seen, zero_groups, filled, skipped, rounds)
+    collected.reward_errors = reward_errors
+    return collected
 
 
 def _assemble(parts, need: int, n: int, groups_seen: int, zero_groups: int, filled: int, skipped: int,

@@ -29,9 +29,11 @@ from vlrft.rollout import make_engine
 from vlrft.rollout.base import SamplingParams
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer import run_folder
 from vlrft.trainer.collect import Collected, collect
 from vlrft.trainer.evaluate import accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Experience, make_experience
+from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.update import update
 
 
@@ -53,17 +55,30 @@ def make_optimizer(params: list[torch.nn.Parameter], train_cfg) -> torch.optim.O
 class Trainer:
     """Builds everything a run needs from a `Config`; `fit()` trains, evaluates and checkpoints."""
 
-    def __init__(self, cfg: Config, strategy: Strategy | None = None):
+    def __init__(self, cfg: Config, strategy: Strategy | None = None, evaluate_only: bool = False):
+        """`evaluate_only`: for `vlrft eval`, which writes nothing into train.output_dir (no folder checks)."""
         self.cfg = cfg
+        self.evaluate_only = evaluate_only
         self.strategy = strategy or make_strategy(cfg.train.strategy)
         self.device = self.strategy.device
         world, rank = self.strategy.world_size, self.strategy.rank
         cfg.validate(world)
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
-        self.resume_from = ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        self.resume_from = None if evaluate_only else ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
+        self._stale_run_files = [] if evaluate_only else run_folder.check_output_dir(
+            self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
+        resumed_id = ckpt.load_trainer_state(self.resume_from).get("run_id") if self.resume_from else None
+        self.run_id = self.strategy.broadcast_object(resumed_id if self.resume_from else run_folder.new_run_id())
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
+        # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
+        # the training files are not read (they may not even exist there).
+        self.train_samples = [] if evaluate_only else \
+            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
+        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
+                             if cfg.data.eval_files else [])
 
         if cfg.model.build_recipe:
             if self.strategy.is_main and not (Path(cfg.model.path) / "config.json").is_file():
@@ -77,19 +92,17 @@ class Trainer:
                                            getattr(self.actor.model, "generation_config", None),
                                            cfg.rollout.stop_token_ids)
         self.actor.suppressed_ids = self.tokens.suppressed_ids
-        self.ref = self._build_ref()
-        self.critic, self.critic_wrapped, self.critic_optimizer = self._build_critic()
+        self.ref = None if evaluate_only else self._build_ref()
+        self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
+            self._build_critic()
         self.optimizer = make_optimizer([p for p in self.actor.parameters() if p.requires_grad], cfg.train)
         self.scheduler = self._build_scheduler()
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
-        self.train_samples = self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
-        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
-                             if cfg.data.eval_files else [])
         self.prompts_per_rank = cfg.prompts_per_step // world
         self.mini_batch_per_rank = (cfg.train.mini_batch_size or cfg.rollout.batch_size) // world
-        self.sampler = PromptSampler(len(self.train_samples), cfg.prompts_per_step, cfg.train.seed,
-                                     cfg.data.shuffle, rank, world)
+        self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
+                                                                cfg.train.seed, cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
@@ -114,11 +127,39 @@ class Trainer:
         if not samples:
             raise UserError(f"config: {key}={files!r} holds no samples; list JSONL/parquet/HF-dataset files "
                             "(check them with `vlrft data check FILE`)")
-        return samples[:limit] if limit else samples
+        samples = samples[:limit] if limit else samples
+        return self._without_bad_samples(samples, key) if self.cfg.data.validate_media else samples
+
+    def _without_bad_samples(self, samples: list, key: str) -> list:
+        """Check every prompt and decode every image up front (cached, parallel) on the main rank, before any
+        model loads, so a bad sample stops the run now and not at the step that draws it; honour data.on_bad_sample."""
+        from vlrft.data.media import MediaLimits
+        from vlrft.data.validate import find_bad_media, find_bad_prompts
+
+        data = self.cfg.data
+        problems = None
+        if self.strategy.is_main:
+            problems = find_bad_prompts(samples, data.system_prompt, data.prompt_suffix)
+            problems += find_bad_media(samples, MediaLimits(data.max_source_pixels, data.max_aspect_ratio),
+                                       progress=self.cfg.logging.progress)
+            problems.sort(key=lambda p: p.index)
+        problems = self.strategy.broadcast_object(problems)
+        if not problems:
+            return samples
+        bad = {p.index for p in problems}
+        if data.on_bad_sample == "error":
+            raise UserError(f"{key}: {len(bad)} of {len(samples)} samples are unusable, first: {problems[0]}; "
+                            "fix them or set data.on_bad_sample=skip (`vlrft data check FILE` lists every one)")
+        self.message(f"{key}: left out {len(bad)} of {len(samples)} unusable samples "
+                     f"(data.on_bad_sample=skip), first: {problems[0]}")
+        kept = [sample for i, sample in enumerate(samples) if i not in bad]
+        if not kept:
+            raise UserError(f"{key}: no sample is usable; check the files with `vlrft data check FILE`")
+        return kept
 
     def _build_actor(self) -> ActorVL:
         cfg = self.cfg.model
-        lora = cfg.lora.rank > 0
+        lora = cfg.lora.rank > 0 and not self.evaluate_only  # evaluation runs the (merged) weights as they are
         weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
         model = load_policy(weights, dtype="float32", attn_implementation=cfg.attn_implementation,
                             trust_remote_code=cfg.trust_remote_code, device=self.device)
@@ -251,10 +292,14 @@ class Trainer:
         stats.add("data/skipped_prompts", float(collected.skipped_prompts))
         stats.add("rollout/rounds", float(collected.rounds))
         stats.add("optimizer/skipped_steps", float(skipped))
+        error_keys = [f"reward/{name}/errors" for name in collected.reward_errors]  # failures under on_error=none
+        for key, count in zip(error_keys, collected.reward_errors.values()):
+            stats.add(key, float(count))
         stats = stats.merge(loss_stats).merge(exp.advantage_stats)
         reduced = stats.reduce(self.sum_reduce, self.max_reduce)
         metrics = reduced.means()
-        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std"):
+        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std",
+                     *error_keys):
             metrics[name] = float(reduced.sums[name])
         # headline names
         for alias, source in (("kl", "actor/kl_ref"), ("entropy", "actor/entropy"), ("clip_ratio/region", "actor/clipfrac")):
@@ -295,29 +340,44 @@ class Trainer:
         cfg = self.cfg
         history = []
         if self.strategy.is_main:
+            run_folder.clear(self._stale_run_files)
             save_config(cfg, self.output_dir)
             self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count)
             if self.resume_from is not None:
                 self.message(f"resumed from {self.resume_from} at step {self.step_count}")
+        self.strategy.barrier()  # the old run's files are gone before any rank writes
         try:
-            if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
-                metrics = evaluate(self, 0)
-                self._log(0, metrics)
-                history.append({"step": 0, **metrics})
-            while self.step_count < cfg.train.total_steps:
-                metrics = self.train_step()
-                step = self.step_count
-                if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
-                                                                   step == cfg.train.total_steps):
-                    metrics.update(evaluate(self, step))
-                self._log(step, metrics)
-                history.append({"step": step, **metrics})
-                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps:
-                    self.save()
+            with InterruptGuard(cfg.train.save_on_interrupt) as interrupt:
+                if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
+                    metrics = evaluate(self, 0)
+                    self._log(0, metrics)
+                    history.append({"step": 0, **metrics})
+                while self.step_count < cfg.train.total_steps:
+                    metrics = self.train_step()
+                    step = self.step_count
+                    if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
+                                                                       step == cfg.train.total_steps):
+                        metrics.update(evaluate(self, step))
+                    self._log(step, metrics)
+                    history.append({"step": step, **metrics})
+                    due = (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps
+                    stop = self._stop_requested(interrupt)
+                    if due or stop:
+                        with interrupt.saving():
+                            saved = self.save()
+                    if stop and step < cfg.train.total_steps:
+                        raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
+                                                  "with train.resume=auto")
         finally:
             if self.logger is not None:
                 self.logger.close()
         return history
+
+    def _stop_requested(self, interrupt: InterruptGuard) -> bool:
+        """Whether a Ctrl-C on any rank asked to save and stop (all ranks agree, so all save together)."""
+        if not interrupt.save_on_interrupt:
+            return False
+        return self.max_reduce(torch.tensor([float(interrupt.requested)])).item() > 0
 
     def _log(self, step: int, metrics: dict) -> None:
         if self.strategy.is_main and self.logger is not None and (step % self.cfg.logging.log_every == 0 or
@@ -328,7 +388,8 @@ class Trainer:
 
     def trainer_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
-                "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size}
+                "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size,
+                "run_id": self.run_id}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(

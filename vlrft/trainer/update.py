@@ -14,6 +14,7 @@ import math
 import torch
 
 from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss
+from vlrft.errors import UserError
 from vlrft.trainer.experience import Experience, micro_batches, sequences_for
 
 
@@ -76,6 +77,22 @@ def _critic_backward(trainer, seqs, rows, exp: Experience, den, last: bool) -> t
     return result.stats, not bool(torch.isfinite(result.loss.detach()))
 
 
+def parameters_finite(params) -> bool:
+    """Whether every value of these tensors is finite (one device sync for all of them)."""
+    params = list(params)
+    return not params or bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
+
+
+def _stop_if_weights_diverged(trainer, params) -> None:
+    """A finite gradient can still step the weights to inf/NaN (e.g. a huge learning rate): stop, never save them."""
+    critic = list(trainer.critic.parameters()) if trainer.critic is not None else []
+    bad = torch.tensor([float(not parameters_finite(params) or not parameters_finite(critic))])
+    if trainer.strategy.all_reduce(bad, "max").item() > 0:
+        raise UserError(f"step {trainer.step_count + 1}: the optimizer step made the weights non-finite (NaN/inf); "
+                        f"nothing was saved from it. Lower train.lr (now {trainer.cfg.train.lr:g}) or "
+                        "train.max_grad_norm and resume from the last checkpoint (train.resume=auto)")
+
+
 def _optimizer_step(trainer, nonfinite: bool, stats: Stats) -> int:
     """Clip, agree across ranks, then step or skip; returns 1 when the step was skipped."""
     max_norm = trainer.cfg.train.max_grad_norm
@@ -95,6 +112,7 @@ def _optimizer_step(trainer, nonfinite: bool, stats: Stats) -> int:
         trainer.scheduler.step()
         if trainer.critic is not None:
             trainer.critic_optimizer.step()
+        _stop_if_weights_diverged(trainer, params)
     trainer.optimizer.zero_grad(set_to_none=True)
     if trainer.critic is not None:
         trainer.critic_optimizer.zero_grad(set_to_none=True)

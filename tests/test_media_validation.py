@@ -1,0 +1,92 @@
+"""Bad media are found before training starts (not at the step that samples them), and checked once."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlrft.config import load_config
+from vlrft.data.media import MediaLimits
+from vlrft.data.readers import read_samples
+from vlrft.errors import UserError
+from vlrft.trainer import Trainer
+
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+
+
+def make_data(folder: Path, n: int = 8, bad: dict[int, bytes] | None = None) -> Path:
+    rows = []
+    for i in range(n):
+        name = f"{i}.png"
+        if bad and i in bad:
+            (folder / name).write_bytes(bad[i])
+        else:
+            Image.fromarray(np.full((28, 28, 3), 30 * i, np.uint8)).save(folder / name)
+        rows.append({"prompt": "<image>What colour?", "images": [name], "answer": str(i)})
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def config(tmp_path, model, data, *overrides):
+    return load_config(None, [
+        f"model.path={model}", "model.dtype=float32", f"data.train_files=[{data}]", "data.min_pixels=784",
+        "data.max_pixels=3136", "rollout.n=2", "rollout.batch_size=4", "rollout.max_new_tokens=3",
+        f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
+        "train.total_steps=1", "train.micro_batch_size=4", "logging.progress=false", "logging.completions_every=0",
+        *overrides])
+
+
+def test_a_bad_image_stops_the_run_before_any_model_loads(tmp_path, tiny_vlm_dir, monkeypatch):
+    data = make_data(tmp_path, bad={5: b"\x89PNG\r\n\x1a\n not really"})
+    from vlrft.trainer import trainer as trainer_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer_module, "load_processor", no_model)
+    with pytest.raises(UserError, match=r"data.train_files: 1 of 8 samples are unusable, first: "
+                                        r"train.jsonl line 6, field 'images\[0\]': .*not an image file"):
+        Trainer(config(tmp_path, tiny_vlm_dir(), data))
+    assert not (tmp_path / "run").exists()
+
+
+def test_with_skip_bad_media_are_left_out_and_training_runs(tmp_path, tiny_vlm_dir, capsys):
+    data = make_data(tmp_path, bad={1: b"", 6: b"GIF89a"})
+    trainer = Trainer(config(tmp_path, tiny_vlm_dir(), data, "data.on_bad_sample=skip"))
+    assert sorted(s.answer for s in trainer.train_samples) == ["0", "2", "3", "4", "5", "7"]
+    assert "left out 2 of 8 unusable samples" in capsys.readouterr().out
+    trainer.fit()
+
+
+def test_images_that_passed_are_not_decoded_again_until_they_change(tmp_path, monkeypatch):
+    from vlrft.data import validate
+
+    monkeypatch.setenv("VLRFT_CACHE_DIR", str(tmp_path / "cache"))
+    samples = read_samples(make_data(tmp_path, bad={3: b"broken"}))
+    calls = []
+    real = validate.load_image
+    monkeypatch.setattr(validate, "load_image", lambda ref, limits: calls.append(ref) or real(ref, limits))
+    first = validate.find_bad_media(samples, MediaLimits())
+    assert [(p.index, p.field) for p in first] == [(3, "images[0]")] and len(calls) == 8
+    calls.clear()
+    assert validate.find_bad_media(samples, MediaLimits()) == first and len(calls) == 1  # only the bad one again
+    calls.clear()
+    Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "0.png")
+    os.utime(tmp_path / "0.png", ns=(1, 1))
+    validate.find_bad_media(samples, MediaLimits())
+    assert sorted(Path(c).name for c in calls) == ["0.png", "3.png"]  # the changed file is checked again
+    calls.clear()
+    assert len(validate.find_bad_media(samples, MediaLimits(max_source_pixels=100))) == 8  # new limits: new check
+
+
+def test_a_placeholder_count_mismatch_is_found_before_training(tmp_path, tiny_vlm_dir):
+    data = make_data(tmp_path)
+    lines = data.read_text().splitlines()
+    lines[2] = lines[2].replace("<image>What", "<image><image>What")
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UserError, match=r"1 of 8 samples are unusable, first: train.jsonl line 3, field 'prompt': the prompt has 2 <image>"):
+        Trainer(config(tmp_path, tiny_vlm_dir(), data))

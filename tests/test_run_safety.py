@@ -1,0 +1,179 @@
+"""Nothing lost: one run per output folder, lineage-only pruning, Ctrl-C that saves, crash leftovers repaired."""
+
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlrft.config import load_config
+from vlrft.errors import ConfigError, UserError
+from vlrft.logging import read_metrics
+from vlrft.trainer import Trainer
+from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer.interrupt import TrainingInterrupted
+
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
+
+
+def config(out, model_dir, shapes, *overrides):
+    base = [
+        f"model.path={model_dir}", "model.dtype=float32",
+        f"data.train_files=[{shapes['train']}]", "data.min_pixels=784", "data.max_pixels=3136",
+        "rollout.n=4", "rollout.batch_size=8", "rollout.max_new_tokens=4",
+        f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]",
+        f"train.output_dir={out}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_size=8",
+        "train.save_every=1", "logging.progress=false", "logging.completions_every=0",
+    ]
+    return load_config(None, base + list(overrides))
+
+
+def fit(cfg):
+    trainer = Trainer(cfg)
+    trainer.fit()
+    return trainer
+
+
+def steps(out):
+    return [m["step"] for m in read_metrics(out)]
+
+
+def test_a_second_run_into_a_used_folder_is_refused_and_touches_nothing(tmp_path, tiny_vlm_dir, shapes):
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes))
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(UserError, match=r"not empty .*train.resume=auto.*train.overwrite=true"):
+        Trainer(config(out, tiny_vlm_dir(), shapes))
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+    assert steps(out) == [1, 2]
+
+
+def test_overwrite_clears_only_the_run_files(tmp_path, tiny_vlm_dir, shapes):
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=3"))
+    (out / "notes.txt").write_text("mine")
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=1", "train.overwrite=true"))
+    assert steps(out) == [1]
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_1"]
+    assert (out / "notes.txt").read_text() == "mine"
+    with pytest.raises(ConfigError, match="contradict"):
+        Trainer(config(out, tiny_vlm_dir(), shapes, "train.overwrite=true", "train.resume=auto"))
+
+
+def test_keep_last_prunes_only_the_current_run_lineage(tmp_path, tiny_vlm_dir, shapes):
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.keep_last=10"))
+    # A checkpoint of another run (a later step number) sits in the same folder.
+    foreign = out / "checkpoints" / "step_7"
+    os.replace(out / "checkpoints" / "step_2", foreign)
+    state = json.loads((foreign / "trainer_state.json").read_text())
+    (foreign / "trainer_state.json").write_text(json.dumps({**state, "step": 7, "run_id": "another-run"}))
+    own = out / "checkpoints" / "step_1"
+    trainer = fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=3", "train.keep_last=1",
+                         f"train.resume={own}"))
+    assert trainer.run_id == state["run_id"]  # a resumed run continues its lineage
+    assert sorted(p.name for p in ckpt.list_checkpoints(out)) == ["step_3", "step_7"]
+
+
+def _signal_during(monkeypatch, target, attr, when):
+    """Send this process SIGINT when `target.attr` is called and `when(args)` holds."""
+    real = getattr(target, attr)
+
+    def wrapped(*args, **kwargs):
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, attr, wrapped)
+
+
+def test_ctrl_c_mid_step_finishes_the_step_saves_and_resumes(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    out = tmp_path / "run"
+    from vlrft.trainer import trainer as trainer_module
+
+    calls = []
+    _signal_during(monkeypatch, trainer_module, "make_experience", lambda *a: calls.append(1) or len(calls) == 2)
+    with pytest.raises(TrainingInterrupted, match="stopped at step 2; checkpoint saved"):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=0"))
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_2"]
+    monkeypatch.undo()
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=0", "train.resume=auto"))
+    assert steps(out) == [1, 2, 3, 4]
+
+
+def test_ctrl_c_during_a_checkpoint_write_completes_it(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    out = tmp_path / "run"
+    _signal_during(monkeypatch, ckpt.torch, "save", lambda obj, path, *a: str(path).endswith("optimizer.pt"))
+    with pytest.raises(KeyboardInterrupt):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.save_on_interrupt=false"))
+    step_1 = out / "checkpoints" / "step_1"
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_1"]
+    assert (step_1 / "optimizer.pt").is_file() and (step_1 / "scheduler.pt").is_file()
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_ctrl_c_without_save_on_interrupt_stops_at_once(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    out = tmp_path / "run"
+    from vlrft.trainer import trainer as trainer_module
+
+    _signal_during(monkeypatch, trainer_module, "make_experience", lambda *a: True)
+    with pytest.raises(KeyboardInterrupt) as info:
+        fit(config(out, tiny_vlm_dir(), shapes, "train.save_on_interrupt=false"))
+    assert not isinstance(info.value, TrainingInterrupted)
+    assert ckpt.list_checkpoints(out) == [] and not (out / "metrics.jsonl").exists()
+
+
+def test_a_torn_metrics_line_and_a_restart_from_scratch_duplicate_nothing(tmp_path, tiny_vlm_dir, shapes,
+                                                                          monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    real_step = Trainer.train_step
+
+    def crash_at_step_3(self):
+        if self.step_count == 2:
+            raise RuntimeError("power cut")
+        return real_step(self)
+
+    # A crash before the first checkpoint: steps 1-2 are logged, nothing is saved.
+    monkeypatch.setattr(Trainer, "train_step", crash_at_step_3)
+    with pytest.raises(RuntimeError, match="power cut"):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=3", "train.save_every=0"))
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/me')  # torn by the crash
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=3", "train.save_every=0", "train.resume=auto"))
+    assert steps(out) == [1, 2, 3]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
+
+    # A resume from a checkpoint after a torn line: the line is dropped, steps after the checkpoint rewritten.
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "rew')
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=0", "train.resume=auto"))
+    assert steps(out) == [1, 2, 3, 4]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3, 4]
+    assert torch.isfinite(torch.tensor([m["reward/mean"] for m in read_metrics(out)])).all()
+
+
+def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path, tiny_vlm_dir, shapes):
+    from vlrft.trainer.update import parameters_finite
+
+    assert parameters_finite([torch.zeros(2), torch.ones(3)]) and not parameters_finite([torch.tensor([1.0, math.inf])])
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=r"step 1: the optimizer step made the weights non-finite .*train.lr"):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.lr=1e39", "train.total_steps=1"))
+    assert ckpt.list_checkpoints(out) == []

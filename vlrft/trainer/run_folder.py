@@ -1,0 +1,67 @@
+"""One run per output folder: refuse to mix two runs, clear a folder only when asked, tag checkpoints with a run id.
+
+A second run started into a folder that already holds one would otherwise truncate its metrics and
+prune its checkpoints. So a non-empty `train.output_dir` is refused unless the user says what to do:
+continue it (`train.resume=auto` or a checkpoint inside that folder) or start over
+(`train.overwrite=true`, which deletes exactly the files a run writes, nothing else).
+
+Every checkpoint records the id of the run lineage that wrote it (a fresh run draws one; a resumed
+run keeps its checkpoint's), and keep-last pruning only ever deletes checkpoints of that lineage.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from vlrft.errors import ConfigError, UserError
+
+# What a run writes into its output folder; `train.overwrite=true` deletes these and nothing else.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "completions", "tensorboard", "checkpoints",
+             "wandb")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def check_output_dir(output_dir: str | Path, resume: str, resume_from: Path | None, overwrite: bool) -> list[Path]:
+    """Raise a `UserError` when starting here would mix with or destroy another run; returns what overwrite clears.
+
+    Resuming (`resume=auto`, or a checkpoint inside this folder) continues the run that is there. A fresh
+    start (`resume=none`, or a checkpoint from another folder) needs an empty folder, or `overwrite`.
+    """
+    folder = Path(output_dir)
+    if overwrite and resume != "none":
+        raise ConfigError(f"config: train.overwrite=true and train.resume={resume!r} contradict each other; "
+                          "resume the run that is there or overwrite it, not both")
+    continuing = resume == "auto" or (resume_from is not None and _inside(resume_from, folder))
+    if continuing or not folder.is_dir():
+        return []
+    entries = sorted(p.name for p in folder.iterdir())
+    if not entries:
+        return []
+    if overwrite:
+        return [folder / name for name in RUN_FILES if (folder / name).exists()]
+    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+    raise UserError(f"train.output_dir='{folder}' is not empty (holds {shown}); continue the run there with "
+                    "train.resume=auto, start over with train.overwrite=true (deletes its metrics, TensorBoard "
+                    "logs and checkpoints), or pick another train.output_dir")
+
+
+def clear(paths: list[Path]) -> None:
+    """Delete the run files `check_output_dir` listed (main rank only)."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
