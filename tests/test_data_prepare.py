@@ -141,6 +141,16 @@ def test_cli_prepare_prints_the_summary_with_prompt_tokens(tmp_path, tiny_vlm_di
     assert 0 < tokens["min"] <= tokens["p50"] <= tokens["max"] and summary["image_sizes"] == {"<=256": 4}
     assert main(["data", "prepare", "chartqa", "--source", str(tmp_path / "nowhere"), "--out",
                  str(tmp_path / "o")]) == 2
+    # A training config's data settings: its suffix and pixel bounds are measured, its limit reported
+    config = tmp_path / "recipe.yaml"
+    config.write_text(RECIPES["chartqa"].read_text().replace("max_prompt_length: 2048", "max_prompt_length: 105")
+                      .replace("Output the thinking", "Please output the thinking"))
+    assert main(["data", "prepare", "chartqa", "--source", str(source), "--out", str(tmp_path / "out2"),
+                 "--model", str(tiny_vlm_dir("qwen2_vl")), "--config", str(config)]) == 0
+    summary2 = json.loads((tmp_path / "out2" / "summary.json").read_text())
+    assert summary2["prompt_suffix"].startswith(" Please output")
+    longer = summary2["prompt_tokens"]["train"]
+    assert longer["max"] > tokens["max"] and longer["over_105"] == 1  # lengths 104, 105, 106
 
 
 @pytest.mark.parametrize("task", list(fixtures.BUILDERS))

@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prepare.add_argument("--embed-images", action="store_true",
                          help="write <split>.parquet with image bytes inside instead of JSONL referencing the files")
     prepare.add_argument("--model", help="model folder whose processor measures prompt lengths in tokens")
+    prepare.add_argument("--config", help="training config whose data settings (pixels, prompt suffix, max prompt "
+                                          "length) the token count uses; its model.path when --model is not given")
     prepare.add_argument("--image-dir", help="folder holding the images when not where the release puts them")
     prepare.add_argument("--templates", help="YAML overriding the task's prompt template (layout of templates.yaml)")
     prepare.add_argument("--box-format", choices=("xywh", "xyxy"),
@@ -118,15 +120,20 @@ def _prepare(args: argparse.Namespace) -> int:
 
     from vlrft.data.prepare import Options, prepare
 
-    processor = None
-    if args.model:
+    processor, data, model = None, None, args.model
+    if args.config:
+        from vlrft.config import load_config
+
+        full = load_config(args.config, validate=False)
+        data, model = full.data, model or full.model.path or None
+    if model:
         from vlrft.models.loading import load_processor
 
-        processor = load_processor(args.model)
+        processor = load_processor(model)
     options = Options(image_dir=Path(args.image_dir) if args.image_dir else None, box_format=args.box_format,
                       all_questions=args.all_questions)
     summary = prepare(args.task, args.source, args.out, embed_images=args.embed_images, options=options,
-                      templates=args.templates, processor=processor, model=args.model)
+                      templates=args.templates, processor=processor, model=model, data=data)
     print(summary.text())
     print(f"  summary: {Path(args.out) / 'summary.json'}")
     return 0

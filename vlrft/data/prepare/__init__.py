@@ -36,10 +36,11 @@ def task_module(task: str):
 
 def prepare(task: str, source: str | Path, out: str | Path, embed_images: bool = False,
             options: Options | None = None, templates: str | Path | None = None,
-            processor: Any = None, model: str | None = None) -> Summary:
+            processor: Any = None, model: str | None = None, data: Any = None) -> Summary:
     """Prepare `task` from the raw release in `source` into `out` and write `out/summary.json`.
 
-    With a `processor` (loaded from `model`), the summary has prompt lengths in tokens per split.
+    With a `processor` (loaded from `model`), the summary has prompt lengths in tokens per split,
+    measured with the settings of `data` (a training config's `DataConfig`) when given.
     """
     module = task_module(task)
     source = Path(source).expanduser()
@@ -55,7 +56,7 @@ def prepare(task: str, source: str | Path, out: str | Path, embed_images: bool =
         raise UserError(f"no usable rows found in '{source}' for {task}: {summary.skipped or 'nothing matched'}; "
                         f"expected the layout described by `vlrft data prepare --help`")
     if processor is not None:
-        measure_prompts(summary, processor, model or "")
+        measure_prompts(summary, processor, model or "", data)
     write_summary(summary)
     return summary
 

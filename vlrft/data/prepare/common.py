@@ -239,28 +239,38 @@ def _write(path: Path, rows: list[dict]) -> None:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def measure_prompts(summary: Summary, processor: Any, model: str, max_pixels: int | None = None,
-                    min_pixels: int | None = None) -> None:
-    """Prompt lengths in tokens (vision tokens and the prompt suffix included) per split, with `model`'s processor."""
+def measure_prompts(summary: Summary, processor: Any, model: str, data: Any = None) -> None:
+    """Prompt lengths in tokens (vision tokens and the prompt suffix included) per split, with `model`'s processor.
+
+    `data` (a training config's `DataConfig`) supplies the pixel bounds, video sampling and, when it sets
+    them, the prompt suffix / system prompt that training will use; its `max_prompt_length` is reported
+    as the number of prompts over it.
+    """
+    import dataclasses
+
     import numpy as np
 
     from vlrft.config import DataConfig
     from vlrft.data.check import check_dataset
-    cfg = DataConfig(prompt_suffix=summary.prompt_suffix, system_prompt=summary.system_prompt,
-                     max_prompt_length=2**31)
-    if max_pixels:
-        cfg.max_pixels = max_pixels
-    if min_pixels:
-        cfg.min_pixels = min_pixels
+
+    base = data if data is not None else DataConfig()
+    suffix = base.prompt_suffix if data is not None and base.prompt_suffix is not None else summary.prompt_suffix
+    system = base.system_prompt if data is not None and base.system_prompt is not None else summary.system_prompt
+    cfg = dataclasses.replace(base, format="auto", image_root=None, prompt_suffix=suffix, system_prompt=system,
+                              max_prompt_length=2**31)
     summary.model = model
+    summary.prompt_suffix, summary.system_prompt = suffix, system
     for split, path in summary.files.items():
         report = check_dataset(path, cfg, processor)
         if not report.prompt_lengths:
             continue
         lengths = np.asarray(report.prompt_lengths)
-        summary.prompt_tokens[split] = {"min": int(lengths.min()), "p50": int(np.percentile(lengths, 50)),
-                                        "p90": int(np.percentile(lengths, 90)), "p99": int(np.percentile(lengths, 99)),
-                                        "max": int(lengths.max())}
+        stats = {"min": int(lengths.min()), "p50": int(np.percentile(lengths, 50)),
+                 "p90": int(np.percentile(lengths, 90)), "p99": int(np.percentile(lengths, 99)),
+                 "max": int(lengths.max())}
+        if data is not None:
+            stats[f"over_{data.max_prompt_length}"] = int((lengths > data.max_prompt_length).sum())
+        summary.prompt_tokens[split] = stats
 
 
 def write_summary(summary: Summary) -> Path:
