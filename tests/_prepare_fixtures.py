@@ -151,11 +151,11 @@ def refcoco(root: Path) -> Path:
          "sentences": [{"sent_id": 1, "sent": "the middle thing", "raw": "The middle thing"},
                        {"sent_id": 2, "sent": "center object", "raw": "center object"},
                        {"sent_id": 2, "sent": "center object again", "raw": "center object again"}]},
-        {"ref_id": 11, "ann_id": 101, "image_id": 2, "split": "train", "sentences": [{"sent_id": 3, "sent": "small one"}]},
-        {"ref_id": 12, "ann_id": 102, "image_id": 3, "split": "train", "sentences": [{"sent_id": 4, "sent": "corner"}]},
-        {"ref_id": 13, "ann_id": 103, "image_id": 1, "split": "train", "sentences": [{"sent_id": 5, "sent": "right"}]},
-        {"ref_id": 14, "ann_id": 104, "image_id": 4, "split": "testA", "sentences": [{"sent_id": 6, "sent": "gone"}]},
-        {"ref_id": 15, "ann_id": 105, "image_id": 1, "split": "val", "sentences": [{"sent_id": 7, "sent": "left half"}]},
+        *({"ref_id": ref_id, "ann_id": ann_id, "image_id": image_id, "split": split,
+           "sentences": [{"sent_id": sent_id, "sent": sent}]}
+          for ref_id, ann_id, image_id, split, sent_id, sent in (
+              (11, 101, 2, "train", 3, "small one"), (12, 102, 3, "train", 4, "corner"),
+              (13, 103, 1, "train", 5, "right"), (14, 104, 4, "testA", 6, "gone"), (15, 105, 1, "val", 7, "left half"))),
     ]
     src.mkdir(parents=True, exist_ok=True)
     with (src / "refs(unc).p").open("wb") as handle:
@@ -211,3 +211,24 @@ def videoqa(root: Path) -> Path:
 
 BUILDERS = {"geometry3k": geometry3k, "clevr": clevr, "mathvista": mathvista, "refcoco": refcoco,
             "chartqa": chartqa, "videoqa": videoqa}
+
+
+def superclevr(root: Path) -> Path:
+    """SuperCLEVR layout: superCLEVR_questions_30k.json at the top + images/. Expect train 1 row (no split field)."""
+    src = root / "super-CLEVR"
+    write_png(src / "images" / "superCLEVR_new_000000.png", noise_image(24, 32))
+    _json(src / "superCLEVR_questions_30k.json", {"info": {}, "questions": [
+        {"question_index": 0, "image_index": 0, "image_filename": "superCLEVR_new_000000.png",
+         "question": "How many cars are there?", "answer": 2}]})
+    return src
+
+
+def msrvtt_qa(root: Path) -> Path:
+    """MSRVTT-QA layout: train_qa.json / test_qa.json + videos/video<id>.mp4. Expect train 1, test 1 rows;
+    skipped: missing video 1."""
+    src = root / "MSRVTT-QA"
+    write_mp4(src / "videos" / "video7.mp4", num_frames=2, fps=2, size=32)
+    _json(src / "train_qa.json", [{"id": 0, "question": "what is a man doing", "answer": "singing", "video_id": 7},
+                                  {"id": 1, "question": "who talks", "answer": "woman", "video_id": 8}])
+    _json(src / "test_qa.json", [{"id": 5, "question": "what color is the car", "answer": "red", "video_id": 7}])
+    return src

@@ -16,7 +16,7 @@ import yaml
 
 import _prepare_fixtures as fixtures
 from vlrft.cli import main
-from vlrft.config import DataConfig, RewardConfig, load_config
+from vlrft.config import DataConfig, load_config
 from vlrft.data.check import check_dataset
 from vlrft.data.prepare import Options, prepare
 from vlrft.data.prepare.common import TEMPLATES_FILE
@@ -107,6 +107,17 @@ def test_mathvision_parquet_images_stored_as_bytes_become_files(tmp_path):
     assert samples[0].prompt.startswith("<image>Which shape is next?\nChoices:\nA. A")  # <image1> tag removed
     assert all(Path(s.images[0]).is_file() and Path(s.images[0]).is_relative_to(tmp_path / "out" / "media")
                for s in samples)
+
+
+def test_superclevr_and_msrvtt_qa_layouts(tmp_path):
+    summary = prepare("clevr", fixtures.superclevr(tmp_path / "raw"), tmp_path / "clevr")
+    assert summary.rows == {"train": 1}
+    assert read_samples(tmp_path / "clevr" / "train.jsonl")[0].answer == "2"  # numbers become text
+    summary = prepare("videoqa", fixtures.msrvtt_qa(tmp_path / "raw"), tmp_path / "msrvtt")
+    assert summary.rows == {"train": 1, "test": 1} and summary.skipped == {"missing video": 1}
+    sample = read_samples(tmp_path / "msrvtt" / "test.jsonl")[0]
+    assert sample.prompt.startswith("<video>what color is the car") and sample.label == "free_form"
+    assert sample.videos[0].endswith("videos/video7.mp4")
 
 
 def test_embedded_images_write_self_contained_parquet(tmp_path):
@@ -229,6 +240,19 @@ def test_grounding_iou_of_a_perturbed_box_in_both_conventions(prepared):
                box_format="xywh", image_size=[size]) == pytest.approx([0.6])
     with pytest.raises(Exception, match="image_size"):
         iou(["[24, 12, 32, 24]"], [reference], coords="pixels", reference_coords="normalized")
+
+
+def test_resized_size_is_what_the_qwen2_5_vl_processor_makes_of_the_image(tiny_processor):
+    """`coords: qwen2_5_vl` offline relies on resized_size matching the processor's own resize."""
+    from _data_helpers import noise_image
+
+    image_processor = tiny_processor("qwen2_5_vl").image_processor
+    low, high = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+    for height, width in ((48, 64), (300, 200), (17, 90)):
+        grid = image_processor(images=[noise_image(height, width)], return_tensors="pt")["image_grid_thw"][0]
+        patch = image_processor.patch_size
+        assert resized_size(width, height, low, high, factor=patch * image_processor.merge_size) == \
+            (int(grid[2]) * patch, int(grid[1]) * patch)
 
 
 # --- each recipe trains two steps on a tiny model ------------------------------------------------------------
