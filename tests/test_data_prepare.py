@@ -255,6 +255,21 @@ def test_resized_size_is_what_the_qwen2_5_vl_processor_makes_of_the_image(tiny_p
             (int(grid[2]) * patch, int(grid[1]) * patch)
 
 
+def test_training_passes_iou_the_resized_images_a_qwen2_5_vl_model_sees(prepared, tiny_processor):
+    """The encoder's images (what the trainer hands rewards) have the size Qwen2.5-VL's pixel boxes refer to."""
+    from vlrft.data.processor import PromptEncoder
+
+    sample = {s.id: s for s in read_samples(prepared["refcoco"][1] / "train.jsonl")}["10-1"]  # 64x48 image
+    cfg = DataConfig(min_pixels=28 * 28, max_pixels=56 * 56)
+    batch = PromptEncoder(tiny_processor("qwen2_5_vl"), cfg).encode([sample]).batch
+    seen = batch.images[0][0].size
+    assert seen == resized_size(64, 48, 28 * 28, 56 * 56) == (56, 56)
+    w, h = seen
+    box = f"<answer>[{0.375 * w}, {0.25 * h}, {0.875 * w}, {0.75 * h}]</answer>"  # shifted by 1/8 of the width
+    assert iou([box], [sample.answer], coords="qwen2_5_vl", reference_coords="normalized",
+               images=batch.images) == pytest.approx([0.6])
+
+
 # --- each recipe trains two steps on a tiny model ------------------------------------------------------------
 
 TRAIN_SPLIT = {"mathvista": "testmini"}
