@@ -1,9 +1,13 @@
-"""Check, convert or generate datasets: `vlrft data check|convert|synth`.
+"""Check, convert, prepare or generate datasets: `vlrft data check|convert|prepare|synth`.
 
   vlrft data check train.jsonl --model runs/tiny     every bad row with its reason, then a summary;
                                                       exit code 1 when any row is bad
   vlrft data convert geo3k/train.parquet out/train.jsonl
                                                       any supported layout -> native JSONL + media files
+  vlrft data prepare clevr --source raw/CLEVR_v1.0 --out data/clevr [--embed-images] [--model PATH]
+                                                      a public dataset's raw release -> native splits
+                                                      + summary.json (tasks: geometry3k, mathvista,
+                                                      clevr, refcoco, chartqa, videoqa; docs/prepare.md)
   vlrft data synth data/shapes --tasks color --num-colors 4
                                                       the synthetic shapes task (train/test splits)
 
@@ -41,6 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     convert.add_argument("--image-root", help="folder that relative image paths in SRC resolve against")
     convert.add_argument("--skip-bad", action="store_true", help="leave bad rows out (counted) instead of failing")
 
+    # Task names are listed here rather than imported, so building the parser stays light.
+    prepare = sub.add_parser("prepare", help="prepare a public visual-RL dataset from its raw release files")
+    prepare.add_argument("task", choices=("geometry3k", "mathvista", "clevr", "refcoco", "chartqa", "videoqa"))
+    prepare.add_argument("--source", required=True, help="folder of the unpacked raw release (see docs/prepare.md)")
+    prepare.add_argument("--out", required=True, help="output folder: <split>.jsonl (or .parquet) + summary.json")
+    prepare.add_argument("--embed-images", action="store_true",
+                         help="write <split>.parquet with image bytes inside instead of JSONL referencing the files")
+    prepare.add_argument("--model", help="model folder whose processor measures prompt lengths in tokens")
+    prepare.add_argument("--config", help="training config whose data settings (pixels, prompt suffix, max prompt "
+                                          "length) the token count uses; its model.path when --model is not given")
+    prepare.add_argument("--image-dir", help="folder holding the images when not where the release puts them")
+    prepare.add_argument("--templates", help="YAML overriding the task's prompt template (layout of templates.yaml)")
+    prepare.add_argument("--box-format", choices=("xywh", "xyxy"),
+                         help="refcoco: how the annotation writes boxes (default: COCO's xywh)")
+    prepare.add_argument("--all-questions", action="store_true",
+                         help="clevr: keep every question (default: the counting ones, as R1-V)")
+
     # Defaults live in vlrft.data.synthetic.ShapesSpec (not imported here: parsers stay light).
     synth = sub.add_parser("synth", help="generate the synthetic shapes task (PNG files + train/test JSONL)")
     synth.add_argument("out_dir", metavar="OUT")
@@ -53,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"check": _check, "convert": _convert, "synth": _synth}[args.data_command](args)
+    return {"check": _check, "convert": _convert, "prepare": _prepare, "synth": _synth}[args.data_command](args)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -91,6 +112,30 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"SKIPPED {skipped}")
     print(f"converted {report.source} ({report.layout} layout) -> {report.target}: {report.written} rows, "
           f"{report.media_files} media files, {len(report.skipped)} rows skipped")
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vlrft.data.prepare import Options, prepare
+
+    processor, data, model = None, None, args.model
+    if args.config:
+        from vlrft.config import load_config
+
+        full = load_config(args.config, validate=False)
+        data, model = full.data, model or full.model.path or None
+    if model:
+        from vlrft.models.loading import load_processor
+
+        processor = load_processor(model)
+    options = Options(image_dir=Path(args.image_dir) if args.image_dir else None, box_format=args.box_format,
+                      all_questions=args.all_questions)
+    summary = prepare(args.task, args.source, args.out, embed_images=args.embed_images, options=options,
+                      templates=args.templates, processor=processor, model=model, data=data)
+    print(summary.text())
+    print(f"  summary: {Path(args.out) / 'summary.json'}")
     return 0
 
 

@@ -62,22 +62,40 @@ def exact_match(completions: list[str], references: list[str | None]) -> list[fl
     return _score_answers(completions, references, lambda _: False)
 
 
+def _option_letter(text: str, choices: list | None) -> str | None:
+    """The option letter `text` names: a letter (see `choice_letter`), or, with `choices`, an option's text."""
+    letter = choice_letter(text)
+    if letter is not None and (not choices or ord(letter) - ord("A") < len(choices)):
+        return letter
+    if choices:
+        answer = normalize(find_answer(text)[0])
+        for k, option in enumerate(choices):
+            if normalize(str(option)) == answer:
+                return chr(ord("A") + k)
+    return letter
+
+
 @reward("choice")
-def choice(completions: list[str], references: list[str | None]) -> list[float | None]:
-    """Multiple choice: the chosen option letter (`<answer>B</answer>`, `\\boxed{(B)}`, "the answer is B")
-    equals the reference letter."""
+def choice(
+    completions: list[str], references: list[str | None], choices: list[list | None] | None = None
+) -> list[float | None]:
+    """Multiple choice: the chosen option (`<answer>B</answer>`, `\\boxed{(B)}`, "the answer is B", or, when the
+    dataset has a `choices` column, an option's text such as `<answer>45°</answer>`) equals the reference
+    (a letter, or an option's text)."""
     scores: list[float | None] = []
     for i, (completion, reference) in enumerate(zip(completions, references)):
         if reference is None or str(reference).strip() == "":
             scores.append(None)
             continue
-        expected = choice_letter(str(reference))
+        options = list(choices[i]) if choices is not None and choices[i] is not None else None
+        expected = _option_letter(str(reference), options)
         if expected is None:
             raise RewardSampleError(
-                i, f"choice: reference {str(reference)[:40]!r} is not an option letter such as 'B'; "
-                "use this reward only for multiple-choice samples (route others with reward.recipes)",
+                i, f"choice: reference {str(reference)[:40]!r} is not an option letter such as 'B'"
+                + (" nor one of the sample's choices" if options else "")
+                + "; use this reward only for multiple-choice samples (route others with reward.recipes)",
             )
-        scores.append(1.0 if choice_letter(completion) == expected else 0.0)
+        scores.append(1.0 if _option_letter(completion, options) == expected else 0.0)
     return scores
 
 

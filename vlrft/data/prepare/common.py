@@ -1,0 +1,289 @@
+"""What every `vlrft data prepare` task shares: items, skips, prompt templates, writing and the summary.
+
+A task module reads its dataset's raw release and yields `Item`s (one future row) or `Skipped`
+records (a row that cannot be used, with a short reason that is counted). `prepare` then drops
+duplicate ids, checks every image/video file exists (and images open), fills the task's prompt
+template, and writes one native-layout file per split, keeping the release's own split names:
+`OUT/<split>.jsonl` with absolute image paths, or with `embed_images` `OUT/<split>.parquet` with
+the image bytes inside. The summary (printed and written as `OUT/summary.json`) counts rows and
+skips per reason, histograms image sizes and, given a model, measures prompt lengths in tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from PIL import Image
+
+from vlrft.errors import UserError
+
+TEMPLATES_FILE = Path(__file__).with_name("templates.yaml")
+SIZE_BUCKETS = (256, 512, 1024, 2048)  # longest image side, for the summary's histogram
+MAX_EXAMPLES = 20  # skipped rows listed by name in the summary (all are counted)
+
+
+@dataclass
+class Item:
+    """One row to write. `fields` fill the task's prompt template; `hint` picks one of its `hints`."""
+
+    split: str
+    id: str
+    fields: dict[str, str]
+    answer: str
+    label: str
+    images: list[Path] = field(default_factory=list)
+    videos: list[Path] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    hint: str | None = None
+
+
+@dataclass
+class Skipped:
+    """A raw row left out: `reason` is the counted category, `detail` names the row."""
+
+    split: str
+    id: str
+    reason: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.split}/{self.id}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class Options:
+    """What the command line gives a task (besides the source folder)."""
+
+    image_dir: Path | None = None  # where the images are when not where the release puts them
+    box_format: str | None = None  # grounding: override the annotation's box format (xywh / xyxy)
+    all_questions: bool = False  # clevr: keep every question, not only counting ones
+    media_dir: Path | None = None  # where images that exist only as bytes in the release are written
+
+
+@dataclass
+class Summary:
+    task: str
+    source: str
+    out: str
+    files: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    labels: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    skipped_examples: list[str] = field(default_factory=list)
+    image_sizes: dict[str, int] = field(default_factory=dict)  # longest side bucket -> images
+    image_width_range: list[int] = field(default_factory=list)
+    image_height_range: list[int] = field(default_factory=list)
+    prompt_suffix: str | None = None
+    system_prompt: str | None = None
+    prompt_tokens: dict[str, dict[str, int]] = field(default_factory=dict)  # split -> stats (with a model)
+    model: str | None = None
+
+    def text(self) -> str:
+        lines = [f"prepared {self.task} from {self.source} -> {self.out}"]
+        for split, n in self.rows.items():
+            lines.append(f"  {split}: {n} rows -> {self.files[split]}")
+        lines.append("  labels: " + (", ".join(f"{k}: {v}" for k, v in self.labels.items()) or "none"))
+        total = sum(self.skipped.values())
+        lines.append(f"  skipped: {total} rows" + (": " + ", ".join(f"{k}: {v}" for k, v in self.skipped.items())
+                                                  if total else ""))
+        lines += [f"    e.g. {example}" for example in self.skipped_examples[:5]]
+        if self.image_sizes:
+            lines.append("  images by longest side: " + ", ".join(f"{k}: {v}" for k, v in self.image_sizes.items())
+                         + f" (width {self.image_width_range[0]}-{self.image_width_range[1]}, height "
+                           f"{self.image_height_range[0]}-{self.image_height_range[1]})")
+        for split, stats in self.prompt_tokens.items():
+            lines.append(f"  prompt tokens ({split}, incl. vision tokens and the suffix): "
+                         + ", ".join(f"{k} {v}" for k, v in stats.items()))
+        if self.prompt_suffix:
+            lines.append(f"  train with data.prompt_suffix: {json.dumps(self.prompt_suffix)}")
+        return "\n".join(lines)
+
+
+def load_templates(task: str, override: str | Path | None = None) -> dict[str, Any]:
+    """The task's template entry from templates.yaml, with the keys of `override`'s entry for the task replaced."""
+    templates = yaml.safe_load(TEMPLATES_FILE.read_text(encoding="utf-8"))
+    entry = dict(templates[task])
+    if override is not None:
+        path = Path(override)
+        if not path.is_file():
+            raise UserError(f"--templates {str(path)!r} not found")
+        mine = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if not isinstance(mine, dict) or not isinstance(mine.get(task, {}), dict):
+            raise UserError(f"--templates {path}: expected a mapping task -> {{prompt, prompt_suffix, ...}}")
+        unknown = set(mine.get(task, {})) - {"prompt", "prompt_suffix", "system_prompt", "hints"}
+        if unknown:
+            raise UserError(f"--templates {path}: unknown keys {sorted(unknown)} for {task}; use prompt, "
+                            "prompt_suffix, system_prompt, hints")
+        entry.update(mine.get(task, {}))
+    return entry
+
+
+@functools.lru_cache(maxsize=65536)
+def image_size(path: str) -> tuple[int, int] | None:
+    """(width, height) from the file's header, or None when it is not an image PIL can open."""
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None
+
+
+def _size_bucket(size: tuple[int, int]) -> str:
+    side = max(size)
+    for edge in SIZE_BUCKETS:
+        if side <= edge:
+            return f"<={edge}"
+    return f">{SIZE_BUCKETS[-1]}"
+
+
+def render_prompt(item: Item, templates: dict[str, Any]) -> str:
+    """The row's prompt: one placeholder per image/video, then the task template filled with the item's fields."""
+    values = dict(item.fields)
+    values.setdefault("hint", "")
+    hints = templates.get("hints") or {}
+    if item.hint is not None and item.hint in hints:
+        values["hint"] = hints[item.hint].format(**item.fields)
+    try:
+        text = templates["prompt"].format(**values)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UserError(f"prompt template {templates['prompt']!r} cannot be filled ({exc!r}); its fields are "
+                        f"{', '.join('{' + k + '}' for k in sorted(values))}") from None
+    return "<image>" * len(item.images) + "<video>" * len(item.videos) + text
+
+
+def prepare_items(task: str, items: Iterator[Item | Skipped], out: Path, templates: dict[str, Any],
+                  embed_images: bool = False, source: str = "") -> Summary:
+    """Validate, render and write `items` (see the module docstring); returns the summary (not yet with tokens)."""
+    summary = Summary(task, source, str(out), prompt_suffix=templates.get("prompt_suffix"),
+                      system_prompt=templates.get("system_prompt"))
+    rows: dict[str, list[dict]] = {}
+    seen: dict[str, set[str]] = {}
+    skipped: Counter = Counter()
+    labels: Counter = Counter()
+    sizes: Counter = Counter()
+    widths, heights = [], []
+
+    def skip(record: Skipped) -> None:
+        skipped[record.reason] += 1
+        if len(summary.skipped_examples) < MAX_EXAMPLES:
+            summary.skipped_examples.append(str(record))
+
+    for item in items:
+        if isinstance(item, Skipped):
+            skip(item)
+            continue
+        ids = seen.setdefault(item.split, set())
+        if item.id in ids:
+            skip(Skipped(item.split, item.id, "duplicate id", "an earlier row of this split has the same id; "
+                                                               "the first one is kept"))
+            continue
+        if item.answer is None or not str(item.answer).strip():
+            skip(Skipped(item.split, item.id, "no answer"))
+            continue
+        missing = [p for p in item.images + item.videos if not Path(p).is_file()]
+        if missing:
+            skip(Skipped(item.split, item.id, "missing image" if Path(missing[0]) in map(Path, item.images)
+                         else "missing video", str(missing[0])))
+            continue
+        item_sizes = [image_size(str(p)) for p in item.images]
+        if any(s is None for s in item_sizes):
+            skip(Skipped(item.split, item.id, "unreadable image",
+                         str(item.images[item_sizes.index(None)])))
+            continue
+        ids.add(item.id)
+        for s in item_sizes:
+            sizes[_size_bucket(s)] += 1
+            widths.append(s[0])
+            heights.append(s[1])
+        labels[item.label] += 1
+        images: list[Any] = [str(Path(p).resolve()) for p in item.images]
+        if embed_images:
+            images = [{"bytes": Path(p).read_bytes(), "path": Path(p).name} for p in item.images]
+        row = {"id": item.id, "prompt": render_prompt(item, templates), "images": images,
+               "videos": [str(Path(p).resolve()) for p in item.videos], "answer": str(item.answer).strip(),
+               "label": item.label, **item.extra}
+        rows.setdefault(item.split, []).append(row)
+
+    out.mkdir(parents=True, exist_ok=True)
+    for split, split_rows in rows.items():
+        path = out / f"{split}.{'parquet' if embed_images else 'jsonl'}"
+        _write(path, split_rows)
+        summary.files[split] = str(path)
+        summary.rows[split] = len(split_rows)
+    summary.labels = dict(sorted(labels.items()))
+    summary.skipped = dict(skipped.most_common())
+    order = [f"<={e}" for e in SIZE_BUCKETS] + [f">{SIZE_BUCKETS[-1]}"]
+    summary.image_sizes = {k: sizes[k] for k in order if sizes[k]}
+    if widths:
+        summary.image_width_range = [min(widths), max(widths)]
+        summary.image_height_range = [min(heights), max(heights)]
+    return summary
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path, compression="zstd")
+        return
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def measure_prompts(summary: Summary, processor: Any, model: str, data: Any = None) -> None:
+    """Prompt lengths in tokens (vision tokens and the prompt suffix included) per split, with `model`'s processor.
+
+    `data` (a training config's `DataConfig`) supplies the pixel bounds, video sampling and, when it sets
+    them, the prompt suffix / system prompt that training will use; its `max_prompt_length` is reported
+    as the number of prompts over it.
+    """
+    import dataclasses
+
+    import numpy as np
+
+    from vlrft.config import DataConfig
+    from vlrft.data.check import check_dataset
+
+    base = data if data is not None else DataConfig()
+    suffix = base.prompt_suffix if data is not None and base.prompt_suffix is not None else summary.prompt_suffix
+    system = base.system_prompt if data is not None and base.system_prompt is not None else summary.system_prompt
+    cfg = dataclasses.replace(base, format="auto", image_root=None, prompt_suffix=suffix, system_prompt=system,
+                              max_prompt_length=2**31)
+    summary.model = model
+    summary.prompt_suffix, summary.system_prompt = suffix, system
+    for split, path in summary.files.items():
+        report = check_dataset(path, cfg, processor)
+        if not report.prompt_lengths:
+            continue
+        lengths = np.asarray(report.prompt_lengths)
+        stats = {"min": int(lengths.min()), "p50": int(np.percentile(lengths, 50)),
+                 "p90": int(np.percentile(lengths, 90)), "p99": int(np.percentile(lengths, 99)),
+                 "max": int(lengths.max())}
+        if data is not None:
+            stats[f"over_{data.max_prompt_length}"] = int((lengths > data.max_prompt_length).sum())
+        summary.prompt_tokens[split] = stats
+
+
+def write_summary(summary: Summary) -> Path:
+    path = Path(summary.out) / "summary.json"
+    path.write_text(json.dumps(asdict(summary), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A raw annotation file, or a UserError naming the file and the release layout it belongs to."""
+    if not path.is_file():
+        raise UserError(f"{what} not found at '{path}'")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"'{path}' is not valid JSON ({exc.msg} at line {exc.lineno})") from None
