@@ -176,7 +176,9 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
     micro_batch_size: int = 4  # completions per forward pass per rank
-    strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
+    # "ddp" under torchrun (gloo on CPU, NCCL on GPUs); "fsdp2"/"deepspeed" shard the models (issue 8: the names
+    # are accepted here so configs and `vlrft plan` can use them; the strategies themselves land separately)
+    strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = "single"
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
