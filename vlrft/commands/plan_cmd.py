@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file, e.g. configs/qwen2_5_vl_7b_grpo_geometry3k.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs per node (default 8; 1 for strategy single)")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB (default), 141GB")
     parser.add_argument("--strategy", choices=["single", "ddp", "fsdp2", "deepspeed"], default=None,
@@ -50,11 +50,12 @@ def run(args: argparse.Namespace) -> int:
     from vlrft.config import load_config
     from vlrft.plan import Hardware, format_plan, plan_for_config, strategy_from_config
 
-    if args.gpus < 1 or args.nodes < 1 or args.images_per_prompt < 0:
-        raise UserError("plan: --gpus and --nodes must be at least 1 and --images-per-prompt at least 0")
-    hardware = Hardware(gpus_per_node=args.gpus, nodes=args.nodes, gpu_memory=parse_size(args.gpu_memory))
     cfg = load_config(args.config, args.overrides, validate=False)
     strategy = strategy_from_config(cfg, args.strategy, args.zero_stage, args.offload)
+    gpus = args.gpus if args.gpus is not None else (1 if strategy.name == "single" and args.nodes == 1 else 8)
+    if gpus < 1 or args.nodes < 1 or args.images_per_prompt < 0:
+        raise UserError("plan: --gpus and --nodes must be at least 1 and --images-per-prompt at least 0")
+    hardware = Hardware(gpus_per_node=gpus, nodes=args.nodes, gpu_memory=parse_size(args.gpu_memory))
     if strategy.name != cfg.train.strategy:
         from dataclasses import replace
 
