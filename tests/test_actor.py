@@ -128,3 +128,49 @@ def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_d
     assert shared_grads.keys() == full_grads.keys()
     for name in full_grads:
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path,
+                                                                              monkeypatch):
+    """Real configs enable gradient checkpointing; the shared-prompt forward must still be taken and be exact."""
+    from PIL import Image
+
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    Image.new("RGB", (56, 84), (200, 40, 40)).save(tmp_path / "a.png")
+    samples = [Sample(id="img", prompt="<image>Color?", images=[str(tmp_path / "a.png")]),
+               Sample(id="text", prompt="A longer text-only prompt here")]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
+    completions = [[11, 12, 13], [14], [15, 16, 17], [18, 19], [20], [21, 22, 23, 24]]
+    model = load_policy(folder)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    tokens = TokenSpec.from_model(processor, model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 0, 1, 1, 1], tokens.pad_id)
+    shared_calls = []
+    original = actor._predicting_states_shared
+    monkeypatch.setattr(actor, "_predicting_states_shared", lambda b: shared_calls.append(1) or original(b))
+
+    def run(share: bool):
+        actor.share_prompts = share
+        model.zero_grad()
+        out = actor.logprobs(seqs)
+        (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+        return out.logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    shared, shared_grads = run(True)
+    assert shared_calls == [1]  # checkpointing no longer forces the per-row forward
+    full, full_grads = run(False)
+    assert torch.allclose(shared, full, atol=1e-5)
+    assert shared_grads.keys() == full_grads.keys()
+    assert any(".visual." in name or name.startswith("model.visual") for name in full_grads)
+    for name in full_grads:
+        assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
+    # and the checkpointed shared forward equals the same forward without checkpointing
+    model.gradient_checkpointing_disable()
+    actor.share_prompts = True
+    plain = actor.logprobs(seqs).logprobs.detach()
+    assert torch.allclose(shared, plain, atol=1e-5)

@@ -295,8 +295,8 @@ class TrainConfig:
     micro_batch_completions_per_rank: int = option(
         4, "completions per forward/backward pass on each rank (gradients accumulate up to the mini-batch); "
         "was train.micro_batch_size")
-    strategy: Literal["single", "ddp"] = option("single", "'single' process, or 'ddp' under torchrun (gloo on CPU, "
-                                                "NCCL on GPUs)")
+    strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
+        "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
                              "loses every step)")
     keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "

@@ -16,8 +16,9 @@ from torch import nn
 
 from vlrft.errors import MissingDependencyError
 from vlrft.models.logprobs import token_logprobs
-from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.batch import SequenceBatch
+from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
+from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -144,11 +145,7 @@ class ActorVL(nn.Module):
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
-        base = base_of(self.model)
-        name = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else \
-            "is_gradient_checkpointing"  # the older name is deprecated in transformers 5
-        checkpointing = bool(getattr(base, name, False))
-        if self.share_prompts and batch.visual.num_samples < len(batch) and not checkpointing:
+        if self.share_prompts and batch.visual.num_samples < len(batch):
             return self._predicting_states_shared(batch)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]
 
@@ -157,7 +154,8 @@ class ActorVL(nn.Module):
 
         Gradients flow from every row's completion through the shared cache into the one prompt
         pass. Completion positions continue the prompt's last position (M-RoPE text positions), so
-        the result equals the full forward of every row.
+        the result equals the full forward of every row. The caches (`vlrft.models.prompt_cache`)
+        never grow on a checkpoint replay, so this also holds under gradient checkpointing.
         """
         backbone, _ = split_head(self.model)
         p, c = batch.prompt_width, batch.completion_width
@@ -169,16 +167,16 @@ class ActorVL(nn.Module):
         mm = mm_token_type_ids(ids, self.image_token_id, self.video_token_id)
         visual = batch.visual.model_inputs()
         positions = prompt_positions(backbone, ids, mask, mm, visual)
-        prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
-                              use_cache=True, **visual)
         rows = torch.tensor(batch.row_prompt, device=ids.device)
-        cache = prompt_out.past_key_values
-        cache.batch_select_indices(rows)
         completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         completion_ids = batch.input_ids[:, p:]
-        completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
-                                  position_ids=completion_positions, past_key_values=cache, use_cache=True,
-                                  mm_token_type_ids=torch.zeros_like(completion_ids))
+        recorded = recording_cache()
+        with cache_through_checkpointing(backbone):
+            prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                                  past_key_values=recorded, use_cache=True, **visual)
+            completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
+                                      position_ids=completion_positions, past_key_values=prefix_cache(recorded, rows),
+                                      use_cache=True, mm_token_type_ids=torch.zeros_like(completion_ids))
         last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
         return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
 

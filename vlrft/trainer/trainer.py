@@ -25,6 +25,7 @@ from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.models.recipes import ensure_model
+from vlrft.plan import check_fits_at_load
 from vlrft.rollout import make_engine
 from vlrft.rollout.base import SamplingParams
 from vlrft.tokens import TokenSpec
@@ -85,6 +86,7 @@ class Trainer:
                 self.message(f"{cfg.model.path} does not exist yet: building it with recipe '{cfg.model.build_recipe}'")
                 ensure_model(cfg.model.path, cfg.model.build_recipe)
             self.strategy.barrier()
+        check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the memory plan says it cannot fit
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
         self.wrapped = self.strategy.wrap(self.actor)

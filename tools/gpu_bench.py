@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Train a few steps of a randomly initialised, realistically shaped Qwen2.5-VL under each strategy; print speed and memory.
+
+    python tools/gpu_bench.py --size 3b --gpus 8                 # a GPU machine: single, ddp, fsdp2, deepspeed
+    python tools/gpu_bench.py --size 1.5b --strategies fsdp2 --gpus 8 --json bench.json
+    python tools/gpu_bench.py --tiny                             # CPU smoke test (tiny model, one process)
+
+The model is built from a config (no download): the Qwen2.5-VL vision tower (32 blocks of 1280)
+in front of a Qwen2.5 language model of the chosen size with the real 151,936-token vocabulary, a
+locally trained tokenizer, random weights. Rollouts use the hf engine on the shapes demo prompts
+(images upscaled to `--image-pixels`), every completion forced to `--new-tokens` tokens.
+
+For each strategy the driver starts one run (`torchrun --nproc_per_node GPUS` for ddp/fsdp2/
+deepspeed) and prints: rollout tokens/s (completion tokens generated per second, all ranks),
+training tokens/s (prompt + completion tokens through forward and backward per second), the MFU
+of the training phase (6 x trained parameters x tokens / time / peak bf16 FLOP/s of all GPUs),
+and the peak memory per GPU beside the `vlrft plan` figure for the same config. Strategies that
+`vlrft.dist.strategy.make_strategy` does not know are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Qwen2.5 language-model shapes (hidden, intermediate, layers, heads, kv heads) behind the Qwen2.5-VL vision tower.
+SIZES = {
+    "0.5b": (896, 4864, 24, 14, 2),
+    "1.5b": (1536, 8960, 28, 12, 2),
+    "3b": (2048, 11008, 36, 16, 2),
+}
+VOCAB = 151936
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+                   "B200": 2250e12}
+
+
+def build_model(out: Path, size: str) -> Path:
+    """Write a random-weight Qwen2.5-VL of `size` ("tiny" or a key of SIZES) with a local processor to `out`."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlrft.models.tiny import TinySpec, build_config, build_processor, build_tiny_vlm
+
+    if (out / "config.json").is_file():
+        return out
+    if size == "tiny":
+        return build_tiny_vlm(out, TinySpec(arch="qwen2_5_vl"))
+    hidden, inter, layers, heads, kv = SIZES[size]
+    spec = TinySpec(arch="qwen2_5_vl", hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                    num_heads=heads, num_kv_heads=kv, vision_depth=32, vision_hidden_size=1280, vision_heads=16,
+                    min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 1280, tie_word_embeddings=True)
+    processor = build_processor(spec)
+    config = build_config(spec, processor.tokenizer)
+    config.text_config.vocab_size = VOCAB
+    config.vision_config.intermediate_size = 3420
+    config.vision_config.fullatt_block_indexes = [7, 15, 23, 31]
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".building")
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def write_config(folder: Path, model: Path, strategy: str, args) -> Path:
+    import yaml
+
+    world = 1 if strategy == "single" else args.gpus
+    cfg = {
+        "model": {"path": str(model), "dtype": "bfloat16", "gradient_checkpointing": not args.tiny},
+        "data": {"train_files": [str(REPO / "datasets/shapes_demo/train.parquet")], "format": "native",
+                 "min_pixels": args.image_pixels, "max_pixels": args.image_pixels, "max_prompt_length": 2048},
+        "rollout": {"engine": "hf", "n": args.n, "batch_size": args.prompts_per_rank * args.n * world,
+                    "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
+        "reward": {"functions": [{"name": "exact_match"}]},
+        "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": args.steps, "lr": 1e-6,
+                  "micro_batch_size": args.micro_batch, "strategy": strategy, "eval_before_training": False},
+        "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
+    }
+    path = folder / f"bench_{strategy}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def known_strategies() -> tuple[str, ...]:
+    """The `train.strategy` names this checkout can run (the config accepts more names than may be built)."""
+    from vlrft.dist import strategy as module
+
+    return tuple(getattr(module, "STRATEGIES", ("single", "ddp")))
+
+
+# ------------------------------------------------------------------ one run (under torchrun or alone)
+
+
+def peak_flops(device) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def worker(config: str, result: str) -> int:
+    import resource
+
+    import torch
+
+    from vlrft.config import load_config
+    from vlrft.plan import Hardware, plan_for_config
+    from vlrft.trainer.trainer import Trainer
+
+    cfg = load_config(config)
+    trainer = Trainer(cfg)
+    world = trainer.strategy.world_size
+    cuda = trainer.device.type == "cuda"
+    prompt_tokens = sum(len(p) for p in trainer.encoder.encode(trainer.train_samples[:16]).batch.prompt_ids) / 16
+    trained = sum(p.numel() for p in trainer.actor.parameters() if p.requires_grad)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for i in range(cfg.train.total_steps):
+        metrics = trainer.train_step()
+        completion = metrics["completions/mean_length"] * cfg.rollout.batch_size  # all ranks
+        steps.append({"generate_s": metrics.get("time/generate", 0.0), "train_s": metrics.get("time/train", 0.0),
+                      "completion_tokens": completion,
+                      "train_tokens": cfg.train.ppo_epochs * (completion + prompt_tokens * cfg.rollout.batch_size)})
+    timed = steps[1:] or steps  # the first step warms up kernels and allocators
+    gen_s, train_s = sum(s["generate_s"] for s in timed), sum(s["train_s"] for s in timed)
+    train_tokens = sum(s["train_tokens"] for s in timed)
+    peak = torch.cuda.max_memory_allocated(trainer.device) if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = int(trainer.max_reduce(torch.tensor(float(peak))).item())
+    flops = peak_flops(trainer.device)
+    memory = torch.cuda.get_device_properties(trainer.device).total_memory if cuda else 80 * 2 ** 30
+    plan = plan_for_config(cfg, Hardware(gpus_per_node=world, nodes=1, gpu_memory=memory))
+    out = {
+        "strategy": cfg.train.strategy, "world_size": world, "device": str(trainer.device),
+        "device_name": torch.cuda.get_device_name(trainer.device) if cuda else "cpu",
+        "parameters": plan.parameters, "trained_parameters": trained, "steps": len(steps),
+        "rollout_tokens_per_s": sum(s["completion_tokens"] for s in timed) / max(gen_s, 1e-9),
+        "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+        "mfu": 6 * trained * train_tokens / train_s / (flops * world) if flops and train_s else None,
+        "peak_memory_bytes": peak, "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process RSS",
+        "plan_train_bytes": plan.phase_total("train"), "plan_rollout_bytes": plan.phase_total("rollout"),
+        "plan_bytes": plan.total,
+    }
+    if trainer.strategy.is_main:
+        Path(result).write_text(json.dumps(out, indent=2))
+    trainer.strategy.close()
+    return 0
+
+
+# ------------------------------------------------------------------ the driver
+
+
+def run_strategy(config: Path, strategy: str, args) -> dict | None:
+    result = config.with_suffix(".result.json")
+    result.unlink(missing_ok=True)
+    script = [str(Path(__file__).resolve()), "--worker", str(config), "--result", str(result)]
+    if strategy == "single":
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *script]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLRFT_SKIP_MEMORY_PLAN": "1", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0 or not result.is_file():
+        print(f"{strategy}: failed (exit {done.returncode}):\n{done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    out = json.loads(result.read_text())
+    out["wall_s"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    gib = 2 ** 30
+    lines = [f"{'strategy':<10}{'ranks':>6}{'rollout tok/s':>15}{'train tok/s':>13}{'MFU':>7}"
+             f"{'peak/GPU':>11}{'plan train':>12}{'plan peak':>11}"]
+    for r in results:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        lines.append(f"{r['strategy']:<10}{r['world_size']:>6}{r['rollout_tokens_per_s']:>15.0f}"
+                     f"{r['train_tokens_per_s']:>13.0f}{mfu:>7}{r['peak_memory_bytes'] / gib:>9.1f}Gi"
+                     f"{r['plan_train_bytes'] / gib:>10.1f}Gi{r['plan_bytes'] / gib:>9.1f}Gi")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=["tiny", *SIZES], default="1.5b")
+    parser.add_argument("--strategies", default="single,ddp,fsdp2,deepspeed")
+    parser.add_argument("--gpus", type=int, default=None, help="processes for ddp/fsdp2/deepspeed (default: all GPUs)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per strategy (the first is not timed)")
+    parser.add_argument("--n", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--prompts-per-rank", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=512, help="tokens generated per completion")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--image-pixels", type=int, default=448 * 448)
+    parser.add_argument("--out", default="runs/gpu_bench", help="folder for the model, configs and runs")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per strategy")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 8 new tokens, one process")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.result)
+    if args.tiny:
+        args.size, args.new_tokens, args.image_pixels, args.micro_batch = "tiny", 8, 56 * 56, 8
+        args.n, args.prompts_per_rank = 2, 4
+        if args.strategies == parser.get_default("strategies"):
+            args.strategies = "single"
+    if args.gpus is None:
+        import torch
+
+        args.gpus = torch.cuda.device_count() or 2
+    folder = (REPO / args.out).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    model = build_model(folder / f"model_{args.size}", args.size)
+    known = known_strategies()
+    results = []
+    for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+        if strategy not in known:
+            print(f"{strategy}: skipped (make_strategy in this checkout knows {', '.join(known)})")
+            continue
+        out = run_strategy(write_config(folder, model, strategy, args), strategy, args)
+        if out is not None:
+            results.append(out)
+    if results:
+        print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""KV caches for the trainer's shared-prompt forward that stay correct under gradient checkpointing.
+
+The shared-prompt forward runs each distinct prompt once, then the completion rows attend to the
+prompt's keys/values through a KV cache. transformers' `DynamicCache` appends on every `update`,
+and gradient checkpointing replays each decoder layer's forward during backward: the replay would
+append a second time (so transformers simply drops the cache under checkpointing, which would make
+completions blind to their prompt). These two cache layers are pure with respect to a replay:
+
+- `RecordingLayer` (prompt pass) keeps the first keys/values it is given and hands back exactly its
+  input, so a replay computes the same attention and stores nothing new;
+- `PrefixLayer` (completion pass) returns `cat(prompt_kv[rows], new_kv)` and stores nothing, so a
+  replay again sees the same prefix.
+
+Gradients reach the prompt pass through the recorded tensors, which are ordinary autograd outputs.
+`cache_through_checkpointing` tells transformers' checkpointed layers to keep passing the cache
+(the `_can_checkpoint_with_cache` switch transformers provides for layers that only read a cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class RecordingLayer(DynamicLayer):
+    """Prompt pass: records the layer's keys/values once; attention sees only the prompt itself."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states, value_states
+        return key_states, value_states
+
+
+class PrefixLayer(DynamicLayer):
+    """Completion pass: a fixed prefix (the rows' prompt keys/values) in front of each call's new ones."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def recording_cache() -> Cache:
+    return Cache(layer_class_to_replicate=RecordingLayer)
+
+
+def prefix_cache(recorded: Cache, rows: torch.Tensor) -> Cache:
+    """The recorded prompt keys/values, repeated for each completion row (`rows[i]` = row i's prompt)."""
+    return Cache(layers=[PrefixLayer(layer.keys[rows], layer.values[rows]) for layer in recorded.layers])
+
+
+@contextlib.contextmanager
+def cache_through_checkpointing(model: nn.Module):
+    """Let checkpointed transformers layers keep `past_key_values` (safe: the caches above ignore replays)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # back to the class default

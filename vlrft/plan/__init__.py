@@ -1,0 +1,75 @@
+"""The memory plan: per-GPU bytes of a config by arithmetic on the model's config.json (`vlrft plan`).
+
+`plan_for_config` is what both `vlrft plan` and the trainer's load-time check call;
+`check_fits_at_load` stops a CUDA run with one line when the plan says it cannot fit.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vlrft.errors import UserError
+from vlrft.plan.architecture import ModelShape, load_model_shape, shape_from_config
+from vlrft.plan.memory import GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
+
+__all__ = ["GiB", "Hardware", "MemoryPlan", "ModelShape", "StrategyChoice", "check_fits", "check_fits_at_load", "format_plan",
+           "load_model_shape", "plan_for_config", "plan_memory", "shape_from_config", "strategy_from_config"]
+
+SKIP_ENV = "VLRFT_SKIP_MEMORY_PLAN"
+
+
+def strategy_from_config(cfg, name: str | None = None, zero_stage: int | None = None,
+                         offload: bool | None = None, mixed_precision: bool = True) -> StrategyChoice:
+    """The strategy of `cfg.train` (options read leniently: `train.deepspeed.*`, `train.fsdp.cpu_offload`),
+    with command-line overrides."""
+    t = cfg.train
+    name = name or t.strategy
+    ds, fsdp = getattr(t, "deepspeed", None), getattr(t, "fsdp", None)
+    stage = zero_stage if zero_stage is not None else int(getattr(ds, "zero_stage", 3) or 3)
+    if name == "fsdp2":
+        off = bool(getattr(fsdp, "cpu_offload", False))
+        opt_off = param_off = off
+    else:
+        opt_off = bool(getattr(ds, "offload_optimizer", False))
+        param_off = bool(getattr(ds, "offload_params", getattr(ds, "offload_param", False)))
+    if offload is not None:
+        opt_off = param_off = offload
+    if name == "deepspeed" and stage not in (2, 3):
+        raise UserError(f"plan: ZeRO stage {stage} is not one vlrft runs; use 2 or 3")
+    return StrategyChoice(name=name, zero_stage=stage, offload_optimizer=opt_off, offload_params=param_off,
+                          mixed_precision=mixed_precision)
+
+
+def plan_for_config(cfg, hardware: Hardware, strategy: StrategyChoice | None = None, model_config: str | None = None,
+                    images_per_prompt: int = 1) -> MemoryPlan:
+    shape = load_model_shape(cfg.model.path, model_config)
+    return plan_memory(cfg, shape, hardware, strategy or strategy_from_config(cfg), images_per_prompt)
+
+
+def check_fits(cfg, hardware: Hardware) -> MemoryPlan | None:
+    """Raise a one-line `UserError` when the plan of `cfg` on `hardware` does not fit; None when it cannot plan."""
+    try:
+        plan = plan_for_config(cfg, hardware)
+    except UserError:
+        return None  # a model the plan cannot read (another architecture, no config.json): nothing to check
+    if not plan.fits:
+        hint = plan.suggestions[0] if plan.suggestions else "use more or larger GPUs"
+        raise UserError(f"memory plan: this run needs about {plan.total / GiB:.1f} GiB per GPU ({plan.peak_phase} "
+                        f"phase) but the GPU has {plan.capacity / GiB:.1f} GiB; try: {hint}. See `vlrft plan CONFIG` "
+                        f"for the breakdown, or set {SKIP_ENV}=1 to start anyway")
+    return plan
+
+
+def check_fits_at_load(cfg, world_size: int) -> MemoryPlan | None:
+    """On CUDA, `check_fits` for the GPUs this job runs on; a no-op on CPU.
+
+    Set VLRFT_SKIP_MEMORY_PLAN=1 to start anyway (the plan is an estimate on the conservative side).
+    """
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get(SKIP_ENV) == "1":
+        return None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, torch.cuda.device_count()) or 1))
+    hardware = Hardware(gpus_per_node=per_node, nodes=max(1, world_size // per_node),
+                        gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return check_fits(cfg, hardware)

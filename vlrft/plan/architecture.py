@@ -1,0 +1,268 @@
+"""A model's shape from its `config.json` alone: every parameter tensor, counted without building the model.
+
+The memory plan needs exact parameter counts (per part: language model, vision tower, LM head)
+and the sizes that drive activations and the KV cache. Reading `config.json` instead of
+instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
+Supported: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense), the model types vlrft trains.
+
+Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
+of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlrft.errors import UserError
+
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor: its name in the transformers model, shape and part ("text", "vision", "head")."""
+
+    name: str
+    shape: tuple[int, ...]
+    part: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_linear_weight(self) -> bool:
+        return len(self.shape) == 2 and not self.name.endswith(("embed_tokens.weight", "pos_embed.weight"))
+
+
+@dataclass(frozen=True)
+class TextShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    attention_bias: bool  # q/k/v biases (Qwen2 family)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3 family)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    kind: str  # the model type whose vision tower this is
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    num_position_embeddings: int = 0  # Qwen3-VL learned position table
+    deepstack_layers: int = 0  # Qwen3-VL extra mergers feeding early LM layers
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    text: TextShape
+    vision: VisionShape
+    tie_word_embeddings: bool
+    source: str  # where the config was read from
+
+    def tensors(self) -> list[Tensor]:
+        return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
+
+    def count(self, part: str | None = None) -> int:
+        return sum(t.numel for t in self.tensors() if part is None or t.part == part)
+
+    @property
+    def num_parameters(self) -> int:
+        return self.count()
+
+    def blocks(self) -> dict[str, int]:
+        """Parameters per unit a sharded strategy gathers at once: each decoder layer and vision block, and the
+        "root" (embeddings, LM head, norms, merger: everything outside the repeated blocks)."""
+        by_block: dict[str, int] = {}
+        for t in self.tensors():
+            match = re.match(r"(.*\.(?:layers|blocks)\.\d+)\.", t.name)
+            key = match.group(1) if match else "root"
+            by_block[key] = by_block.get(key, 0) + t.numel
+        return by_block
+
+    def largest_layer(self) -> int:
+        return max(n for name, n in self.blocks().items() if name != "root")
+
+    def lora_parameters(self, rank: int, target_modules: list[str]) -> int:
+        """LoRA adapter parameters: rank * (in + out) per targeted linear layer ("all-linear": all but lm_head)."""
+        total = 0
+        for t in self.tensors():
+            if not t.is_linear_weight or t.name == "lm_head.weight":
+                continue
+            module = t.name.rsplit(".", 2)[-2]
+            if target_modules == ["all-linear"] or module in target_modules:
+                out_features, in_features = t.shape
+                total += rank * (in_features + out_features)
+        return total
+
+
+def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
+    h, q, kv = t.hidden_size, t.num_heads * t.head_dim, t.kv_dim
+    out = [Tensor("model.language_model.embed_tokens.weight", (t.vocab_size, h), "text")]
+    for i in range(t.num_layers):
+        p = f"model.language_model.layers.{i}."
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append(Tensor(f"{p}self_attn.{name}.weight", (rows, h), "text"))
+            if t.attention_bias:
+                out.append(Tensor(f"{p}self_attn.{name}.bias", (rows,), "text"))
+        out.append(Tensor(f"{p}self_attn.o_proj.weight", (h, q), "text"))
+        if t.qk_norm:
+            out += [Tensor(f"{p}self_attn.q_norm.weight", (t.head_dim,), "text"),
+                    Tensor(f"{p}self_attn.k_norm.weight", (t.head_dim,), "text")]
+        out += [Tensor(f"{p}mlp.gate_proj.weight", (t.intermediate_size, h), "text"),
+                Tensor(f"{p}mlp.up_proj.weight", (t.intermediate_size, h), "text"),
+                Tensor(f"{p}mlp.down_proj.weight", (h, t.intermediate_size), "text"),
+                Tensor(f"{p}input_layernorm.weight", (h,), "text"),
+                Tensor(f"{p}post_attention_layernorm.weight", (h,), "text")]
+    out.append(Tensor("model.language_model.norm.weight", (h,), "text"))
+    if not tied:
+        out.append(Tensor("lm_head.weight", (t.vocab_size, h), "head"))
+    return out
+
+
+def _linear(name: str, out_f: int, in_f: int) -> list[Tensor]:
+    return [Tensor(f"{name}.weight", (out_f, in_f), "vision"), Tensor(f"{name}.bias", (out_f,), "vision")]
+
+
+def _norm(name: str, dim: int, bias: bool) -> list[Tensor]:
+    return [Tensor(f"{name}.weight", (dim,), "vision")] + ([Tensor(f"{name}.bias", (dim,), "vision")] if bias else [])
+
+
+def _vision_tensors(v: VisionShape) -> list[Tensor]:
+    h, m = v.hidden_size, v.hidden_size * v.spatial_merge_size ** 2
+    p = "model.visual."
+    patch = (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    out = [Tensor(f"{p}patch_embed.proj.weight", patch, "vision")]
+    layer_norm = v.kind != "qwen2_5_vl"  # Qwen2.5-VL uses RMSNorm (no bias) in the vision tower
+    if v.kind == "qwen3_vl":
+        out.append(Tensor(f"{p}patch_embed.proj.bias", (h,), "vision"))
+        out.append(Tensor(f"{p}pos_embed.weight", (v.num_position_embeddings, h), "vision"))
+    for i in range(v.depth):
+        b = f"{p}blocks.{i}."
+        out += _norm(f"{b}norm1", h, layer_norm) + _norm(f"{b}norm2", h, layer_norm)
+        out += _linear(f"{b}attn.qkv", 3 * h, h) + _linear(f"{b}attn.proj", h, h)
+        if v.kind == "qwen2_vl":
+            out += _linear(f"{b}mlp.fc1", v.intermediate_size, h) + _linear(f"{b}mlp.fc2", h, v.intermediate_size)
+        elif v.kind == "qwen2_5_vl":
+            out += (_linear(f"{b}mlp.gate_proj", v.intermediate_size, h) + _linear(f"{b}mlp.up_proj", v.intermediate_size, h)
+                    + _linear(f"{b}mlp.down_proj", h, v.intermediate_size))
+        else:
+            out += _linear(f"{b}mlp.linear_fc1", v.intermediate_size, h) + _linear(f"{b}mlp.linear_fc2", h, v.intermediate_size)
+    if v.kind == "qwen3_vl":
+        mergers = [(f"{p}merger", h)] + [(f"{p}deepstack_merger_list.{i}", m) for i in range(v.deepstack_layers)]
+        for name, norm_dim in mergers:
+            out += (_norm(f"{name}.norm", norm_dim, True) + _linear(f"{name}.linear_fc1", m, m)
+                    + _linear(f"{name}.linear_fc2", v.out_hidden_size, m))
+    else:
+        out += _norm(f"{p}merger.ln_q", h, layer_norm)
+        out += _linear(f"{p}merger.mlp.0", m, m) + _linear(f"{p}merger.mlp.2", v.out_hidden_size, m)
+    return out
+
+
+# ------------------------------------------------------------------ reading config.json
+
+
+def _get(d: dict, *keys: str, default=None, where: str = ""):
+    for key in keys:
+        if key in d and d[key] is not None:
+            return d[key]
+    if default is not None:
+        return default
+    raise UserError(f"{where}: config.json has none of {', '.join(keys)}; is this a Qwen-VL model config?")
+
+
+def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
+    """`ModelShape` from a parsed `config.json` (text fields at the top level or under `text_config`)."""
+    model_type = config.get("model_type", "")
+    if model_type not in SUPPORTED:
+        raise UserError(f"{source}: model_type {model_type!r} is not one vlrft can plan for; supported: "
+                        f"{', '.join(SUPPORTED)}")
+    text_cfg = {**config, **(config.get("text_config") or {})}
+    vision_cfg = config.get("vision_config") or {}
+    w = source
+    hidden = int(_get(text_cfg, "hidden_size", where=w))
+    heads = int(_get(text_cfg, "num_attention_heads", where=w))
+    qwen3 = model_type == "qwen3_vl"
+    text = TextShape(
+        hidden_size=hidden,
+        intermediate_size=int(_get(text_cfg, "intermediate_size", where=w)),
+        num_layers=int(_get(text_cfg, "num_hidden_layers", where=w)),
+        num_heads=heads,
+        num_kv_heads=int(_get(text_cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(text_cfg.get("head_dim") or hidden // heads) if qwen3 else hidden // heads,
+        vocab_size=int(_get(text_cfg, "vocab_size", where=w)),
+        attention_bias=bool(text_cfg.get("attention_bias", False)) if qwen3 else True,
+        qk_norm=qwen3,
+    )
+    if model_type == "qwen2_vl":
+        vh = int(_get(vision_cfg, "embed_dim", where=w + " vision_config"))
+        inter = int(vh * float(_get(vision_cfg, "mlp_ratio", default=4)))
+        out_hidden = int(_get(vision_cfg, "hidden_size", default=hidden))
+    else:
+        vh = int(_get(vision_cfg, "hidden_size", where=w + " vision_config"))
+        inter = int(_get(vision_cfg, "intermediate_size", where=w + " vision_config"))
+        out_hidden = int(_get(vision_cfg, "out_hidden_size", default=hidden))
+    vision = VisionShape(
+        kind=model_type,
+        depth=int(_get(vision_cfg, "depth", where=w + " vision_config")),
+        hidden_size=vh,
+        intermediate_size=inter,
+        out_hidden_size=out_hidden,
+        patch_size=int(_get(vision_cfg, "patch_size", default=16 if qwen3 else 14)),
+        temporal_patch_size=int(_get(vision_cfg, "temporal_patch_size", default=2)),
+        spatial_merge_size=int(_get(vision_cfg, "spatial_merge_size", default=2)),
+        in_channels=int(_get(vision_cfg, "in_channels", "in_chans", default=3)),
+        num_position_embeddings=int(vision_cfg.get("num_position_embeddings") or 0),
+        deepstack_layers=len(vision_cfg.get("deepstack_visual_indexes") or []),
+    )
+    tied = config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
+    return ModelShape(model_type, text, vision, bool(tied), source)
+
+
+def shipped_config_path(name: str) -> Path:
+    return SHIPPED_CONFIGS / (name.replace("/", "--") + ".json")
+
+
+def load_model_shape(model_path: str, model_config: str | None = None) -> ModelShape:
+    """The shape of `model_path` (a local folder, or a Hub name with a shipped config), or of `model_config`."""
+    if model_config:
+        path = Path(model_config)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"--model-config {model_config}: no such file; pass a config.json or a model folder")
+    else:
+        local = Path(model_path) / "config.json"
+        shipped = shipped_config_path(model_path)
+        path = local if local.is_file() else shipped
+        if not path.is_file():
+            names = sorted(p.stem.replace("--", "/") for p in SHIPPED_CONFIGS.glob("*.json"))
+            raise UserError(f"model.path={model_path!r} is neither a local model folder with config.json nor a model "
+                            f"whose config ships with vlrft ({', '.join(names)}); pass --model-config PATH/config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it as JSON ({exc})") from None
+    return shape_from_config(config, str(path))

@@ -1,0 +1,389 @@
+"""Per-GPU memory of a run, by arithmetic: does a config fit on the GPUs it names, and what to change if not.
+
+Pure functions on dataclasses (no torch, no model): `plan_memory(cfg, shape, hardware, strategy)`
+returns a `MemoryPlan` whose components are the bytes one GPU holds for each part of the run.
+A step has two phases and the plan takes the larger:
+
+- rollout: the engine is awake (vLLM/SGLang take `gpu_memory_utilization` of the GPU; the hf engine
+  a KV cache for the rank's rollout batch) beside what the trainer keeps resident between steps
+  (parameters, optimizer state, reference, critic; gradients are freed after each optimizer step);
+- train: the engine sleeps; parameters, gradients, optimizer state, activations of one
+  micro-batch and the LM-head chunk are alive together.
+
+Byte counts follow what vlrft does: the trainer holds the policy in float32 and computes in
+bfloat16 under autocast (DDP: 4 B parameters + 4 B gradients + 4 B DDP gradient buckets + 8 B
+AdamW moments per parameter, replicated); FSDP2 shards the float32 parameters, gradients and
+moments over all ranks and gathers bfloat16 copies one decoder layer at a time; DeepSpeed ZeRO
+with bf16 keeps bfloat16 parameters and gradients plus a float32 master copy and moments
+(ZeRO-2 shards gradients and optimizer state, ZeRO-3 also the parameters). Activation figures
+are estimates per token and layer for a bf16 Llama-style block with SDPA attention (no S x S
+scores), the logits chunk that `vlrft.models.logprobs` materialises, and every prompt distinct
+and padded to data.max_prompt_length (the worst case). A fixed reserve covers the CUDA context,
+NCCL and allocator slack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from vlrft.plan.architecture import ModelShape
+
+GiB = 1 << 30
+CUDA_RESERVE = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
+LOGITS_CHUNK_TOKENS = 1024  # ActorVL's default chunk_tokens
+LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
+DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
+STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_memory: int = 80 * GiB  # bytes per GPU
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """How the trained models are laid out over ranks (`train.strategy` and its options)."""
+
+    name: str = "ddp"
+    zero_stage: int = 3  # deepspeed only: 2 or 3
+    offload_optimizer: bool = False  # optimizer state (and for FSDP2 parameters and gradients) on the CPU
+    offload_params: bool = False  # ZeRO-3 / FSDP2 parameters on the CPU
+    mixed_precision: bool = True  # bf16 compute on GPUs (False: float32 everywhere, as on CPU)
+
+    def describe(self) -> str:
+        if self.name == "deepspeed":
+            extra = [f"ZeRO-{self.zero_stage}"] + (["optimizer offload"] if self.offload_optimizer else []) + \
+                (["parameter offload"] if self.offload_params else [])
+            return "deepspeed (" + ", ".join(extra) + ")"
+        if self.name == "fsdp2" and (self.offload_optimizer or self.offload_params):
+            return "fsdp2 (CPU offload)"
+        return self.name
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    bytes: int
+    phases: tuple[str, ...]  # "rollout", "train"
+    note: str
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    parameters: int  # policy parameter count
+    trainable: int
+    strategy: str
+    hardware: Hardware
+    gradient_checkpointing: bool
+    components: list[Component]
+    engine_kv_bytes: int | None = None  # vLLM/SGLang: KV cache left after the engine's weights
+    engine_kv_needed: int | None = None  # one sequence of max_model_len tokens
+    suggestions: list[str] = field(default_factory=list)
+
+    def phase_total(self, phase: str) -> int:
+        return sum(c.bytes for c in self.components if phase in c.phases)
+
+    @property
+    def total(self) -> int:
+        return max(self.phase_total("rollout"), self.phase_total("train"))
+
+    @property
+    def peak_phase(self) -> str:
+        return "rollout" if self.phase_total("rollout") >= self.phase_total("train") else "train"
+
+    @property
+    def capacity(self) -> int:
+        return self.hardware.gpu_memory
+
+    @property
+    def engine_ok(self) -> bool:
+        return self.engine_kv_bytes is None or self.engine_kv_bytes >= (self.engine_kv_needed or 0)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity and self.engine_ok
+
+    def component(self, name: str) -> int:
+        return sum(c.bytes for c in self.components if c.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "parameters": self.parameters, "trainable_parameters": self.trainable,
+            "strategy": self.strategy, "gpus_per_node": self.hardware.gpus_per_node, "nodes": self.hardware.nodes,
+            "world_size": self.hardware.world_size, "gradient_checkpointing": self.gradient_checkpointing,
+            "per_gpu_bytes": {c.name: c.bytes for c in self.components},
+            "phases": {phase: {"components": [c.name for c in self.components if phase in c.phases],
+                               "total": self.phase_total(phase)} for phase in ("rollout", "train")},
+            "engine_kv_cache_bytes": self.engine_kv_bytes, "engine_kv_needed_bytes": self.engine_kv_needed,
+            "total": self.total, "peak_phase": self.peak_phase, "capacity": self.capacity, "fits": self.fits,
+            "suggestions": self.suggestions,
+        }
+
+
+# ------------------------------------------------------------------ the arithmetic
+
+
+def _layer_activation_bytes(hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int) -> int:
+    """Bytes kept per token by one transformer block for backward (fp32 residual stream, `compute_bytes` matmuls).
+
+    Two RMS/LayerNorms in float32 (input, float copy, normalised) plus their low-precision output;
+    q/k/v before and after rotary embedding, the attention output; a gated MLP's four intermediates.
+    """
+    norms = 2 * (12 * hidden + compute_bytes * hidden)
+    attention = compute_bytes * (2 * (q_dim + 2 * kv_dim) + 2 * q_dim)
+    mlp = 4 * compute_bytes * intermediate
+    return norms + attention + mlp
+
+
+def _tower_activations(tokens: int, layers: int, per_token_layer: int, hidden: int, checkpointing: bool) -> int:
+    """A stack of blocks: all activations kept, or (checkpointing) every block's input plus one block replayed."""
+    if checkpointing:
+        return tokens * (4 * hidden * layers + 2 * per_token_layer)
+    return tokens * layers * per_token_layer
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, images: int, patches_per_image: int,
+                     checkpointing: bool, compute_bytes: int) -> int:
+    """Activations of one micro-batch's forward + backward through the language model and the vision tower."""
+    t, v = shape.text, shape.vision
+    tokens = micro_batch * seq_len
+    text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size,
+                                         compute_bytes)
+    text = _tower_activations(tokens, t.num_layers, text_layer, t.hidden_size, checkpointing)
+    text += tokens * t.hidden_size * (12 + 4)  # final norm and the completion states fed to the LM head
+    patches = images * patches_per_image
+    vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size,
+                                           compute_bytes)
+    vision = _tower_activations(patches, v.depth, vision_layer, v.hidden_size, checkpointing)
+    return text + vision
+
+
+def logits_bytes(shape: ModelShape, micro_batch: int, completion_len: int) -> int:
+    """The LM-head chunk alive at once: at most LOGITS_CHUNK_TOKENS completion tokens times the vocabulary."""
+    tokens = min(LOGITS_CHUNK_TOKENS, micro_batch * completion_len)
+    return tokens * shape.text.vocab_size * LOGITS_BYTES_PER_ELEMENT
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    return 2 * shape.text.num_layers * shape.text.kv_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class _ModelState:
+    """Resident bytes of one trained model (policy or critic) under a strategy."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int  # DDP gradient buckets / DeepSpeed communication buckets (resident)
+    gathered: int  # transient: bf16 layers gathered for compute (sharded strategies), train phase
+    notes: dict
+
+
+def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> _ModelState:
+    frozen = params - trainable
+    hi = 2 if s.mixed_precision else 4  # low-precision compute bytes
+    if s.name in ("single", "ddp"):
+        buckets = 4 * trainable if s.name == "ddp" and world > 1 else 0
+        return _ModelState(4 * params, 4 * trainable, 8 * trainable, buckets, 0, {
+            "parameters": "float32, replicated on every GPU", "gradients": "float32, replicated",
+            "optimizer": "AdamW moments (2 x float32), replicated",
+            "buffers": "DDP gradient buckets (a float32 copy of the gradients)"})
+    if s.name == "fsdp2":
+        offload = s.offload_optimizer or s.offload_params  # FSDP2's CPUOffloadPolicy moves all three
+        shard = 0 if offload else 1
+        # the root unit (embeddings, LM head) stays gathered through forward and backward, with its unsharded
+        # gradient; decoder layers are gathered one at a time (current + prefetched) with one layer's gradient
+        gathered = (hi + 4) * shape.blocks()["root"] + (2 * hi + 4) * shape.largest_layer()
+        return _ModelState(shard * 4 * params // world, shard * 4 * trainable // world,
+                           shard * 8 * trainable // world, 0, gathered, {
+            "parameters": f"float32 shards (1/{world})" + (" on the CPU" if offload else ""),
+            "gradients": f"float32 shards (1/{world})" + (" on the CPU" if offload else ""),
+            "optimizer": f"AdamW moments, sharded (1/{world})" + (" on the CPU" if offload else ""),
+            "gathered": "gathered for compute: the root (embeddings, LM head) and two decoder layers, with gradients"})
+    if s.name == "deepspeed":
+        master = 4 if s.mixed_precision else 0
+        opt = 0 if s.offload_optimizer else (8 + master) * trainable // world
+        param_bytes = hi * params if s.zero_stage < 3 else (0 if s.offload_params else hi * params // world)
+        grads = hi * trainable // world
+        buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * hi if world > 1 else 0
+        gathered = hi * shape.blocks()["root"] + 2 * hi * shape.largest_layer() if s.zero_stage >= 3 else 0
+        place = "replicated" if s.zero_stage < 3 else f"sharded (1/{world})" + (" on the CPU" if s.offload_params else "")
+        return _ModelState(param_bytes, grads, opt, buckets, gathered, {
+            "parameters": f"{'bfloat16' if hi == 2 else 'float32'}, {place}",
+            "gradients": f"sharded (1/{world})",
+            "optimizer": ("on the CPU" if s.offload_optimizer else
+                          f"AdamW moments{' + float32 master' if master else ''}, sharded (1/{world})"),
+            "buffers": "ZeRO reduce and all-gather buckets (5e8 elements each)",
+            "gathered": "ZeRO-3: parameters gathered for the layers being computed"})
+    raise ValueError(f"unknown strategy {s.name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice,
+                images_per_prompt: int = 1, suggest: bool = True) -> MemoryPlan:
+    """Per-GPU bytes of `cfg` (a `vlrft.config.Config`) for `shape` on `hardware` under `strategy`."""
+    world = hardware.world_size
+    m, r, t, a, d = cfg.model, cfg.rollout, cfg.train, cfg.algorithm, cfg.data
+    params = shape.num_parameters
+    if m.lora.rank > 0:
+        trainable = shape.lora_parameters(m.lora.rank, m.lora.target_modules)
+    else:
+        trainable = params - (shape.count("vision") if m.freeze_vision_tower else 0)
+    hi = 2 if strategy.mixed_precision else 4
+    policy = _model_state(params, trainable, shape, strategy, world)
+    both, train, rollout = ("rollout", "train"), ("train",), ("rollout",)
+    comps = [
+        Component("parameters", policy.parameters, both, policy.notes["parameters"]),
+        Component("gradients", policy.gradients, train, policy.notes["gradients"]),
+        Component("optimizer", policy.optimizer, both, policy.notes["optimizer"]),
+    ]
+    if policy.buffers:
+        comps.append(Component("buffers", policy.buffers, both, policy.notes["buffers"]))
+    if policy.gathered:
+        comps.append(Component("gathered_layers", policy.gathered, train, policy.notes["gathered"]))
+    if a.kl_coef > 0:
+        sharded = strategy.name == "fsdp2" or (strategy.name == "deepspeed" and strategy.zero_stage >= 3)
+        ref = hi * params // (world if sharded else 1)
+        comps.append(Component("reference", ref, both, f"{'bfloat16' if hi == 2 else 'float32'} reference policy, "
+                               + (f"sharded (1/{world})" if sharded else "replicated")))
+    if a.advantage == "gae":
+        critic_params = params + shape.text.hidden_size + 1  # the backbone with a scalar value head
+        critic = _model_state(critic_params, critic_params, shape, strategy, world)
+        resident = critic.parameters + critic.optimizer + critic.buffers
+        comps.append(Component("critic", resident, both, "value model: parameters + optimizer state (as the policy)"))
+        comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
+    seq_len = d.max_prompt_length + r.max_new_tokens
+    patches = d.max_pixels // (shape.vision.patch_size ** 2)
+    images = t.micro_batch_size * images_per_prompt
+    acts = activation_bytes(shape, t.micro_batch_size, seq_len, images, patches, m.gradient_checkpointing, hi)
+    comps.append(Component("activations", acts, train,
+                           f"micro-batch {t.micro_batch_size} x {seq_len} tokens, {images} image(s) of {patches} "
+                           f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
+    comps.append(Component("logits", logits_bytes(shape, t.micro_batch_size, r.max_new_tokens), train,
+                           f"LM-head chunk of {LOGITS_CHUNK_TOKENS} tokens x {shape.text.vocab_size} vocabulary"))
+    kv_avail = kv_needed = None
+    if r.engine == "hf":
+        rows = (cfg.prompts_per_step // world) * r.n
+        kv = rows * seq_len * kv_bytes_per_token(shape, 4)
+        comps.append(Component("engine_kv_cache", kv, rollout,
+                               f"hf engine: float32 KV cache of the rank's {rows} rollouts x {seq_len} tokens"))
+    else:
+        budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
+        weights = 2 * params // r.tensor_parallel_size
+        kv_avail = budget - weights - 1 * GiB  # vLLM keeps about 1 GiB for its own activations
+        max_len = r.max_model_len or seq_len
+        kv_needed = max_len * kv_bytes_per_token(shape, 2) // r.tensor_parallel_size
+        comps.append(Component("engine_weights", weights, rollout,
+                               f"{r.engine}: bfloat16 weights / tensor_parallel_size {r.tensor_parallel_size}"))
+        comps.append(Component("engine_kv_cache", budget - weights, rollout,
+                               f"{r.engine}: the rest of gpu_memory_utilization={r.gpu_memory_utilization} "
+                               "(KV cache and engine activations)"))
+        if not r.sleep_between_steps:
+            comps.append(Component("engine_awake_in_training", budget, train,
+                                   "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
+    comps.append(Component("cuda_reserve", CUDA_RESERVE, both, "CUDA context, NCCL buffers, allocator slack"))
+    plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
+                      hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
+                      engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed)
+    if suggest and not plan.fits:
+        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan)
+    return plan
+
+
+# ------------------------------------------------------------------ what to change
+
+
+def _with(cfg, section: str, **changes):
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
+def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, images_per_prompt: int,
+                plan: MemoryPlan) -> list[str]:
+    """One line per single change that helps, best first; each says the per-GPU total it would give."""
+
+    def trial(c=cfg, s=strategy, h=hardware) -> MemoryPlan:
+        return plan_memory(c, shape, h, s, images_per_prompt, suggest=False)
+
+    out: list[tuple[bool, int, str]] = []
+
+    def add(text: str, p: MemoryPlan) -> None:
+        if p.total < plan.total or (p.engine_ok and not plan.engine_ok):
+            verdict = "fits" if p.fits else "still too much"
+            out.append((not p.fits, p.total, f"{text} (-> {_gib(p.total)} per GPU, {verdict})"))
+
+    if not cfg.model.gradient_checkpointing:
+        add("set model.gradient_checkpointing: true", trial(c=_with(cfg, "model", gradient_checkpointing=True)))
+    if strategy.name in ("single", "ddp") and hardware.world_size > 1:
+        add("set train.strategy: fsdp2", trial(s=dataclasses.replace(strategy, name="fsdp2")))
+        add("set train.strategy: deepspeed with ZeRO-3",
+            trial(s=dataclasses.replace(strategy, name="deepspeed", zero_stage=3)))
+    if strategy.name == "deepspeed" and strategy.zero_stage < 3:
+        add("use ZeRO stage 3 (train.deepspeed.zero_stage: 3)", trial(s=dataclasses.replace(strategy, zero_stage=3)))
+    if not strategy.offload_optimizer and strategy.name in ("fsdp2", "deepspeed"):
+        key = "train.fsdp.cpu_offload: true" if strategy.name == "fsdp2" else "train.deepspeed.offload_optimizer: true"
+        add(f"offload to the CPU ({key})", trial(s=dataclasses.replace(strategy, offload_optimizer=True)))
+    mb = cfg.train.micro_batch_size
+    while mb > 1:
+        mb //= 2
+        p = trial(c=_with(cfg, "train", micro_batch_size=mb))
+        if p.fits or mb == 1:
+            add(f"lower train.micro_batch_size to {mb}", p)
+            break
+    r = cfg.rollout
+    if r.engine != "hf":
+        rollout_free = plan.capacity - (plan.phase_total("rollout") - plan.component("engine_weights")
+                                        - plan.component("engine_kv_cache"))
+        best = int(100 * rollout_free / plan.capacity) / 100
+        if 0 < best < r.gpu_memory_utilization:
+            add(f"lower rollout.gpu_memory_utilization to {best:.2f}",
+                trial(c=_with(cfg, "rollout", gpu_memory_utilization=best)))
+        if not plan.engine_ok:
+            for tp in (2, 4, 8):
+                if tp > r.tensor_parallel_size and hardware.gpus_per_node % tp == 0:
+                    add(f"raise rollout.tensor_parallel_size to {tp}",
+                        trial(c=_with(cfg, "rollout", tensor_parallel_size=tp)))
+                    break
+    for nodes in (hardware.nodes * 2, hardware.nodes * 4):
+        p = trial(h=dataclasses.replace(hardware, nodes=nodes))
+        if p.fits and strategy.name not in ("single", "ddp"):
+            add(f"use {nodes} nodes of {hardware.gpus_per_node} GPUs", p)
+            break
+    out.sort(key=lambda item: (item[0], item[1]))
+    return [text for _, _, text in out]
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The human-readable table `vlrft plan` prints."""
+    hw = plan.hardware
+    lines = [f"model        {plan.model}: {plan.parameters / 1e9:.3f} B parameters "
+             f"({plan.trainable / 1e9:.3f} B trained)",
+             f"hardware     {hw.nodes} node(s) x {hw.gpus_per_node} GPUs x {_gib(hw.gpu_memory)} "
+             f"= {hw.world_size} ranks; strategy {plan.strategy}", "",
+             f"{'per GPU':<26}{'bytes':>12}  {'phase':<15}note"]
+    for c in plan.components:
+        phases = "+".join(c.phases)
+        lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {phases:<15}{c.note}")
+    for phase in ("rollout", "train"):
+        lines.append(f"  {'total while ' + phase:<24}{_gib(plan.phase_total(phase)):>12}")
+    if plan.engine_kv_bytes is not None:
+        lines.append(f"  engine KV cache {_gib(plan.engine_kv_bytes)} available, {_gib(plan.engine_kv_needed)} "
+                     "needed for one sequence of max_model_len tokens")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines += ["", f"{verdict}: peak {_gib(plan.total)} ({plan.peak_phase}) of {_gib(plan.capacity)} per GPU"]
+    if plan.suggestions:
+        lines.append("to make it fit, change one of:")
+        lines += [f"  - {s}" for s in plan.suggestions]
+    return "\n".join(lines)
