@@ -50,9 +50,9 @@ def write_config(folder: Path, model: Path, strategy: str) -> Path:
         "model": {"path": str(model), "dtype": "float32"},
         "data": {"train_files": [str(REPO / "datasets/shapes_demo/train.parquet")], "format": "native",
                  "min_pixels": 3136, "max_pixels": 3136, "max_prompt_length": 256},
-        "rollout": {"engine": "hf", "n": 2, "batch_size": 8, "max_new_tokens": 4, "min_new_tokens": 4},
+        "rollout": {"engine": "hf", "n": 2, "global_batch_completions": 8, "max_new_tokens": 4, "min_new_tokens": 4},
         "reward": {"functions": [{"name": "exact_match"}]},
-        "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": 1, "micro_batch_size": 4,
+        "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": 1, "micro_batch_completions_per_rank": 4,
                   "strategy": strategy, "eval_before_training": False},
         "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
     }

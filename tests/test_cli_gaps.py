@@ -32,9 +32,9 @@ def base_sections(model, shapes, out):
     return dict(model={"path": str(model), "dtype": "float32"},
                 data={"train_files": [str(shapes["train"])], "eval_files": [str(shapes["test"])],
                       "min_pixels": 784, "max_pixels": 3136},
-                rollout={"n": 2, "batch_size": 4, "max_new_tokens": 3},
+                rollout={"n": 2, "global_batch_completions": 4, "max_new_tokens": 3},
                 reward={"functions": [{"name": f"{REWARDS}:text_hash"}]},
-                train={"output_dir": str(out), "total_steps": 1, "lr": 1e-2, "micro_batch_size": 4,
+                train={"output_dir": str(out), "total_steps": 1, "lr": 1e-2, "micro_batch_completions_per_rank": 4,
                        "eval_before_training": False},
                 logging={"progress": False, "completions_every": 0, "tensorboard": False})
 

@@ -102,7 +102,7 @@ def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():
     base = plan_memory(cfg, shape, hw, fsdp)
     no_ckpt = plan_memory(replace(cfg, model=replace(cfg.model, gradient_checkpointing=False)), shape, hw, fsdp)
     assert no_ckpt.component("activations") > 5 * base.component("activations")
-    double = plan_memory(replace(cfg, train=replace(cfg.train, micro_batch_size=4)), shape, hw, fsdp)
+    double = plan_memory(replace(cfg, train=replace(cfg.train, micro_batch_completions_per_rank=4)), shape, hw, fsdp)
     assert double.component("activations") > 1.9 * base.component("activations")
     engine = plan_memory(replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization=0.8)), shape, hw, fsdp)
     assert engine.phase_total("rollout") - base.phase_total("rollout") == pytest.approx(0.3 * 80 * GiB, abs=1)

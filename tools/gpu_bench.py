@@ -79,11 +79,11 @@ def write_config(folder: Path, model: Path, strategy: str, args) -> Path:
         "model": {"path": str(model), "dtype": "bfloat16", "gradient_checkpointing": not args.tiny},
         "data": {"train_files": [str(REPO / "datasets/shapes_demo/train.parquet")], "format": "native",
                  "min_pixels": args.image_pixels, "max_pixels": args.image_pixels, "max_prompt_length": 2048},
-        "rollout": {"engine": "hf", "n": args.n, "batch_size": args.prompts_per_rank * args.n * world,
+        "rollout": {"engine": "hf", "n": args.n, "global_batch_completions": args.prompts_per_rank * args.n * world,
                     "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
         "reward": {"functions": [{"name": "exact_match"}]},
         "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": args.steps, "lr": 1e-6,
-                  "micro_batch_size": args.micro_batch, "strategy": strategy, "eval_before_training": False},
+                  "micro_batch_completions_per_rank": args.micro_batch, "strategy": strategy, "eval_before_training": False},
         "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
     }
     path = folder / f"bench_{strategy}.yaml"

@@ -31,7 +31,7 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML config file, e.g. configs/qwen2_5_vl_7b_grpo_geometry3k.yaml")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_size=2")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_completions_per_rank=2")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs per node (default 8; 1 for strategy single)")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB (default), 141GB")

@@ -338,9 +338,9 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     mb = cfg.train.micro_batch_size
     while mb > 1:
         mb //= 2
-        p = trial(c=_with(cfg, "train", micro_batch_size=mb))
+        p = trial(c=_with(cfg, "train", micro_batch_completions_per_rank=mb))
         if p.fits or mb == 1:
-            add(f"lower train.micro_batch_size to {mb}", p)
+            add(f"lower train.micro_batch_completions_per_rank to {mb}", p)
             break
     r = cfg.rollout
     if r.engine != "hf":
