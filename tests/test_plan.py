@@ -169,3 +169,24 @@ def test_plan_command_reads_any_model_folder(tiny_vlm_dir, tmp_path, vlrft):
     assert json.loads(out.stdout)["parameters"] == load_model_shape(str(folder)).num_parameters
     missing = vlrft("plan", config, "--model-config", tmp_path / "nope.json")
     assert missing.returncode == 2 and "--model-config" in missing.stderr
+
+
+def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypatch):
+    """The trainer's load-time check, with a fake 80 GiB CUDA device (a stand-in: no GPU here)."""
+    from types import SimpleNamespace
+
+    from vlrft.dist.strategy import Strategy
+    from vlrft.trainer.trainer import Trainer
+
+    strategy = Strategy()  # built on the CPU before CUDA is faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * GiB))
+    cfg = load_config(CONFIG_7B, ["train.strategy=single"], validate=False)  # 7B on one 80 GiB GPU
+    with pytest.raises(UserError) as err:
+        Trainer(cfg, strategy)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("memory plan:") and "80.0 GiB" in message
+    monkeypatch.setenv("VLRFT_SKIP_MEMORY_PLAN", "1")
+    assert check_fits_at_load(cfg, 1) is None
