@@ -190,3 +190,30 @@ def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypa
     assert "\n" not in message and message.startswith("memory plan:") and "80.0 GiB" in message
     monkeypatch.setenv("VLRFT_SKIP_MEMORY_PLAN", "1")
     assert check_fits_at_load(cfg, 1) is None
+
+
+@pytest.mark.parametrize("autocast_bf16", [True, False])
+def test_activation_estimate_matches_the_tensors_saved_for_backward(autocast_bf16):
+    """The per-token, per-layer activation model against what autograd really keeps (counted with saved-tensor
+    hooks on a text-only forward; bf16 autocast on the CPU stands in for the GPU's mixed precision)."""
+    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from vlrft.plan.memory import activation_bytes
+
+    spec = TinySpec(arch="qwen2_5_vl", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
+                    num_kv_heads=2)
+    model = build_tiny_model(spec, build_tokenizer(512)).train()
+    shape = shape_from_config(model.config.to_dict())
+    ids = torch.randint(20, 500, (2, 300))
+    saved: dict = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        saved[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    planned = activation_bytes(shape, 2, 300, images=0, patches_per_image=0, checkpointing=False,
+                               compute_bytes=2 if autocast_bf16 else 4)
+    assert planned == pytest.approx(sum(saved.values()), rel=0.1)
