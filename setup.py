@@ -41,7 +41,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vlrft", "vlrft.*"]),
-    package_data={"vlrft.plan": ["model_configs/*.json"]},  # architectures `vlrft plan` knows by Hub name
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["vlrft=vlrft.cli:main"]},
