@@ -171,7 +171,7 @@ def test_plan_command_reads_any_model_folder(tiny_vlm_dir, tmp_path, vlrft):
     assert missing.returncode == 2 and "--model-config" in missing.stderr
 
 
-def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypatch):
+def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypatch, tmp_path):
     """The trainer's load-time check, with a fake 80 GiB CUDA device (a stand-in: no GPU here)."""
     from types import SimpleNamespace
 
@@ -183,7 +183,10 @@ def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypa
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * GiB))
-    cfg = load_config(CONFIG_7B, ["train.strategy=single"], validate=False)  # 7B on one 80 GiB GPU
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    cfg = load_config(CONFIG_7B, ["train.strategy=single", f"data.train_files=[{data}]", "data.eval_files=[]",
+                                  "data.format=native"], validate=False)  # 7B on one 80 GiB GPU
     with pytest.raises(UserError) as err:
         Trainer(cfg, strategy)
     message = str(err.value)
