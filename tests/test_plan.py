@@ -169,3 +169,54 @@ def test_plan_command_reads_any_model_folder(tiny_vlm_dir, tmp_path, vlrft):
     assert json.loads(out.stdout)["parameters"] == load_model_shape(str(folder)).num_parameters
     missing = vlrft("plan", config, "--model-config", tmp_path / "nope.json")
     assert missing.returncode == 2 and "--model-config" in missing.stderr
+
+
+def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypatch, tmp_path):
+    """The trainer's load-time check, with a fake 80 GiB CUDA device (a stand-in: no GPU here)."""
+    from types import SimpleNamespace
+
+    from vlrft.dist.strategy import Strategy
+    from vlrft.trainer.trainer import Trainer
+
+    strategy = Strategy()  # built on the CPU before CUDA is faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: SimpleNamespace(total_memory=80 * GiB))
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"id": "a", "prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    cfg = load_config(CONFIG_7B, ["train.strategy=single", f"data.train_files=[{data}]", "data.eval_files=[]",
+                                  "data.format=native"], validate=False)  # 7B on one 80 GiB GPU
+    with pytest.raises(UserError) as err:
+        Trainer(cfg, strategy)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("memory plan:") and "80.0 GiB" in message
+    monkeypatch.setenv("VLRFT_SKIP_MEMORY_PLAN", "1")
+    assert check_fits_at_load(cfg, 1) is None
+
+
+@pytest.mark.parametrize("autocast_bf16", [True, False])
+def test_activation_estimate_matches_the_tensors_saved_for_backward(autocast_bf16):
+    """The per-token, per-layer activation model against what autograd really keeps (counted with saved-tensor
+    hooks on a text-only forward; bf16 autocast on the CPU stands in for the GPU's mixed precision)."""
+    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from vlrft.plan.memory import activation_bytes
+
+    spec = TinySpec(arch="qwen2_5_vl", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
+                    num_kv_heads=2)
+    model = build_tiny_model(spec, build_tokenizer(512)).train()
+    shape = shape_from_config(model.config.to_dict())
+    ids = torch.randint(20, 500, (2, 300))
+    saved: dict = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        saved[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    planned = activation_bytes(shape, 2, 300, images=0, patches_per_image=0, checkpointing=False,
+                               compute_bytes=2 if autocast_bf16 else 4)
+    assert planned == pytest.approx(sum(saved.values()), rel=0.1)

@@ -330,6 +330,9 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         add("set train.strategy: fsdp2", trial(s=dataclasses.replace(strategy, name="fsdp2")))
         add("set train.strategy: deepspeed with ZeRO-3",
             trial(s=dataclasses.replace(strategy, name="deepspeed", zero_stage=3)))
+    if strategy.name in ("single", "ddp"):
+        add("set train.strategy: fsdp2 with train.fsdp.cpu_offload: true",
+            trial(s=dataclasses.replace(strategy, name="fsdp2", offload_optimizer=True, offload_params=True)))
     if strategy.name == "deepspeed" and strategy.zero_stage < 3:
         add("use ZeRO stage 3 (train.deepspeed.zero_stage: 3)", trial(s=dataclasses.replace(strategy, zero_stage=3)))
     if not strategy.offload_optimizer and strategy.name in ("fsdp2", "deepspeed"):
