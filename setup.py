@@ -41,7 +41,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vlrft", "vlrft.*"]),
-    package_data={"vlrft.data.prepare": ["templates.yaml"]},  # prompt templates of `vlrft data prepare`
+    # prompt templates of `vlrft data prepare`; model shapes of `vlrft plan`
+    package_data={"vlrft.data.prepare": ["templates.yaml"], "vlrft.plan": ["model_configs/*.json"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["vlrft=vlrft.cli:main"]},
