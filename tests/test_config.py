@@ -54,12 +54,12 @@ def test_nested_reward_functions_and_interpolation(tmp_path):
     (["train.total_steps=1.5"], "config: train.total_steps=1.5 is invalid; expected an integer"),
     (["model.freeze_vision_tower=maybe"], "config: model.freeze_vision_tower='maybe' is invalid; expected true/false"),
     (["algorithm.advantage=ppo2"], "config: algorithm.advantage='ppo2': advantage estimator 'ppo2' is not registered; "
-                                   "use one of: grpo, drgrpo, rloo"),
+                                   "expected one of: grpo, drgrpo, rloo"),
     (["algorithm.policy_loss=nope"], "config: algorithm.policy_loss='nope': policy loss 'nope' is not registered"),
     (["reward.timeout_s=0"], "config: reward.timeout_s=0.0 is not allowed; expected a number of seconds > 0"),
     (["reward.grader_timeout_s=-1"], "config: reward.grader_timeout_s=-1.0 is not allowed; expected a number of seconds > 0"),
     (["reward.functions=[{name: nosuchfn}]"], "config: reward.functions[0].name='nosuchfn': reward function 'nosuchfn' "
-                                              "is not registered; use one of: accuracy"),
+                                              "is not registered; expected one of: accuracy"),
     (["reward.recipes={geo: [{name: accuracy}, {name: 'no_such_module_xyz:f'}]}"],
      "config: reward.recipes.geo[1].name='no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"),
     (["algorithm.kl_k3_clamp=0"], "config: algorithm.kl_k3_clamp=0.0 is not allowed; expected a number > 0"),

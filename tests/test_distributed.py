@@ -47,3 +47,60 @@ logging: {{progress: false, completions_every: 0}}
     evals = [h for h in result["history"] if "eval/accuracy" in h]
     assert len(evals) == 2 and all(0 <= h["eval/accuracy"] <= 1 for h in evals)
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "rng" / "rank1.pt").is_file()
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_weights_of_one_process_with_the_same_global_batch(tmp_path, tiny_vlm_dir):
+    """Whole groups per rank, loss denominators and batch whitening reduced over ranks: DDP changes nothing.
+
+    Greedy rollouts make each prompt's completions the same on any rank; the reward depends on the
+    prompt's reference and REINFORCE++ whitens over the global batch, so the advantages are not zero
+    although every group's completions agree.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from vlrft.config import load_config
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from vlrft.trainer import Trainer
+
+    data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=4))
+    rewards = REPO / "tests" / "data" / "trainer_rewards.py"
+    text = f"""
+model: {{path: {tiny_vlm_dir('qwen2_vl')}, dtype: float32}}
+data: {{train_files: [{data['train']}], min_pixels: 784, max_pixels: 3136}}
+rollout: {{n: 2, global_batch_completions: 8, max_new_tokens: 4, temperature: 0.0}}
+reward: {{functions: [{{name: '{rewards}:reference_hash'}}]}}
+algorithm: {{advantage: reinforce_pp}}
+train: {{output_dir: OUT, total_steps: 1, lr: 1.0e-3, micro_batch_completions_per_rank: 2, eval_every: 0,
+        eval_before_training: false, max_grad_norm: 1.0e9, strategy: STRATEGY}}
+logging: {{progress: false, completions_every: 0, tensorboard: false}}
+"""
+    single_cfg = tmp_path / "single.yaml"
+    single_cfg.write_text(text.replace("OUT", str(tmp_path / "single")).replace("STRATEGY", "single"))
+    Trainer(load_config(single_cfg)).fit()
+    ddp_cfg = tmp_path / "ddp.yaml"
+    ddp_cfg.write_text(text.replace("OUT", str(tmp_path / "ddp")).replace("STRATEGY", "ddp"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(REPO / "tests" / "dist_train_worker.py"), str(ddp_cfg),
+         str(tmp_path / "result.json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    start = load_file(tiny_vlm_dir("qwen2_vl") / "model.safetensors")
+    one = load_file(tmp_path / "single" / "checkpoints" / "step_1" / "model" / "model.safetensors")
+    two = load_file(tmp_path / "ddp" / "checkpoints" / "step_1" / "model" / "model.safetensors")
+    assert one.keys() == two.keys()
+    assert int((one["lm_head.weight"] != start["lm_head.weight"]).sum()) > 1000  # the step moved the weights
+    # Adam's first step moves a weight by lr * g / (|g| + 1e-8): identical wherever the gradient is above
+    # float32 summation noise; the few weights whose gradient is ~1e-9 may differ by a small fraction of lr.
+    lr = 1e-3
+    total = sum(v.numel() for v in one.values())
+    off = sum(int(((one[k] - two[k]).abs() > 1e-3 * lr).sum()) for k in one)
+    worst = max(float((one[k] - two[k]).abs().max()) for k in one)
+    assert off <= total * 1e-4 and worst < 0.05 * lr, f"{off} of {total} weights differ, by up to {worst / lr:.2e} lr"

@@ -272,7 +272,7 @@ def test_file_function_using_dataset_columns():
 @pytest.mark.parametrize(
     "name, pattern",
     [
-        ("no_such_reward", r"'no_such_reward' is not registered; use one of: .*accuracy"),
+        ("no_such_reward", r"'no_such_reward' is not registered; expected one of: .*accuracy"),
         ("no_such_module_xyz:fn", r"cannot import module 'no_such_module_xyz'"),
         ("vlrft.rewards.builtin.answers:nope", r"has no attribute 'nope'"),
         ("missing/file.py:fn", r"file '.*missing/file.py' not found"),

@@ -4,8 +4,11 @@
 
 OmegaConf parses and merges the YAML file and the overrides (so `${...}` interpolation works);
 `build_dataclass` then turns the merged tree into these dataclasses, rejecting unknown keys and
-wrong types, and `Config.validate` checks values against each other. Every error is one
-`ConfigError` line naming the key, the value given and what is allowed.
+wrong types, and `Config.validate` checks values against each other and that every advantage,
+policy-loss and reward name resolves (vlrft.registry), so a bad setting fails at load time, before
+any model or data is read. Every error is one `ConfigError` line naming the key, the value given
+and what is allowed. Every field carries its help text (`option(default, "help")`), which
+`vlrft config --explain KEY` and docs/config.md show; old key names load through DEPRECATED_KEYS.
 """
 
 from __future__ import annotations
@@ -358,7 +361,7 @@ class Config:
         return self.rollout.global_batch_completions // self.rollout.n
 
     def validate(self, world_size: int | None = None) -> "Config":
-        """Check values against each other; raises `ConfigError` naming the first problem."""
+        """Check values against each other and resolve plug-in names; raises `ConfigError` naming the first problem."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         validate_numbers(self)
         r, t, a = self.rollout, self.train, self.algorithm

@@ -14,6 +14,7 @@ plug-ins too, and the config layer never imports the algorithm or reward layers 
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -84,9 +85,12 @@ class Registry(Generic[T]):
         if spec in self.entries:
             return self.entries[spec]
         if ":" not in spec:
-            raise ConfigError(f"config: {self.config_key}={spec!r}: {self.kind} {spec!r} is not registered; use one "
-                              f"of: {', '.join(self.names())}; or 'module:function' / 'path/to/file.py:function' "
-                              f"(or register it with {self.decorator_name})")
+            names = self.names()
+            close = difflib.get_close_matches(spec, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"config: {self.config_key}={spec!r}: {self.kind} {spec!r} is not registered{hint}; "
+                              f"expected one of: {', '.join(names)}; or 'module:function' / "
+                              f"'path/to/file.py:function' (or register it with {self.decorator_name})")
         return load_reference(spec, f"{self.config_key}={spec!r}")
 
 
