@@ -36,7 +36,7 @@ def main() -> int:
     args = parser.parse_args()
     out = REPO / args.output_dir
     overrides = [f"train.output_dir={args.output_dir}", f"model.path={args.output_dir}/base_model",
-                 "logging.progress=false", *args.overrides]
+                 "logging.progress=false", "train.overwrite=true", *args.overrides]  # a re-run replaces the last
     start = time.perf_counter()
     run = vlrft("train", "configs/demo.yaml", *overrides)
     wall = time.perf_counter() - start

@@ -122,6 +122,15 @@ def test_ctrl_c_during_a_checkpoint_write_completes_it(tmp_path, tiny_vlm_dir, s
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+def test_ctrl_c_during_a_checkpoint_write_with_save_on_interrupt_stops_after_it(tmp_path, tiny_vlm_dir, shapes,
+                                                                                monkeypatch):
+    out = tmp_path / "run"
+    _signal_during(monkeypatch, ckpt.torch, "save", lambda obj, path, *a: str(path).endswith("step_2/optimizer.pt"))
+    with pytest.raises(TrainingInterrupted, match="stopped at step 2"):
+        fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4"))
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_1", "step_2"] and steps(out) == [1, 2]
+
+
 def test_ctrl_c_without_save_on_interrupt_stops_at_once(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     out = tmp_path / "run"
     from vlrft.trainer import trainer as trainer_module

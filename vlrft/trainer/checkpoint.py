@@ -109,9 +109,19 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, model, proce
         else:
             os.replace(tmp, final)
         for stale in lineage_checkpoints(output_dir, trainer_state.get("run_id"))[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(stale, ignore_errors=True)
+            _delete(stale)
+        for leftover in root.glob(".deleting-*"):  # deletions a crash cut short
+            shutil.rmtree(leftover, ignore_errors=True)
     strategy.barrier()
     return final
+
+
+def _delete(checkpoint: Path) -> None:
+    """Rename first, then delete: a crash mid-delete never leaves a half-deleted checkpoint that looks complete."""
+    hidden = checkpoint.parent / f".deleting-{checkpoint.name}"
+    shutil.rmtree(hidden, ignore_errors=True)
+    os.replace(checkpoint, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _fsync_tree(folder: Path) -> None:

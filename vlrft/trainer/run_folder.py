@@ -1,7 +1,7 @@
 """One run per output folder: refuse to mix two runs, clear a folder only when asked, tag checkpoints with a run id.
 
 A second run started into a folder that already holds one would otherwise truncate its metrics and
-prune its checkpoints. So a non-empty `train.output_dir` is refused unless the user says what to do:
+prune its checkpoints. So an output folder holding a run's files is refused unless the user says what to do:
 continue it (`train.resume=auto` or a checkpoint inside that folder) or start over
 (`train.overwrite=true`, which deletes exactly the files a run writes, nothing else).
 
@@ -47,13 +47,12 @@ def check_output_dir(output_dir: str | Path, resume: str, resume_from: Path | No
     continuing = resume == "auto" or (resume_from is not None and _inside(resume_from, folder))
     if continuing or not folder.is_dir():
         return []
-    entries = sorted(p.name for p in folder.iterdir())
-    if not entries:
-        return []
-    if overwrite:
-        return [folder / name for name in RUN_FILES if (folder / name).exists()]
-    shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
-    raise UserError(f"train.output_dir='{folder}' is not empty (holds {shown}); continue the run there with "
+    # Other files (e.g. the demo's base model built inside the folder) are not a run and are never touched.
+    found = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    if not found or overwrite:
+        return found
+    shown = ", ".join(p.name for p in found)
+    raise UserError(f"train.output_dir='{folder}' is not empty (holds {shown} of a run); continue that run with "
                     "train.resume=auto, start over with train.overwrite=true (deletes its metrics, TensorBoard "
                     "logs and checkpoints), or pick another train.output_dir")
 

@@ -367,6 +367,7 @@ class Trainer:
                     if due or stop:
                         with interrupt.saving():
                             saved = self.save()
+                        stop = stop or self._stop_requested(interrupt)  # a Ctrl-C during the save: stop now
                     if stop and step < cfg.train.total_steps:
                         raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
                                                   "with train.resume=auto")

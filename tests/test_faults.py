@@ -1,0 +1,131 @@
+"""Fault injection: a run SIGKILLed at random points (inside a checkpoint write, mid-prune, mid-metrics-line,
+at random times) and stopped with Ctrl-C, again and again, then resumed, ends exactly where an uninterrupted
+run ends: bitwise-equal weights, equal metrics, every step once in metrics.jsonl and TensorBoard, and the
+folder of another run beside it untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from vlrft.logging import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "fault_worker.py"
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+STEPS = 6
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(path: Path, model: Path, shapes: dict, out: Path) -> Path:
+    cfg = {"model": {"path": str(model), "dtype": "float32"},
+           "data": {"train_files": [str(shapes["train"])], "min_pixels": 784, "max_pixels": 3136},
+           "rollout": {"n": 2, "batch_size": 4, "max_new_tokens": 4},
+           "reward": {"functions": [{"name": f"{REWARDS}:text_hash"}]},
+           "algorithm": {"kl_coef": 0.05},
+           "train": {"output_dir": str(out), "total_steps": STEPS, "lr": 1e-3, "micro_batch_size": 4,
+                     "save_every": 1, "keep_last": 2, "resume": "auto"},
+           "logging": {"progress": False, "completions_every": 0, "tensorboard": True}}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start(config: Path, fault: str, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VLRFT_CACHE_DIR": str(cache),
+           "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, str(WORKER), fault, "train", str(config)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_steps(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(read_metrics(out)) if path.exists() else 0
+
+
+def wait_then_signal(proc: subprocess.Popen, out: Path, sig: int, delay: float) -> None:
+    """Once the run has logged a new step, wait `delay` seconds and send `sig` (unless it finished)."""
+    seen = logged_steps(out)
+    deadline = time.time() + 120
+    while proc.poll() is None and logged_steps(out) <= seen and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(delay)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+
+
+def tensorboard_steps(out: Path, tag: str = "reward/mean") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    return [e.step for e in events.Scalars(tag)]
+
+
+def without_times(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
+
+
+def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_result(tmp_path, tiny_vlm_dir, shapes):
+    model = Path(tiny_vlm_dir())
+    cache = tmp_path / "cache"
+    straight = tmp_path / "straight"  # the uninterrupted reference, in this process
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    Trainer(load_config(write_config(tmp_path / "a.yaml", model, shapes, straight))).fit()
+
+    other = tmp_path / "other_run"  # another run's folder beside ours: nothing may touch it
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    other_before = {p: p.stat().st_mtime_ns for p in other.rglob("*")}
+
+    out = tmp_path / "faulty"
+    config = write_config(tmp_path / "b.yaml", model, shapes, out)
+    rng = random.Random(0)
+    faults = [("kill-in-save:2", None), ("kill-in-prune", None), ("Ctrl-C", signal.SIGINT), ("kill-in-log:5", None),
+              ("random SIGKILL", signal.SIGKILL)]
+    outcomes = []
+    for name, sig in faults:
+        proc = start(config, name if sig is None else "none", cache)
+        if sig is not None:
+            wait_then_signal(proc, out, sig, rng.uniform(0.0, 1.0))
+        code = proc.wait(timeout=300)
+        log = proc.stdout.read()
+        assert "Traceback" not in log, log
+        outcomes.append((name, code))
+        if sig == signal.SIGINT and code != 0:
+            assert code == 130 and "checkpoint saved" in log, log
+    assert any(code == -signal.SIGKILL for _, code in outcomes), outcomes  # the faults really happened
+
+    proc = start(config, "none", cache)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+
+    a = load_file(straight / "checkpoints" / f"step_{STEPS}" / "model" / "model.safetensors")
+    b = load_file(out / "checkpoints" / f"step_{STEPS}" / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), outcomes
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), outcomes
+    assert without_times(metrics) == without_times(read_metrics(straight))
+    assert tensorboard_steps(out) == list(range(1, STEPS + 1)) == tensorboard_steps(straight)
+    assert not list((out / "checkpoints").glob(".*")), "leftover temporary checkpoint folders"
+    assert {p: p.stat().st_mtime_ns for p in other.rglob("*")} == other_before
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == STEPS
