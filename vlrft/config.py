@@ -163,6 +163,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """train.strategy=fsdp2: parameters, gradients and optimizer state sharded over all ranks."""
+
+    cpu_offload: bool = False  # keep the shards (and optimizer state) in host memory (CPUOffloadPolicy)
+    reshard_after_forward: bool = True  # free gathered layers after forward (less memory, one more all-gather)
+    mixed_precision: bool = True  # on GPUs: compute in model.dtype, reduce gradients in float32
+    # Move the trainer's shards, gradients and optimizer state to host memory while the rollout
+    # engine (vllm/sglang) is awake, and back for the update (GPUs only).
+    offload_during_rollout: bool = False
+
+
+@dataclass
 class TrainConfig:
     output_dir: str = "runs/vlrft"
     total_steps: int = 100
@@ -176,7 +188,9 @@ class TrainConfig:
     ppo_epochs: int = 1
     mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
     micro_batch_size: int = 4  # completions per forward pass per rank
-    strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
+    # under torchrun: "ddp" (replicated) or "fsdp2" (sharded); gloo on CPU, NCCL on GPUs
+    strategy: Literal["single", "ddp", "fsdp2"] = "single"
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
@@ -298,7 +312,7 @@ class Config:
         if t.resume not in ("none", "auto") and not Path(t.resume).exists():
             _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
         if t.strategy == "single" and world > 1:
-            _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
+            _fail("train.strategy", t.strategy, f"'ddp' or 'fsdp2' when running {world} processes")
         return self
 
 

@@ -73,7 +73,8 @@ def make_experience(trainer, collected) -> Experience:
     if algo.mask_truncated:
         mask[torch.tensor(rollouts.truncated, dtype=torch.bool)] = 0.0
     temperature = trainer.train_temperature
-    logprob_fn = lambda model, seqs: model.logprobs(seqs, temperature).logprobs  # noqa: E731
+    # Through __call__ (= logprobs): a sharded module gathers its root parameters in forward hooks.
+    logprob_fn = lambda model, seqs: model(seqs, temperature).logprobs  # noqa: E731
 
     with trainer.timer("time/logprobs"):
         old = None
