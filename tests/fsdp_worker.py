@@ -20,6 +20,7 @@ from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
 
 from vlrft.config import load_config  # noqa: E402
 from vlrft.dist.strategy import make_strategy  # noqa: E402
+from vlrft.errors import UserError  # noqa: E402
 from vlrft.rollout.weights import PolicyWeights  # noqa: E402
 
 
@@ -48,7 +49,11 @@ def run_plan(plan_file: str) -> None:
         cfg = load_config(run["config"], run.get("overrides", []), validate=False)
         strategy = strategy or make_strategy(cfg.train.strategy, cfg)
         trainer = Trainer(cfg, strategy)
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except UserError as exc:  # a run expected to be refused: every rank raises it together
+            results.append({"error": str(exc)})
+            continue
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
         results.append({"history": history, "world_size": strategy.world_size})
