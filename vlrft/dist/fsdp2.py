@@ -118,6 +118,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full, buffers = self._pending.pop(id(hf_model))
+        # Allocate this rank's shards (uninitialised) first: loading then copies each broadcast tensor's
+        # slice into them, so a rank never holds more than its shards plus one full tensor.
+        hf_model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
         set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers are not sharded and non-persistent ones (rotary inv_freq) are not in the state dict.
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
