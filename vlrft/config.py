@@ -278,6 +278,17 @@ class AlgorithmConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """train.strategy=fsdp2: parameters, gradients and optimizer state sharded over all ranks."""
+
+    cpu_offload: bool = option(False, "keep the shards and optimizer state in host memory (CPUOffloadPolicy): "
+                               "less GPU memory, slower steps")
+    reshard_after_forward: bool = option(True, "free gathered layers after forward (less memory, one more "
+                                         "all-gather in backward)")
+    mixed_precision: bool = option(True, "on GPUs: compute in model.dtype, reduce gradients in float32")
+
+
+@dataclass
 class TrainConfig:
     """Optimisation, batching, checkpoints and evaluation."""
 
@@ -300,6 +311,7 @@ class TrainConfig:
         "was train.micro_batch_size")
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
         "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
+    fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
                              "loses every step)")
     keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "
@@ -445,7 +457,7 @@ class Config:
         if t.resume not in ("none", "auto") and not Path(t.resume).exists():
             _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
         if t.strategy == "single" and world > 1:
-            _fail("train.strategy", t.strategy, f"'ddp' when running {world} processes")
+            _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
         self.reward.validate()
         return self
 

@@ -1,19 +1,32 @@
-"""Distributed strategies: how the trainer wraps the policy, reduces numbers and steps the optimizer.
+"""Distributed strategies: how the trainer loads, wraps, steps, syncs and checkpoints its models.
 
-One code path for one process and many: the trainer only talks to a `Strategy`. `SingleProcess`
-is the identity; `DDPStrategy` runs under `torchrun` (gloo on CPU, NCCL on GPUs). Every collective
-here is called by every rank in the same order (docs/design.md, spine rule 6).
+One code path for one process and many: the trainer only talks to a `Strategy`. `Strategy` is
+the single process; `DDPStrategy` replicates the model under `torchrun` (gloo on CPU, NCCL on
+GPUs); `vlrft.dist.fsdp2.FSDP2Strategy` shards it. The trainer never assumes a plain replicated
+module: it loads through `load_model`, wraps through `prepare_trainable`/`prepare_frozen`, steps
+through `clip_and_step`, gathers weights for generation through `generation`, and checkpoints
+through `save_checkpoint`/`load_checkpoint`.
+
+Every collective here is called by every rank in the same order (docs/design.md, spine rule 6): a
+method that gathers or reduces must be called by all ranks, including the NaN/inf skip decision,
+which is all-reduced before anyone steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -40,8 +53,42 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass
+class TrainedModel:
+    """A model being trained: what forward/backward run on, its optimizer and (optional) LR scheduler."""
+
+    module: nn.Module  # as returned by `prepare_trainable` (DDP wrapper, FSDP2 module, ...)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one optimizer step over all ranks."""
+
+    grad_norms: tuple[float, ...]  # global gradient norm of each part, before clipping
+    skipped: bool  # a non-finite loss or gradient on some rank: nobody stepped, gradients dropped
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What `Strategy.load_model` loads: a model folder (or Hub id) and how."""
+
+    path: str | Path
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    # Modules are added after loading (LoRA adapters): a sharding strategy then loads real weights on
+    # every rank (and broadcasts rank 0's) instead of filling a meta-device model from rank 0.
+    adapters: bool = False
+
+
 class Strategy:
-    """Single process: no wrapping, reductions are identities."""
+    """Single process: no wrapping, reductions are identities, checkpoints are plain files."""
+
+    name = "single"
+    # Checkpoints written by this strategy can be resumed with another number of processes.
+    reshards_checkpoints = False
 
     def __init__(self, info: RankInfo | None = None):
         self.info = info or RankInfo()
@@ -59,15 +106,113 @@ class Strategy:
     def is_main(self) -> bool:
         return self.info.is_main
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    # ------------------------------------------------------------------ models
+
+    def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
+        """The transformers model to train (`trainable`) or to keep frozen, loaded for this strategy.
+
+        Sharding strategies override this to read the weights on rank 0 only.
+        """
+        from vlrft.models.loading import load_policy
+
+        return load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
+                           trust_remote_code=source.trust_remote_code, device=self.device)
+
+    def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
+                          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """(module to run forward/backward on, its optimizer) for a model being trained."""
+        return model, make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A model used for inference only (the reference policy)."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module `prepare_trainable` was given (its parameters may be shards)."""
         return model
 
-    def no_sync(self, model: nn.Module):
-        """Context for micro-batches before the last one of an accumulation (skips DDP's gradient all-reduce)."""
+    # Kept for callers written against the first interface.
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module) -> Iterator[None]:
+        """Context in which `model`'s parameters are whole on this rank, so it can generate locally."""
+        yield
+
+    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
+        """Refuse a step whose forwards would call the vision tower on some ranks only (sharded strategies)."""
+
+    # ------------------------------------------------------------------ gradients
+
+    def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
+        loss.backward()
+
+    def no_sync(self, module: nn.Module):
+        """Context for micro-batches before the last one of an accumulation (skips the gradient reduction)."""
         return contextlib.nullcontext()
+
+    def clip_and_step(self, parts: Sequence[TrainedModel], max_norm: float, nonfinite_local: bool) -> StepResult:
+        """Clip each part's gradients to `max_norm` (0 = no clipping), then step all or none of them.
+
+        The skip decision is all-reduced, so every rank steps or skips together; gradients are
+        zeroed either way.
+        """
+        norms = [self.clip_grad_norm(part.module, max_norm) for part in parts]
+        bad = torch.tensor([float(nonfinite_local or not all(math.isfinite(n) for n in norms))])
+        skip = self.all_reduce(bad, "max").item() > 0
+        if not skip:
+            for part in parts:
+                part.optimizer.step()
+                if part.scheduler is not None:
+                    part.scheduler.step()
+        for part in parts:
+            part.optimizer.zero_grad(set_to_none=True)
+        return StepResult(tuple(norms), skip)
+
+    def clip_grad_norm(self, module: nn.Module, max_norm: float) -> float:
+        """Global gradient norm of `module`'s trainable parameters (over all shards), clipped in place."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):  # DTensor gradients give a DTensor norm
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ weight sync
+
+    @contextlib.contextmanager
+    def gathered(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Context in which `params` can be read whole (ZeRO-3 gathers here; DTensors use `full_tensor()`)."""
+        yield
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
+        """Write the trained models' weights and optimizer states into `folder` (every rank calls this).
+
+        `folder/model/` always holds the policy in Hugging Face format (from_pretrained works on it).
+        Here: `optimizer.pt`, and `<name>.pt` (model + optimizer) for every other part, e.g. the critic.
+        """
+        if not self.is_main:
+            return
+        hf_model.save_pretrained(folder / "model", safe_serialization=True)
+        processor.save_pretrained(folder / "model")
+        torch.save(parts["policy"].optimizer.state_dict(), folder / "optimizer.pt")
+        for name, part in parts.items():
+            if name != "policy":
+                torch.save({"model": self.unwrap(part.module).state_dict(), "optimizer": part.optimizer.state_dict()},
+                           folder / f"{name}.pt")
+
+    def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
+        """Restore what `save_checkpoint` wrote (the policy's weights were loaded from `folder/model`)."""
+        parts["policy"].optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        for name, part in parts.items():
+            if name != "policy":
+                saved = torch.load(folder / f"{name}.pt", weights_only=False)
+                self.unwrap(part.module).load_state_dict(saved["model"])
+                part.optimizer.load_state_dict(saved["optimizer"])
+
+    # ------------------------------------------------------------------ collectives
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduced copy of `tensor` over ranks ("sum" or "max")."""
@@ -86,8 +231,8 @@ class Strategy:
         pass
 
 
-class DDPStrategy(Strategy):
-    """`torch.nn.parallel.DistributedDataParallel` under torchrun; gloo on CPU, NCCL on CUDA."""
+class ProcessGroupStrategy(Strategy):
+    """Base of the multi-process strategies: the process group and the collectives the trainer uses."""
 
     def __init__(self, info: RankInfo | None = None):
         super().__init__(info or rank_info_from_env())
@@ -96,20 +241,6 @@ class DDPStrategy(Strategy):
             dist.init_process_group(backend=backend)
         # Object collectives (small, rare) go through a gloo group so they work with NCCL too.
         self._cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # A micro-batch without images leaves the vision tower unused on that rank: let DDP find such
-        # parameters instead of waiting forever for their gradients.
-        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if hasattr(model, "module") else model
-
-    def no_sync(self, model: nn.Module):
-        return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         out = tensor.detach().clone().to(self.device if dist.get_backend() == "nccl" else "cpu")
@@ -134,12 +265,53 @@ class DDPStrategy(Strategy):
             dist.destroy_process_group()
 
 
-def make_strategy(name: str) -> Strategy:
-    """The strategy named by `train.strategy` ("single" or "ddp")."""
+class DDPStrategy(ProcessGroupStrategy):
+    """`torch.nn.parallel.DistributedDataParallel`: every rank holds the whole model and optimizer."""
+
+    name = "ddp"
+
+    def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
+                          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+        return self.wrap(model), optimizer
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # A micro-batch without images leaves the vision tower unused on that rank: let DDP find such
+        # parameters instead of waiting forever for their gradients.
+        return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if hasattr(model, "module") else model
+
+    def no_sync(self, module: nn.Module):
+        return module.no_sync() if hasattr(module, "no_sync") else contextlib.nullcontext()
+
+
+STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
+
+
+def make_strategy(name: str, cfg: Any = None) -> Strategy:
+    """The strategy named by `train.strategy`; `cfg` is the run's `Config` (fsdp2/deepspeed read their options)."""
     if name != "single" and not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         from vlrft.errors import UserError
 
         raise UserError(f"train.strategy={name} runs one process per device started by torchrun; launch with "
                         "`torchrun --nproc_per_node <devices> -m vlrft train CONFIG ...`, or use "
                         "train.strategy=single for one process")
-    return DDPStrategy(rank_info_from_env()) if name == "ddp" else Strategy(rank_info_from_env())
+    info = rank_info_from_env()
+    if name == "single":
+        return Strategy(info)
+    if name == "ddp":
+        return DDPStrategy(info)
+    if name == "fsdp2":
+        from vlrft.dist.fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(info, cfg)
+    if name == "deepspeed":  # vlrft/dist/deepspeed.py (ZeRO-2/3) implements the same interface
+        from vlrft.dist.deepspeed import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(info, cfg)
+    raise ValueError(f"unknown train.strategy {name!r}; expected one of {', '.join(STRATEGIES)}")

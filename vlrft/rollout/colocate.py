@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
 
@@ -155,6 +155,8 @@ class EngineOptions:
     device: torch.device | str  # where sent tensors are materialised (the rank's GPU)
     sleep_between_steps: bool = True
     bucket_bytes: int = 512 << 20
+    # The strategy's context for reading a bucket's parameters whole (ZeRO-3); None: nothing to gather.
+    gather: Callable[[list[torch.Tensor]], ContextManager] | None = None
 
 
 class ColocatedEngine:
@@ -283,11 +285,13 @@ class ColocatedEngine:
             self.backend = None
 
     def _load_policy(self, model: torch.nn.Module) -> None:
-        if self.drives:
-            if self._weights is None or self._weights.model is not policy_module(model):
-                self._weights = PolicyWeights(model, self.options.dtype)
+        if self._weights is None or self._weights.model is not policy_module(model):
+            self._weights = PolicyWeights(model, self.options.dtype, self.options.gather)
+        if self.drives or self._weights.sharded:  # gathering shards is collective: every rank walks the buckets
             for bucket in self._weights.buckets(self.options.bucket_bytes, self.options.device):
-                self.backend.load(bucket)
+                if self.drives:
+                    self.backend.load(bucket)
+        if self.drives:
             self.backend.weights_loaded()
         self.weights_current = True
 

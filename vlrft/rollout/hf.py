@@ -9,8 +9,9 @@ repetition penalty), recorded step by step without keeping every step's full-voc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
@@ -55,8 +56,12 @@ class HFEngine:
     """Rollouts with `model.generate` on the (unwrapped) policy; `max_batch_prompts` prompts per call."""
 
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
-                 max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None):
+                 max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
+                 whole_weights: Callable[[], ContextManager] | None = None):
         self._get_model = get_model
+        # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
+        # them for the duration of a `generate` call, so ranks decode independently).
+        self._whole_weights = whole_weights or contextlib.nullcontext
         self.processor = processor
         self.tokens = tokens
         self.max_batch_prompts = max_batch_prompts
@@ -89,10 +94,14 @@ class HFEngine:
             options["stop_strings"] = list(sampling.stop)
         return GenerationConfig(**options)
 
-    @torch.no_grad()
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        with self._whole_weights():
+            return self._generate(batch, sampling)
+
+    @torch.no_grad()
+    def _generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
         if sampling.greedy and sampling.n > 1:  # every greedy sample is the same: decode once, repeat
-            one = self.generate(batch, dataclasses.replace(sampling, n=1))
+            one = self._generate(batch, dataclasses.replace(sampling, n=1))
             rows = [r for r in range(len(one)) for _ in range(sampling.n)]
             return Rollouts(n=sampling.n, completion_ids=[one.completion_ids[r] for r in rows],
                             finish_reasons=[one.finish_reasons[r] for r in rows],

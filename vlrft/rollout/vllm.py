@@ -167,7 +167,7 @@ class VLLMEngine(ColocatedEngine):
             tokens=trainer.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
                                   sleep_between_steps=cfg.rollout.sleep_between_steps,
-                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20),
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered),
             every_rank_drives=True,
         )
         # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once.

@@ -6,7 +6,13 @@ the layout the Hub checkpoints use). transformers 5 keeps weights under other na
 (`model.language_model.*`, `model.visual.*`) and reverts them when saving; we ask transformers for
 that same reversion (`revert_weight_conversion`, what `save_pretrained` calls), so the names we send
 are exactly those `save_pretrained` writes. A PEFT policy is sent merged (W + the adapters' delta,
-computed per layer without touching the trained model); tied weights are sent once.
+computed per layer without touching the trained model); tied weights are sent once, found by name
+(transformers' tied-weights map), never by storage address: a sharded parameter (`DTensor`) has
+`data_ptr() == 0`, so addresses would make every same-shape parameter look tied.
+
+A sharded policy (FSDP2 `DTensor`s, ZeRO-3 partitions) is gathered one bucket at a time on every
+rank in lock-step (`full_tensor()` is a collective; `gather` is the strategy's context for the
+bucket's parameters), so every rank must iterate `buckets()` to the end even if only one sends.
 
 Tensors are produced lazily, one bucket of at most `bucket_bytes` at a time, so syncing a 7B model
 never materialises a second full copy of it on the device.
@@ -14,8 +20,10 @@ never materialises a second full copy of it on the device.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -71,6 +79,25 @@ def _merged(weight: torch.Tensor, module: nn.Module) -> Callable[[], torch.Tenso
     return produce
 
 
+def tied_weight_names(model: nn.Module) -> set[str]:
+    """State-dict names of weights tied to another weight (e.g. lm_head.weight when embeddings are tied).
+
+    transformers 5 records the active ties, expanded to full names, in `all_tied_weights_keys` (empty
+    when the config does not tie); older versions list candidates in `_tied_weights_keys`, active
+    when the config's `tie_word_embeddings` is set.
+    """
+    expanded = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(expanded, dict):
+        return set(expanded)
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    ties = getattr(config, "tie_word_embeddings", None)
+    if ties is None:
+        ties = getattr(text, "tie_word_embeddings", False)
+    keys = getattr(model, "_tied_weights_keys", None) or ()
+    return set(keys) if ties else set()
+
+
 def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Memory name -> checkpoint name, as transformers' `save_pretrained` renames them.
 
@@ -98,6 +125,7 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
 @dataclass(frozen=True)
 class _Entry:
     name: str  # checkpoint name
+    source: torch.Tensor  # the parameter (or buffer) it is read from
     produce: Callable[[], torch.Tensor]
     nbytes: int  # at the engine dtype
 
@@ -108,28 +136,28 @@ class PolicyWeights:
     The name map is computed once; `buckets()` re-reads the live parameters every call.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype,
+                 gather: Callable[[list[torch.Tensor]], ContextManager] | None = None):
         self.model = policy_module(model)
         self.dtype = dtype
+        self._gather = gather or (lambda params: contextlib.nullcontext())
         lora = _lora_modules(self.model)
-        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        tied = tied_weight_names(self.model)
         plain: dict[str, torch.Tensor] = {}
         producers: dict[str, Callable[[], torch.Tensor]] = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             name = _clean_name(key)
-            if name is None:
+            if name is None or name in tied:  # a tied weight (lm_head = embed_tokens): engines tie it themselves
                 continue
-            identity = (tensor.data_ptr(), tensor.numel(), tuple(tensor.shape))
-            if identity in seen and tensor.numel():  # a tied weight (lm_head = embed_tokens): engines tie it themselves
-                continue
-            seen.add(identity)
             plain[name] = tensor
             module = lora.get(key.rsplit(".base_layer.", 1)[0]) if ".base_layer." in key else None
             producers[name] = _merged(tensor, module) if module is not None and key.endswith(".weight") \
                 else (lambda t=tensor: t.detach())
         names = checkpoint_names(self.model, plain)
+        # Sharded tensors are gathered collectively: every rank must walk the buckets in lock-step.
+        self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
-            _Entry(names[name], producers[name],
+            _Entry(names[name], plain[name], producers[name],
                    plain[name].numel() * (torch.finfo(dtype).bits // 8 if plain[name].is_floating_point()
                                           else plain[name].element_size()))
             for name in plain
@@ -153,13 +181,17 @@ class PolicyWeights:
     @torch.no_grad()
     def buckets(self, bucket_bytes: int, device: torch.device | str) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Lists of (checkpoint name, tensor) of about `bucket_bytes` each (a bigger tensor goes alone)."""
-        bucket: list[tuple[str, torch.Tensor]] = []
+        planned: list[list[_Entry]] = [[]]
         size = 0
         for entry in self._entries:
-            if bucket and size + entry.nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((entry.name, self._materialise(entry, device)))
+            if planned[-1] and size + entry.nbytes > bucket_bytes:
+                planned.append([])
+                size = 0
+            planned[-1].append(entry)
             size += entry.nbytes
-        if bucket:
+        for entries in planned:
+            if not entries:
+                continue
+            with self._gather([e.source for e in entries]):
+                bucket = [(e.name, self._materialise(e, device)) for e in entries]
             yield bucket

@@ -3,7 +3,9 @@
 A checkpoint is written into a temporary folder and renamed into place only when complete, so a
 crash while saving never touches the previous one; older ones are pruned after that (keep-last-k).
 Layout of `<output_dir>/checkpoints/step_<k>/`: `model/` (save_pretrained + processor; for LoRA the
-adapter), `optimizer.pt`, `scheduler.pt`, `critic.pt` (PPO), `trainer_state.json`, `rng/rank<r>.pt`.
+adapter), `scheduler.pt`, `trainer_state.json`, `rng/rank<r>.pt`, and what the strategy writes for
+the optimizer states (single/DDP: `optimizer.pt`, `critic.pt` for PPO; FSDP2: `sharded/`, a
+`torch.distributed.checkpoint` folder that any number of processes can read back).
 """
 
 from __future__ import annotations
@@ -78,9 +80,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(output_dir: str | Path, step: int, *, strategy, model, processor, optimizer, scheduler,
-                    trainer_state: dict, critic=None, critic_optimizer=None, keep_last: int = 2) -> Path:
-    """Write checkpoint `step` atomically on all ranks (every rank must call this)."""
+def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict, hf_model, processor, scheduler,
+                    trainer_state: dict, keep_last: int = 2) -> Path:
+    """Write checkpoint `step` atomically on all ranks (every rank must call this).
+
+    The strategy writes the models and optimizers (`parts`: "policy", optionally "critic"); this
+    adds the scheduler, every rank's RNG and the trainer state.
+    """
     root = checkpoint_root(output_dir)
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}"
@@ -89,13 +95,10 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, model, proce
         (tmp / "rng").mkdir(parents=True)
     strategy.barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
+    strategy.save_checkpoint(tmp, parts, hf_model, processor)
+    strategy.barrier()
     if strategy.is_main:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        processor.save_pretrained(tmp / "model")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if critic is not None:
-            torch.save({"model": critic.state_dict(), "optimizer": critic_optimizer.state_dict()}, tmp / "critic.pt")
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=1))
         _fsync_tree(tmp)
     strategy.barrier()
@@ -136,8 +139,11 @@ def load_trainer_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def load_rank_rng(checkpoint: Path, rank: int) -> None:
+def load_rank_rng(checkpoint: Path, rank: int, required: bool = True) -> None:
+    """This rank's saved random state; a rank the checkpoint did not have keeps its seeded state unless `required`."""
     path = checkpoint / "rng" / f"rank{rank}.pt"
+    if not path.is_file() and not required:
+        return
     if not path.is_file():
         raise UserError(f"checkpoint '{checkpoint}' has no RNG state for rank {rank}; resume with the same number "
                         "of processes it was saved with")

@@ -97,7 +97,8 @@ def make_experience(trainer, collected) -> Experience:
     token_mask, mask = training_masks(rollouts.completion_ids, rollouts.truncated, algo.mask_truncated)
     width = token_mask.shape[1]
     temperature = trainer.train_temperature
-    logprob_fn = lambda model, seqs: model.logprobs(seqs, temperature).logprobs  # noqa: E731
+    # Through __call__ (= logprobs): a sharded module gathers its root parameters in forward hooks.
+    logprob_fn = lambda model, seqs: model(seqs, temperature).logprobs  # noqa: E731
 
     with trainer.timer("time/logprobs"):
         old = None

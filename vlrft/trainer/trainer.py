@@ -8,6 +8,7 @@ engine, metrics reduced over ranks, then evaluation and checkpoints when due.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections import defaultdict
@@ -19,11 +20,11 @@ import torch
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
-from vlrft.dist.strategy import Strategy, make_strategy
+from vlrft.dist.strategy import ModelSource, Strategy, TrainedModel, make_strategy
 from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
-from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load
 from vlrft.rollout import make_engine
@@ -60,7 +61,7 @@ class Trainer:
         """`evaluate_only`: for `vlrft eval`, which writes nothing into train.output_dir (no folder checks)."""
         self.cfg = cfg
         self.evaluate_only = evaluate_only
-        self.strategy = strategy or make_strategy(cfg.train.strategy)
+        self.strategy = strategy or make_strategy(cfg.train.strategy, cfg)
         self.device = self.strategy.device
         world, rank = self.strategy.world_size, self.strategy.rank
         cfg.validate(world)
@@ -89,7 +90,7 @@ class Trainer:
         check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the memory plan says it cannot fit
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
-        self.wrapped = self.strategy.wrap(self.actor)
+        self.wrapped, self.optimizer = self.strategy.prepare_trainable(self.actor, self._make_optimizer)
         self.tokens = TokenSpec.from_model(self.processor, self.actor.model.config,
                                            getattr(self.actor.model, "generation_config", None),
                                            cfg.rollout.stop_token_ids)
@@ -97,7 +98,6 @@ class Trainer:
         self.ref = None if evaluate_only else self._build_ref()
         self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
             self._build_critic()
-        self.optimizer = make_optimizer([p for p in self.actor.parameters() if p.requires_grad], cfg.train)
         self.scheduler = self._build_scheduler()
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
@@ -163,8 +163,8 @@ class Trainer:
         cfg = self.cfg.model
         lora = cfg.lora.rank > 0 and not self.evaluate_only  # evaluation runs the (merged) weights as they are
         weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
-        model = load_policy(weights, dtype="float32", attn_implementation=cfg.attn_implementation,
-                            trust_remote_code=cfg.trust_remote_code, device=self.device)
+        source = dataclasses.replace(self._source(weights, "float32"), adapters=lora)
+        model = self.strategy.load_model(source, trainable=True)
         if cfg.freeze_vision_tower:
             freeze_vision(model)
         if lora:
@@ -187,22 +187,35 @@ class Trainer:
             return None  # no reference model when beta == 0
         cfg = self.cfg.model
         dtype = cfg.dtype if self.device.type == "cuda" else "float32"
-        model = load_policy(cfg.ref_path or cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation,
-                            trust_remote_code=cfg.trust_remote_code, device=self.device).eval()
+        model = self.strategy.load_model(self._source(cfg.ref_path or cfg.path, dtype), trainable=False).eval()
         model.requires_grad_(False)
-        return ActorVL(model, self.actor.image_token_id, self.actor.video_token_id,
-                       suppressed_ids=self.tokens.suppressed_ids)
+        return self.strategy.prepare_frozen(ActorVL(model, self.actor.image_token_id, self.actor.video_token_id,
+                                                    suppressed_ids=self.tokens.suppressed_ids))
 
     def _build_critic(self):
         if self.cfg.algorithm.advantage != "gae":
             return None, None, None
         cfg = self.cfg.model
-        model = load_policy(cfg.critic_path or cfg.path, dtype="float32", attn_implementation=cfg.attn_implementation,
-                            trust_remote_code=cfg.trust_remote_code, device=self.device)
-        critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id).to(self.device)
+        model = self.strategy.load_model(self._source(cfg.critic_path or cfg.path, "float32"), trainable=True)
+        critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id)
+        critic.value_head.to(self.device)
         critic.train()
-        optimizer = make_optimizer(list(critic.parameters()), self.cfg.train)
-        return critic, self.strategy.wrap(critic), optimizer
+        wrapped, optimizer = self.strategy.prepare_trainable(critic, self._make_optimizer)
+        return critic, wrapped, optimizer
+
+    def _source(self, path, dtype: str) -> ModelSource:
+        cfg = self.cfg.model
+        return ModelSource(path, dtype, cfg.attn_implementation, cfg.trust_remote_code)
+
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return make_optimizer(params, self.cfg.train)
+
+    def trained_parts(self) -> list[TrainedModel]:
+        """What one optimizer step updates: the policy, then the critic (PPO)."""
+        parts = [TrainedModel(self.wrapped, self.optimizer, self.scheduler)]
+        if self.critic is not None:
+            parts.append(TrainedModel(self.critic_wrapped, self.critic_optimizer))
+        return parts
 
     def _build_scheduler(self):
         from transformers import get_scheduler
@@ -253,9 +266,13 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
         self.engine.wake()
         collected = collect(self, step)
         self.engine.sleep()
+        self.strategy.check_vision_mix([len(i) for i in collected.prompts.images],
+                                       [len(v) for v in collected.prompts.videos])
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
@@ -263,7 +280,7 @@ class Trainer:
         experience = make_experience(self, collected)
         with self.timer("time/train"):
             loss_stats, skipped = update(self, collected, experience)
-        self.engine.update_weights(self.strategy.unwrap(self.wrapped))
+        self.engine.update_weights(self.actor)
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
@@ -396,27 +413,32 @@ class Trainer:
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
-            self.output_dir, self.step_count, strategy=self.strategy, model=self.strategy.unwrap(self.wrapped).model,
-            processor=self.processor, optimizer=self.optimizer, scheduler=self.scheduler,
-            trainer_state=self.trainer_state(), critic=self.critic, critic_optimizer=self.critic_optimizer,
-            keep_last=self.cfg.train.keep_last)
+            self.output_dir, self.step_count, strategy=self.strategy, parts=self._checkpoint_parts(),
+            hf_model=self.actor.model, processor=self.processor, scheduler=self.scheduler,
+            trainer_state=self.trainer_state(), keep_last=self.cfg.train.keep_last)
+
+    def _checkpoint_parts(self) -> dict[str, TrainedModel]:
+        parts = {"policy": TrainedModel(self.wrapped, self.optimizer, self.scheduler)}
+        if self.critic is not None:
+            parts["critic"] = TrainedModel(self.critic_wrapped, self.critic_optimizer)
+        return parts
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)
-        if state.get("world_size", 1) != self.strategy.world_size:
-            raise UserError(f"checkpoint '{folder}' was written by {state.get('world_size')} processes; resume it "
-                            f"with the same number (this run has {self.strategy.world_size})")
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.strategy.world_size and not self.strategy.reshards_checkpoints:
+            raise UserError(f"checkpoint '{folder}' was written by {saved_world} processes; resume it "
+                            f"with the same number (this run has {self.strategy.world_size}), or train with "
+                            "train.strategy=fsdp2, whose checkpoints reshard to any number of processes")
         self.step_count = int(state["step"])
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        self.strategy.load_checkpoint(folder, self._checkpoint_parts())
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-        if self.critic is not None:
-            saved = torch.load(folder / "critic.pt", weights_only=False)
-            self.critic.load_state_dict(saved["model"])
-            self.critic_optimizer.load_state_dict(saved["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])
-        ckpt.load_rank_rng(folder, self.strategy.rank)  # last: nothing after this consumes randomness
+        # last: nothing after this consumes randomness. A rank the checkpoint did not have (resumed on
+        # more processes) keeps its seeded stream.
+        ckpt.load_rank_rng(folder, self.strategy.rank, required=not self.strategy.reshards_checkpoints)
 
 
 def _readable_prompt(text: str) -> str:

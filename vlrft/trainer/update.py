@@ -9,7 +9,6 @@ gradients are dropped, never applied.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -52,7 +51,7 @@ def update(trainer, collected, exp: Experience) -> tuple[Stats, int]:
                         ref_logprobs=_slice(exp.ref_logprobs, rows, width, trainer.device),
                         kl_coef=trainer.kl_controller.value, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
                         max_tokens=cfg.rollout.max_new_tokens, world_size=world)
-                    result.loss.backward()
+                    trainer.strategy.backward(result.loss, trainer.wrapped)
                 nonfinite |= not bool(torch.isfinite(result.loss.detach()))
                 stats = stats.merge(result.stats)
                 if trainer.critic is not None:
@@ -73,14 +72,23 @@ def _critic_backward(trainer, seqs, rows, exp: Experience, den, last: bool) -> t
                             _slice(exp.returns, rows, width, trainer.device), _slice(exp.mask, rows, width, trainer.device),
                             trainer.cfg.algorithm.value_clip, num_tokens=den.num_tokens,
                             world_size=trainer.strategy.world_size)
-        (result.loss * trainer.cfg.algorithm.value_coef).backward()
+        trainer.strategy.backward(result.loss * trainer.cfg.algorithm.value_coef, trainer.critic_wrapped)
     return result.stats, not bool(torch.isfinite(result.loss.detach()))
 
 
+def _local_values(p: torch.Tensor) -> torch.Tensor:
+    """This rank's values of a parameter: its shard under FSDP2 (DTensor) or ZeRO-3 (`ds_tensor`), else itself."""
+    shard = getattr(p, "ds_tensor", None)
+    if shard is not None:
+        return shard
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def parameters_finite(params) -> bool:
-    """Whether every value of these tensors is finite (one device sync for all of them)."""
-    params = list(params)
-    return not params or bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
+    """Whether every value of these tensors (this rank's shards of them) is finite, with one device sync."""
+    values = [_local_values(p).detach() for p in params]
+    values = [v for v in values if v.numel()]
+    return not values or bool(torch.stack([torch.isfinite(v).all() for v in values]).all())
 
 
 def _stop_if_weights_diverged(trainer, params) -> None:
@@ -94,26 +102,12 @@ def _stop_if_weights_diverged(trainer, params) -> None:
 
 
 def _optimizer_step(trainer, nonfinite: bool, stats: Stats) -> int:
-    """Clip, agree across ranks, then step or skip; returns 1 when the step was skipped."""
-    max_norm = trainer.cfg.train.max_grad_norm
-    params = [p for p in trainer.actor.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    bad = torch.tensor([float(nonfinite or not bool(torch.isfinite(norm)))])
-    if trainer.critic is not None:
-        critic_norm = torch.nn.utils.clip_grad_norm_(trainer.critic.parameters(), max_norm if max_norm > 0 else math.inf)
-        bad = torch.maximum(bad, torch.tensor([float(not bool(torch.isfinite(critic_norm)))]))
-    skip = trainer.strategy.all_reduce(bad, "max").item() > 0
-    if skip:
+    """Clip, agree across ranks, then step or skip (the strategy decides for all); returns 1 when skipped."""
+    result = trainer.strategy.clip_and_step(trainer.trained_parts(), trainer.cfg.train.max_grad_norm, nonfinite)
+    if result.skipped:
         trainer.message(f"step {trainer.step_count + 1}: non-finite loss or gradient on some rank; "
                         "this optimizer step is skipped on every rank (gradients dropped)")
     else:
-        stats.add("actor/grad_norm", norm.detach().float().cpu())
-        trainer.optimizer.step()
-        trainer.scheduler.step()
-        if trainer.critic is not None:
-            trainer.critic_optimizer.step()
-        _stop_if_weights_diverged(trainer, params)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    if trainer.critic is not None:
-        trainer.critic_optimizer.zero_grad(set_to_none=True)
-    return int(skip)
+        stats.add("actor/grad_norm", torch.tensor(result.grad_norms[0]))
+        _stop_if_weights_diverged(trainer, [p for p in trainer.actor.parameters() if p.requires_grad])
+    return int(result.skipped)

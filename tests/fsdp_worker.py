@@ -1,0 +1,77 @@
+"""Run under torchrun by tests/test_fsdp2.py.
+
+`python fsdp_worker.py PLAN.json` runs the trainings a plan lists one after another in the same
+processes (one FSDP2 strategy, one process group), each with the `ScriptedEngine` test double
+unless the run says `"scripted": false` (then the configured engine), and rank 0 writes the
+plan's "out" file: each run's metric history; a run with "sync_out" also saves what a weight sync
+from the shards sent. `python fsdp_worker.py fail` has rank 1
+raise while rank 0 waits in a collective.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
+
+from vlrft.config import load_config  # noqa: E402
+from vlrft.dist.strategy import make_strategy  # noqa: E402
+from vlrft.errors import UserError  # noqa: E402
+from vlrft.rollout.weights import PolicyWeights  # noqa: E402
+
+
+def sync_weights(trainer, out: Path) -> None:
+    """Every rank walks the buckets (gathering is collective); each records what it would send."""
+    engine = RecordingEngine()
+    for bucket in PolicyWeights(trainer.actor, torch.float32).buckets(1 << 16, "cpu"):
+        engine.load(bucket)
+    if trainer.strategy.is_main:
+        torch.save({"received": engine.received, "duplicates": engine.duplicates}, out)
+
+
+def run_plan(plan_file: str) -> None:
+    from vlrft.trainer import Trainer
+
+    import vlrft.trainer.trainer as trainer_module
+
+    plan = json.loads(Path(plan_file).read_text())
+    configured_engine = trainer_module.make_engine
+    strategy = None
+    results = []
+    for run in plan["runs"]:
+        trainer_module.make_engine = configured_engine
+        if run.get("scripted", True):
+            use_scripted_engine()
+        cfg = load_config(run["config"], run.get("overrides", []), validate=False)
+        strategy = strategy or make_strategy(cfg.train.strategy, cfg)
+        trainer = Trainer(cfg, strategy)
+        try:
+            history = trainer.fit()
+        except UserError as exc:  # a run expected to be refused: every rank raises it together
+            results.append({"error": str(exc)})
+            continue
+        if run.get("sync_out"):
+            sync_weights(trainer, Path(run["sync_out"]))
+        results.append({"history": history, "world_size": strategy.world_size})
+    if strategy.is_main:
+        Path(plan["out"]).write_text(json.dumps(results))
+    strategy.close()
+
+
+def fail() -> None:
+    import torch.distributed as dist
+
+    strategy = make_strategy("fsdp2")
+    if strategy.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    dist.barrier()  # rank 0 would wait here forever without torchrun ending the job
+    strategy.close()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    fail() if sys.argv[1] == "fail" else run_plan(sys.argv[1])

@@ -1,0 +1,68 @@
+"""Test doubles for rollout engines, used by the FSDP2 tests.
+
+`ScriptedEngine` is a stand-in for sampling: each completion is a fixed function of its prompt's
+token ids and its index in the group, so the global batch of a step is the same whatever the
+number of ranks and whatever each rank's random state. That makes a 2-rank run comparable with a
+single-process run weight for weight. `RecordingEngine` records what a weight sync sends.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import torch
+
+from vlrft.rollout.base import FINISH_STOP, Rollouts
+
+
+class ScriptedEngine:
+    """Test double for a rollout engine: deterministic completions per prompt, nothing sampled."""
+
+    def __init__(self, trainer):
+        self.tokenizer = trainer.processor.tokenizer
+        self.eos = trainer.tokens.eos_ids[0]
+        special = set(self.tokenizer.all_special_ids) | set(trainer.tokens.suppressed_ids) | set(trainer.tokens.eos_ids)
+        self.candidates = [i for i in range(min(len(self.tokenizer), 300)) if i not in special]
+        self.updates = 0
+
+    def generate(self, batch, sampling) -> Rollouts:
+        ids: list[list[int]] = []
+        for p in range(len(batch)):
+            seed = zlib.crc32(f"{batch.samples[p].id}|{list(batch.prompt_ids[p])}".encode())
+            for k in range(sampling.n):
+                rng = random.Random(seed * 131 + k)
+                length = rng.randint(1, sampling.max_new_tokens - 1)
+                ids.append([rng.choice(self.candidates) for _ in range(length)] + [self.eos])
+        return Rollouts(n=sampling.n, completion_ids=ids, finish_reasons=[FINISH_STOP] * len(ids),
+                        texts=self.tokenizer.batch_decode(ids, skip_special_tokens=True))
+
+    def update_weights(self, model) -> None:
+        self.updates += 1
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+class RecordingEngine:
+    """Test double for a colocated engine's backend: keeps every (name, tensor) it is sent, on CPU."""
+
+    def __init__(self):
+        self.received: dict[str, torch.Tensor] = {}
+        self.duplicates: list[str] = []
+
+    def load(self, bucket) -> None:
+        for name, tensor in bucket:
+            if name in self.received:
+                self.duplicates.append(name)
+            self.received[name] = tensor.detach().cpu().clone()
+
+
+def use_scripted_engine() -> None:
+    """Make `Trainer` build a `ScriptedEngine` instead of the configured one (this process only)."""
+    import vlrft.trainer.trainer as trainer_module
+
+    trainer_module.make_engine = lambda cfg, trainer: ScriptedEngine(trainer)

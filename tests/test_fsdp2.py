@@ -1,0 +1,212 @@
+"""FSDP2 under torchrun (2 processes, gloo on CPU): the same training as one process, sharded.
+
+Most runs use the `ScriptedEngine` test double (tests/scripted_engine.py): completions are a fixed
+function of the prompt, so a 2-rank run and a single-process run see the same global batch and
+their weights can be compared after each optimizer step. One run uses the real hf engine.
+The tiny model ties its embeddings to the LM head, the case a sharded load and sync get wrong.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(REPO / "tests" / "fsdp_worker.py"), *args],
+        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
+    plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
+    out = plan.with_suffix(".out.json")
+    plan.write_text(json.dumps({"out": str(out), "runs": runs}))
+    proc = torchrun(nproc, str(plan))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_vlm_dir):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    folder = tmp_path_factory.mktemp("fsdp2")
+    data = make_shapes(folder / "data", ShapesSpec(train_size=16, test_size=4))
+    model = tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True)
+    config = folder / "base.yaml"
+    config.write_text(f"""
+model: {{path: {model}, dtype: float32}}
+data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
+rollout: {{n: 4, batch_size: 16, max_new_tokens: 5}}
+reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
+train: {{total_steps: 3, lr: 1.0e-3, micro_batch_size: 4, strategy: fsdp2, save_every: 1, keep_last: 5,
+         eval_before_training: false}}
+logging: {{progress: false, completions_every: 0, tensorboard: false}}
+""")
+    return {"folder": folder, "config": str(config), "model": model}
+
+
+def run_args(setup, name: str, *overrides: str, **extra) -> dict:
+    return {"config": setup["config"], "overrides": [f"train.output_dir={setup['folder'] / name}", *overrides], **extra}
+
+
+def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
+    return load_file(setup["folder"] / run / "checkpoints" / f"step_{step}" / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def sharded(setup):
+    """One torchrun launch: A (3 steps, micro-batch 4, weight sync after), B (1 step, micro-batch 1), C (hf engine)."""
+    start = time.perf_counter()
+    results = run_plan(setup["folder"], 2, [
+        run_args(setup, "A", sync_out=str(setup["folder"] / "sync.pt")),
+        run_args(setup, "B", "train.total_steps=1", "train.micro_batch_size=1"),
+        run_args(setup, "C", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_size=2",
+                 scripted=False),
+    ])
+    return {"A": results[0]["history"], "B": results[1]["history"], "C": results[2]["history"],
+            "seconds": time.perf_counter() - start}
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """The same run as A in this process (strategy single), with the same scripted completions."""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    cfg = load_config(setup["config"], [f"train.output_dir={setup['folder'] / 'S'}", "train.strategy=single"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+        trainer = Trainer(cfg)
+        history = trainer.fit()
+    return {"trainer": trainer, "history": history}
+
+
+def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
+    """Equal within float tolerance: 1 % of one AdamW step at lr 1e-3 (sums over ranks round differently)."""
+    assert sorted(a) == sorted(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+def test_fsdp2_weights_equal_the_single_process_run_after_1_and_3_steps(setup, sharded, single):
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    for step in (1, 3):
+        fsdp, one = weights(setup, "A", step), weights(setup, "S", step)
+        assert_close(fsdp, one)
+        assert max((fsdp[k] - initial[k]).abs().max().item() for k in fsdp) > 1e-4  # training moved the weights
+    for ours, theirs in zip(sharded["A"], single["history"]):
+        # the gradient norm is the global one (over both ranks' shards), as in one process
+        assert ours["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
+        assert ours["reward/mean"] == pytest.approx(theirs["reward/mean"], rel=1e-6)
+
+
+def test_fsdp2_micro_batch_1_and_4_give_the_same_weights(setup, sharded):
+    assert_close(weights(setup, "B", 1), weights(setup, "A", 1))
+
+
+def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup, sharded, single):
+    from vlrft.rollout.weights import PolicyWeights
+
+    sent = torch.load(setup["folder"] / "sync.pt")
+    assert sent["duplicates"] == []
+    expected = {name: t for bucket in PolicyWeights(single["trainer"].actor, torch.float32).buckets(1 << 30, "cpu")
+                for name, t in bucket}
+    assert "lm_head.weight" not in sent["received"]  # tied to the embedding: sent once, under its name
+    assert_close(sent["received"], expected)
+    # and exactly the weights FSDP2 saved for that step
+    saved = weights(setup, "A", 3)
+    assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
+
+
+def test_fsdp2_trains_with_the_hf_engine_and_evaluates(setup, sharded):
+    steps = [h for h in sharded["C"] if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2]
+    assert all(h["completions/mean_length"] > 0 and h["actor/grad_norm"] > 0 for h in steps)
+    assert 0 <= steps[-1]["eval/accuracy"] <= 1
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    trained = weights(setup, "C", 2)
+    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+
+
+def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
+    """PPO (critic + reference) and LoRA under FSDP2 equal one process; mixed image/text steps are refused."""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    folder = setup["folder"]
+    mixed = folder / "mixed.jsonl"
+    rows = (folder / "data" / "train.jsonl").read_text().splitlines()
+    text_only = [json.dumps({"id": f"text-{i}", "prompt": "Name a color.", "answer": "red"}) for i in range(8)]
+    images = [json.dumps({**json.loads(r), "images": [str(folder / "data" / json.loads(r)["images"][0])]})
+              for r in rows[:8]]
+    mixed.write_text("\n".join(x for pair in zip(images, text_only) for x in pair) + "\n")
+    ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
+    lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo), run_args(setup, "LORA", *lora),
+                                   run_args(setup, "MIX", f"data.train_files=[{mixed}]", "data.shuffle=false")])
+    assert "needs every prompt of a step to have images or none" in results[2]["error"]
+    for name, overrides in (("PPO", ppo), ("LORA", lora)):
+        cfg = load_config(setup["config"], [f"train.output_dir={folder / (name + '-single')}", "train.strategy=single",
+                                            *overrides])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+            history = Trainer(cfg).fit()
+        ours = results[0 if name == "PPO" else 1]["history"][0]
+        assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
+        if name == "PPO":  # the critic was sharded and trained too
+            assert ours["critic/value_loss"] == pytest.approx(history[0]["critic/value_loss"], rel=1e-4)
+        file = "adapter_model.safetensors" if name == "LORA" else "model.safetensors"
+        sharded_weights = load_file(folder / name / "checkpoints" / "step_1" / "model" / file)
+        single_weights = load_file(folder / (name + "-single") / "checkpoints" / "step_1" / "model" / file)
+        assert_close(sharded_weights, single_weights, atol=1e-5 if name == "PPO" else 1e-4)
+
+
+def test_a_sharded_checkpoint_resumes_bitwise_on_2_ranks(setup, sharded):
+    resume = setup["folder"] / "A" / "checkpoints" / "step_1"
+    history = run_plan(setup["folder"], 2, [run_args(setup, "R2", f"train.resume={resume}")])[0]["history"]
+    assert [h["step"] for h in history] == [2, 3]
+    final, expected = weights(setup, "R2", 3), weights(setup, "A", 3)
+    assert sorted(final) == sorted(expected)
+    assert all(torch.equal(final[k], expected[k]) for k in final)
+
+
+def test_a_2_rank_checkpoint_resumes_on_1_rank(setup, sharded):
+    resume = setup["folder"] / "A" / "checkpoints" / "step_1"
+    history = run_plan(setup["folder"], 1, [run_args(setup, "R1", f"train.resume={resume}")])[0]["history"]
+    assert [h["step"] for h in history] == [2, 3]
+    assert_close(weights(setup, "R1", 3), weights(setup, "A", 3))
+    for ours, theirs in zip(history, sharded["A"][1:]):
+        for key in ("reward/mean", "actor/grad_norm", "entropy", "actor/kl_ref"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_one_failing_rank_ends_the_whole_job(tmp_path):
+    start = time.perf_counter()
+    proc = torchrun(2, "fail", timeout=180)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stderr
+    assert elapsed < 120, elapsed

@@ -1,0 +1,278 @@
+"""FSDP2: parameters, gradients and optimizer state sharded over all ranks (`torch.distributed.fsdp.fully_shard`).
+
+Each decoder layer and vision block (the classes a transformers model lists in `_no_split_modules`)
+is its own shard unit, gathered just before it runs and freed after; the rest (embeddings, final
+norm, LM head, vision merger) belongs to the root unit, the `ActorVL`/`CriticVL` the trainer
+calls. On GPUs the gathered weights are cast to `model.dtype` and gradients reduced in float32
+(`MixedPrecisionPolicy`); `train.fsdp.cpu_offload` keeps the shards in host memory.
+
+Loading: rank 0 alone reads the checkpoint; every rank builds the model on the meta device, shards
+it, then receives its shards from rank 0 (`set_model_state_dict(..., broadcast_from_rank0=True)`).
+Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from rank 0 too. With LoRA
+(adapters are injected after loading) every rank loads the base weights and rank 0's are broadcast.
+
+Checkpoints: `sharded/` is a `torch.distributed.checkpoint` folder (every rank writes its shards of
+the model and optimizer state); it can be read back by any number of processes, which reshards.
+`model/` is the policy gathered into Hugging Face format for `from_pretrained`.
+
+Every rank must run the same forwards: a unit's all-gather is a collective. The trainer's
+micro-batch counts are equal on every rank; generation (hf engine) gathers the whole policy first
+(`generation`) so ranks can decode different lengths independently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel
+
+SHARDED_DIR = "sharded"
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules to shard one by one: instances of the classes any submodule lists in `_no_split_modules`.
+
+    Those are the transformer blocks (decoder layers, vision blocks) of every transformers model,
+    found by name so no architecture is hard-coded. Innermost first, so nested units shard before
+    their parents.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    units = [m for m in model.modules() if type(m).__name__ in names]
+    return units[::-1]
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _hf_model(module: nn.Module) -> nn.Module:
+    """The transformers model inside an ActorVL / CriticVL / PEFT wrapper (whose state dict rank 0 loaded)."""
+    from vlrft.rollout.weights import policy_module
+
+    if hasattr(module, "actor_like"):  # CriticVL
+        module = module.actor_like
+    return policy_module(module)
+
+
+class FSDP2Strategy(ProcessGroupStrategy):
+    """`fully_shard` per transformer block and at the root; gloo on CPU, NCCL on GPUs."""
+
+    name = "fsdp2"
+    reshards_checkpoints = True
+
+    def __init__(self, info: RankInfo | None = None, cfg=None):
+        super().__init__(info)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from vlrft.config import FSDPConfig
+
+        self.options = cfg.train.fsdp if cfg is not None else FSDPConfig()
+        self.compute_dtype = getattr(torch, cfg.model.dtype) if cfg is not None else torch.float32
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
+        self._pending: dict[int, tuple[dict, dict]] = {}
+        self._generating = 0
+
+    # ------------------------------------------------------------------ loading
+
+    def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
+        """Every rank builds the model on the meta device; rank 0 also reads the weights (on CPU).
+
+        The weights reach the other ranks, shard by shard, when the model is prepared.
+        """
+        from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+        from vlrft.models.loading import DTYPES, load_policy
+
+        if source.adapters:  # adapters are created per rank after loading; `_shard` broadcasts rank 0's
+            return load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
+                               trust_remote_code=source.trust_remote_code, device=self.device)
+        dtype = DTYPES.get(source.dtype, torch.float32)
+        config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(
+                config, dtype=dtype, attn_implementation=source.attn_implementation,
+                trust_remote_code=source.trust_remote_code)
+        with contextlib.suppress(OSError, ValueError):  # the stop tokens the engines use come from here
+            model.generation_config = GenerationConfig.from_pretrained(str(source.path))
+        full, buffers = {}, {}
+        if self.is_main:
+            loaded = load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
+                                 trust_remote_code=source.trust_remote_code, device="cpu")
+            full, buffers = loaded.state_dict(), dict(loaded.named_buffers())
+        self._pending[id(model)] = (full, buffers)
+        return model
+
+    def _materialise(self, hf_model: nn.Module) -> None:
+        """Give a sharded meta model its weights (rank 0's, broadcast) and its buffers."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full, buffers = self._pending.pop(id(hf_model))
+        # Allocate this rank's shards (uninitialised) first: loading then copies each broadcast tensor's
+        # slice into them, so a rank never holds more than its shards plus one full tensor.
+        hf_model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
+        set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers are not sharded and non-persistent ones (rotary inv_freq) are not in the state dict.
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        meta = {name: (tuple(b.shape), b.dtype) for name, b in hf_model.named_buffers()}
+        for name in sorted(meta):
+            shape, dtype = meta[name]
+            value = buffers[name].to(device) if self.is_main else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(value, src=0)
+            owner, _, leaf = name.rpartition(".")
+            hf_model.get_submodule(owner)._buffers[leaf] = value.to(self.device)
+        if hasattr(hf_model, "tie_weights"):
+            hf_model.tie_weights()
+
+    # ------------------------------------------------------------------ wrapping
+
+    def _shard(self, root: nn.Module, hf_model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        options: dict = dict(mesh=self.mesh, reshard_after_forward=self.options.reshard_after_forward)
+        if self.device.type == "cuda" and self.options.mixed_precision and self.compute_dtype != torch.float32:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        if self.options.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        pending = id(hf_model) in self._pending
+        if not pending:
+            self._broadcast_from_rank0(root)
+        for unit in shard_units(root):
+            fully_shard(unit, **options)
+        fully_shard(root, **options)
+        if pending:
+            self._materialise(hf_model)
+        return root
+
+    def _broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Make every rank's (whole, not yet sharded) weights rank 0's, as DDP does when it wraps.
+
+        Parameters created after loading (LoRA adapters, a critic's value head) are initialised
+        from each rank's own random state.
+        """
+        on_cpu = dist.get_backend() != "nccl"
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_meta:
+                    continue
+                staged = tensor.detach().to("cpu") if on_cpu and tensor.device.type != "cpu" else tensor.detach()
+                dist.broadcast(staged, src=0)
+                if staged is not tensor:
+                    tensor.copy_(staged)
+
+    def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
+                          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        root = self._shard(model, _hf_model(model))
+        return root, make_optimizer([p for p in root.parameters() if p.requires_grad])
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        return self._shard(model, _hf_model(model))
+
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module) -> Iterator[None]:
+        """Gather the whole model on every rank (one collective per unit), generate locally, then reshard.
+
+        Decoding runs a different number of forwards on each rank, which per-unit all-gathers could
+        not survive; with every unit gathered and kept, forwards need no collective.
+        """
+        units = _fsdp_modules(model)
+        if self._generating or not units:
+            self._generating += 1
+            try:
+                yield
+            finally:
+                self._generating -= 1
+            return
+        root = units[0]
+        root._get_fsdp_state()._lazy_init()  # make `model` the root before any child runs forward
+        self._generating += 1
+        try:
+            for unit in units:
+                unit.set_reshard_after_forward(False)
+                unit.unshard()
+            yield
+        finally:
+            self._generating -= 1
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self.options.reshard_after_forward)
+
+    def check_vision_mix(self, images_per_prompt, videos_per_prompt) -> None:
+        """Every micro-batch on every rank must run the vision blocks equally often: all-gathers are collectives.
+
+        That holds when every prompt of the step has an image (a video) or none has; a mix would make
+        one rank's vision all-gather meet another rank's decoder all-gather, a hang. One all-reduce per step.
+        """
+        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
+                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
+        seen = self.all_reduce(flags, "max")
+        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
+            if some > 0 and none > 0:
+                from vlrft.errors import UserError
+
+                raise UserError(f"train.strategy=fsdp2 needs every prompt of a step to have {kind} or none to "
+                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
+                                f"without {kind}, or train.strategy=ddp")
+
+    # ------------------------------------------------------------------ gradients
+
+    def no_sync(self, module: nn.Module):
+        """Accumulate unreduced gradients until the last micro-batch (one reduce-scatter per step)."""
+        return _without_gradient_sync(module)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
+        """`sharded/` (DCP: every rank's shards of every part and its optimizer) and `model/` (HF format)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        state = {}
+        for name, part in parts.items():
+            model_state, optim_state = get_state_dict(part.module, part.optimizer)
+            state[name] = {"model": model_state, "optimizer": optim_state}
+        dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
+        full = get_model_state_dict(hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            from vlrft.rollout.weights import tied_weight_names
+
+            for name in tied_weight_names(hf_model):
+                full.pop(name, None)  # saved once, under the name it is tied to
+            hf_model.save_pretrained(folder / "model", state_dict=full, safe_serialization=True)
+            processor.save_pretrained(folder / "model")
+
+    def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
+        """Read `sharded/` into this run's shards, whatever number of processes wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        state = {}
+        for name, part in parts.items():
+            model_state, optim_state = get_state_dict(part.module, part.optimizer)
+            state[name] = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        for name, part in parts.items():
+            set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optimizer"])
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(module: nn.Module) -> Iterator[None]:
+    if not hasattr(module, "set_requires_gradient_sync"):
+        yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
