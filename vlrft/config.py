@@ -175,6 +175,15 @@ class FSDPConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """train.strategy=deepspeed: DeepSpeed ZeRO (needs the `deepspeed` extra)."""
+
+    zero_stage: int = 3  # 2: shard gradients and optimizer state; 3: shard the weights too
+    offload_optimizer: bool = False  # keep optimizer state (and its step) in host memory
+    offload_param: bool = False  # ZeRO-3 only: keep the weight shards in host memory between uses
+
+
+@dataclass
 class TrainConfig:
     output_dir: str = "runs/vlrft"
     total_steps: int = 100
@@ -189,8 +198,9 @@ class TrainConfig:
     mini_batch_size: int | None = None  # completions per optimizer step (all ranks); default: the rollout batch
     micro_batch_size: int = 4  # completions per forward pass per rank
     # under torchrun: "ddp" (replicated) or "fsdp2" (sharded); gloo on CPU, NCCL on GPUs
-    strategy: Literal["single", "ddp", "fsdp2"] = "single"
+    strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = "single"
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)  # train.strategy=deepspeed (ZeRO-2/3)
     save_every: int = 0  # steps; 0 = only at the end
     keep_last: int = 2
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
@@ -312,7 +322,11 @@ class Config:
         if t.resume not in ("none", "auto") and not Path(t.resume).exists():
             _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
         if t.strategy == "single" and world > 1:
-            _fail("train.strategy", t.strategy, f"'ddp' or 'fsdp2' when running {world} processes")
+            _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
+        if t.deepspeed.zero_stage not in (2, 3):
+            _fail("train.deepspeed.zero_stage", t.deepspeed.zero_stage, "2 or 3")
+        if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:
+            _fail("train.deepspeed.offload_param", True, "false with zero_stage=2 (only ZeRO-3 shards the weights)")
         return self
 
 

@@ -9,6 +9,7 @@ the LM head sees only completion positions, a chunk at a time (`vlrft.models.log
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,10 @@ from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
+    """A named tuple, not a dataclass: wrappers that hook a module's output tensors (DeepSpeed ZeRO-3
+    gathers the LM head for backward that way) only look inside tuples, lists and dicts."""
+
     logprobs: torch.Tensor  # [B, C], zero where completion_mask == 0
     entropy: torch.Tensor  # [B, C]
 
