@@ -201,3 +201,16 @@ def test_a_2_rank_zero3_checkpoint_resumes_on_1_rank(setup, zero):
         for key in ("reward/mean", "actor/grad_norm", "entropy", "actor/kl_ref"):
             if key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+@torchrun_test
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank_for_every_part(tmp_path):
+    out = tmp_path / "skip.json"
+    proc = torchrun(2, "deepspeed_worker.py", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for stage, run in json.loads(out.read_text()).items():
+        # step 2: NaN gradients from rank 1's policy; step 3: rank 1 only reports a non-finite loss
+        assert run["skipped"] == [False, True, True, False], stage
+        assert run["unchanged"] == [False, True, True, False], stage  # policy and critic both untouched
+        # the optimizer state survived the skips: steps 1 and 4 equal one process that never saw 2 and 3
+        assert run["max_diff"] < 1e-6, stage
