@@ -46,7 +46,8 @@ def run_plan(plan_file: str) -> None:
         if run.get("scripted", True):
             use_scripted_engine()
         cfg = load_config(run["config"], run.get("overrides", []), validate=False)
-        strategy = strategy or make_strategy(cfg.train.strategy, cfg)
+        if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
+            strategy = make_strategy(cfg.train.strategy, cfg)
         trainer = Trainer(cfg, strategy)
         history = trainer.fit()
         if run.get("sync_out"):

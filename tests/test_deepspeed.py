@@ -117,7 +117,7 @@ def zero(setup):
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
         run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_size=1"),
-        run_args(setup, "Z2", "train.deepspeed.zero_stage=2"),
+        run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
     return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z2": results[2]["history"],
             "seconds": time.perf_counter() - start}
@@ -149,6 +149,11 @@ def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
 @torchrun_test
 @pytest.mark.parametrize("run", ["Z2", "Z3"])
 def test_zero_weights_equal_the_single_process_run_after_1_and_3_steps(setup, zero, single, run):
+    # the run used the stage it names: ZeRO-3 writes each rank's weight shard, ZeRO-2 one whole copy
+    state = setup["folder"] / run / "checkpoints" / "step_1" / "deepspeed" / "policy" / "state"
+    shard_files = {"Z2": ["mp_rank_00_model_states.pt"],
+                   "Z3": [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)]}[run]
+    assert sorted(p.name for p in state.glob("*model_states.pt")) == shard_files
     initial = load_file(Path(setup["model"]) / "model.safetensors")
     for step in (1, 3):
         ours, one = weights(setup, run, step), weights(setup, "S", step)

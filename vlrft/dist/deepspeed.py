@@ -149,8 +149,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         (the chunked logprobs call `F.linear` on it), so it is gathered with the outer module instead."""
         from vlrft.models.actor import split_head
 
-        inner = getattr(model, "model", None) or getattr(getattr(model, "actor_like", None), "model", None)
-        if inner is None:
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(model, "logprobs"):  # a critic never runs the LM head
             return
         _, head = split_head(inner)
         for param in head.parameters(recurse=False):

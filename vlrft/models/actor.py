@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 from typing import NamedTuple
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -225,7 +224,7 @@ class CriticVL(nn.Module):
         super().__init__()
         self.actor_like = ActorVL(model, image_token_id, video_token_id)
         backbone, head = split_head(model)
-        self.value_head = nn.Linear(head.weight.shape[1], 1)
+        self.value_head = nn.Linear(head.in_features, 1)  # not weight.shape: a ZeRO-3 shard holds no elements
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
