@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_fsdp2.py.
+"""Run under torchrun by tests/test_fsdp2.py and tests/test_deepspeed.py (any sharding strategy).
 
 `python fsdp_worker.py PLAN.json` runs the trainings a plan lists one after another in the same
 processes (one FSDP2 strategy, one process group), each with the `ScriptedEngine` test double
@@ -27,7 +27,7 @@ from vlrft.rollout.weights import PolicyWeights  # noqa: E402
 def sync_weights(trainer, out: Path) -> None:
     """Every rank walks the buckets (gathering is collective); each records what it would send."""
     engine = RecordingEngine()
-    for bucket in PolicyWeights(trainer.actor, torch.float32).buckets(1 << 16, "cpu"):
+    for bucket in PolicyWeights(trainer.actor, torch.float32, trainer.strategy.gathered).buckets(1 << 16, "cpu"):
         engine.load(bucket)
     if trainer.strategy.is_main:
         torch.save({"received": engine.received, "duplicates": engine.duplicates}, out)
@@ -47,7 +47,8 @@ def run_plan(plan_file: str) -> None:
         if run.get("scripted", True):
             use_scripted_engine()
         cfg = load_config(run["config"], run.get("overrides", []), validate=False)
-        strategy = strategy or make_strategy(cfg.train.strategy, cfg)
+        if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
+            strategy = make_strategy(cfg.train.strategy, cfg)
         trainer = Trainer(cfg, strategy)
         try:
             history = trainer.fit()

@@ -86,7 +86,7 @@ def test_batch_must_split_into_whole_groups_per_rank():
     with pytest.raises(ConfigError, match=r"rollout.global_batch_completions=64 .* multiple of rollout.n \* world_size = 24"):
         load_config(None, ["train.strategy=ddp"], world_size=3)
     assert load_config(None, ["train.strategy=ddp"], world_size=4).prompts_per_step == 8
-    with pytest.raises(ConfigError, match="train.strategy='single' is not allowed; expected 'ddp' or 'fsdp2' when running 2 processes"):
+    with pytest.raises(ConfigError, match="train.strategy='single' is not allowed; expected 'ddp', 'fsdp2' or 'deepspeed' when running 2 processes"):
         load_config(None, [], world_size=2)
 
 

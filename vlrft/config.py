@@ -289,6 +289,15 @@ class FSDPConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """train.strategy=deepspeed: DeepSpeed ZeRO (needs the `deepspeed` extra)."""
+
+    zero_stage: int = option(3, "2: shard gradients and optimizer state; 3: shard the weights too")
+    offload_optimizer: bool = option(False, "keep optimizer state (and its step) in host memory")
+    offload_param: bool = option(False, "ZeRO-3 only: keep the weight shards in host memory between uses")
+
+
+@dataclass
 class TrainConfig:
     """Optimisation, batching, checkpoints and evaluation."""
 
@@ -312,6 +321,7 @@ class TrainConfig:
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
         "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
     fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = option(help="options of train.strategy=deepspeed (ZeRO-2/3)", factory=DeepSpeedConfig)
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
                              "loses every step)")
     keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "
@@ -459,6 +469,10 @@ class Config:
         if t.strategy == "single" and world > 1:
             _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
         self.reward.validate()
+        if t.deepspeed.zero_stage not in (2, 3):
+            _fail("train.deepspeed.zero_stage", t.deepspeed.zero_stage, "2 or 3")
+        if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:
+            _fail("train.deepspeed.offload_param", True, "false with zero_stage=2 (only ZeRO-3 shards the weights)")
         return self
 
 

@@ -9,7 +9,7 @@ the LM head sees only completion positions, a chunk at a time (`vlrft.models.log
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,8 +24,10 @@ from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
+    """A named tuple, not a dataclass: wrappers that hook a module's output tensors (DeepSpeed ZeRO-3
+    gathers the LM head for backward that way) only look inside tuples, lists and dicts."""
+
     logprobs: torch.Tensor  # [B, C], zero where completion_mask == 0
     entropy: torch.Tensor  # [B, C]
 
@@ -204,7 +206,7 @@ class CriticVL(nn.Module):
         super().__init__()
         self.actor_like = ActorVL(model, image_token_id, video_token_id)
         backbone, head = split_head(model)
-        self.value_head = nn.Linear(head.weight.shape[1], 1)
+        self.value_head = nn.Linear(head.in_features, 1)  # not weight.shape: a ZeRO-3 shard holds no elements
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 

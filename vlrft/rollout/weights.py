@@ -122,6 +122,11 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return mapping
 
 
+def _numel(tensor: torch.Tensor) -> int:
+    """Elements of the whole tensor: a ZeRO-3 partition keeps its full size in `ds_numel` (it holds none)."""
+    return int(getattr(tensor, "ds_numel", tensor.numel()))
+
+
 @dataclass(frozen=True)
 class _Entry:
     name: str  # checkpoint name
@@ -158,7 +163,7 @@ class PolicyWeights:
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
             _Entry(names[name], plain[name], producers[name],
-                   plain[name].numel() * (torch.finfo(dtype).bits // 8 if plain[name].is_floating_point()
+                   _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if plain[name].is_floating_point()
                                           else plain[name].element_size()))
             for name in plain
         ]

@@ -1,0 +1,221 @@
+"""DeepSpeed ZeRO-2/ZeRO-3 under torchrun (2 processes, gloo, DeepSpeed's CPU accelerator).
+
+The training runs use the `ScriptedEngine` test double (tests/scripted_engine.py): completions are
+a fixed function of the prompt, so a 2-rank run and a single-process run see the same global
+batch and their weights can be compared after each optimizer step. The tiny model ties its
+embeddings to the LM head, the case a sharded load and weight sync get wrong. The runs go through
+tests/fsdp_worker.py, which runs any strategy the config names.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
+
+
+def _deepspeed_import_error() -> str | None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install failing at import
+        return f"deepspeed cannot be imported ({exc!r}); install it with pip install 'vlrft[deepspeed]'"
+    return None
+
+
+def test_missing_deepspeed_is_one_clear_error(monkeypatch):
+    from vlrft.dist.strategy import make_strategy
+    from vlrft.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is not installed
+    with pytest.raises(UserError, match=r"train.strategy=deepspeed needs the deepspeed package .*vlrft\[deepspeed\]"):
+        make_strategy("deepspeed")
+
+
+def test_deepspeed_options_are_validated():
+    from vlrft.config import ConfigError, load_config
+
+    assert load_config(None, ["train.strategy=deepspeed"], world_size=2).train.deepspeed.zero_stage == 3
+    with pytest.raises(ConfigError, match=r"train.deepspeed.zero_stage=1 is not allowed; expected 2 or 3"):
+        load_config(None, ["train.strategy=deepspeed", "train.deepspeed.zero_stage=1"])
+    with pytest.raises(ConfigError, match=r"train.deepspeed.offload_param=True is not allowed; expected false with "
+                                          r"zero_stage=2"):
+        load_config(None, ["train.strategy=deepspeed", "train.deepspeed.zero_stage=2",
+                           "train.deepspeed.offload_param=true"])
+
+
+needs_deepspeed = pytest.mark.skipif(_deepspeed_import_error() is not None, reason=str(_deepspeed_import_error()))
+
+
+def torchrun_test(test):
+    """A test that launches torchrun with DeepSpeed (skipped with the reason when deepspeed cannot import)."""
+    return pytest.mark.distributed(pytest.mark.slow(needs_deepspeed(test)))
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(REPO / "tests" / script), *args],
+        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
+    plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
+    out = plan.with_suffix(".out.json")
+    plan.write_text(json.dumps({"out": str(out), "runs": runs}))
+    proc = torchrun(nproc, "fsdp_worker.py", str(plan))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_vlm_dir):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    folder = tmp_path_factory.mktemp("deepspeed")
+    data = make_shapes(folder / "data", ShapesSpec(train_size=16, test_size=4))
+    model = tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True)
+    config = folder / "base.yaml"
+    config.write_text(f"""
+model: {{path: {model}, dtype: float32}}
+data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
+rollout: {{n: 4, batch_size: 16, max_new_tokens: 5}}
+reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
+train: {{total_steps: 3, lr: 1.0e-3, micro_batch_size: 4, strategy: deepspeed, save_every: 1, keep_last: 5,
+         eval_before_training: false}}
+logging: {{progress: false, completions_every: 0, tensorboard: false}}
+""")
+    return {"folder": folder, "config": str(config), "model": model}
+
+
+def run_args(setup, name: str, *overrides: str, **extra) -> dict:
+    return {"config": setup["config"], "overrides": [f"train.output_dir={setup['folder'] / name}", *overrides], **extra}
+
+
+def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
+    return load_file(setup["folder"] / run / "checkpoints" / f"step_{step}" / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def zero(setup):
+    """One torchrun launch: Z3 (3 steps, micro-batch 4, weight sync after), Z3B (1 step, micro-batch 1), Z2."""
+    start = time.perf_counter()
+    results = run_plan(setup["folder"], 2, [
+        run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
+        run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_size=1"),
+        run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
+    ])
+    return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z2": results[2]["history"],
+            "seconds": time.perf_counter() - start}
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    """The same run in this process (strategy single), with the same scripted completions."""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    cfg = load_config(setup["config"], [f"train.output_dir={setup['folder'] / 'S'}", "train.strategy=single"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+        trainer = Trainer(cfg)
+        history = trainer.fit()
+    return {"trainer": trainer, "history": history}
+
+
+def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
+    """Equal within float tolerance: 1 % of one AdamW step at lr 1e-3 (sums over ranks round differently)."""
+    assert sorted(a) == sorted(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+@torchrun_test
+@pytest.mark.parametrize("run", ["Z2", "Z3"])
+def test_zero_weights_equal_the_single_process_run_after_1_and_3_steps(setup, zero, single, run):
+    # the run used the stage it names: ZeRO-3 writes each rank's weight shard, ZeRO-2 one whole copy
+    state = setup["folder"] / run / "checkpoints" / "step_1" / "deepspeed" / "policy" / "state"
+    shard_files = {"Z2": ["mp_rank_00_model_states.pt"],
+                   "Z3": [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)]}[run]
+    assert sorted(p.name for p in state.glob("*model_states.pt")) == shard_files
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    for step in (1, 3):
+        ours, one = weights(setup, run, step), weights(setup, "S", step)
+        assert_close(ours, one)
+        assert max((ours[k] - initial[k]).abs().max().item() for k in ours) > 1e-4  # training moved the weights
+    for ours, theirs in zip(zero[run], single["history"]):
+        # the gradient norm is the global one (over both ranks' shards), as in one process
+        assert ours["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
+        assert ours["reward/mean"] == pytest.approx(theirs["reward/mean"], rel=1e-6)
+
+
+@torchrun_test
+def test_zero3_micro_batch_1_and_4_give_the_same_weights(setup, zero):
+    assert_close(weights(setup, "Z3B", 1), weights(setup, "Z3", 1))
+
+
+@torchrun_test
+def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup, zero, single):
+    from vlrft.rollout.weights import PolicyWeights
+
+    sent = torch.load(setup["folder"] / "sync.pt")
+    assert sent["duplicates"] == []
+    expected = {name: t for bucket in PolicyWeights(single["trainer"].actor, torch.float32).buckets(1 << 30, "cpu")
+                for name, t in bucket}
+    assert "lm_head.weight" not in sent["received"]  # tied to the embedding: sent once, under its name
+    assert_close(sent["received"], expected)
+    # and exactly the weights gathered into the step's Hugging Face checkpoint
+    saved = weights(setup, "Z3", 3)
+    assert sorted(saved) == sorted(sent["received"])
+    assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
+
+
+@torchrun_test
+def test_a_zero3_checkpoint_resumes_bitwise_on_2_ranks(setup, zero):
+    resume = setup["folder"] / "Z3" / "checkpoints" / "step_1"
+    history = run_plan(setup["folder"], 2, [run_args(setup, "R2", f"train.resume={resume}")])[0]["history"]
+    assert [h["step"] for h in history] == [2, 3]
+    final, expected = weights(setup, "R2", 3), weights(setup, "Z3", 3)
+    assert sorted(final) == sorted(expected)
+    assert all(torch.equal(final[k], expected[k]) for k in final)
+
+
+@torchrun_test
+def test_a_2_rank_zero3_checkpoint_resumes_on_1_rank(setup, zero):
+    resume = setup["folder"] / "Z3" / "checkpoints" / "step_1"
+    history = run_plan(setup["folder"], 1, [run_args(setup, "R1", f"train.resume={resume}")])[0]["history"]
+    assert [h["step"] for h in history] == [2, 3]
+    assert_close(weights(setup, "R1", 3), weights(setup, "Z3", 3))
+    for ours, theirs in zip(history, zero["Z3"][1:]):
+        for key in ("reward/mean", "actor/grad_norm", "entropy", "actor/kl_ref"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+
+
+@torchrun_test
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank_for_every_part(tmp_path):
+    out = tmp_path / "skip.json"
+    proc = torchrun(2, "deepspeed_worker.py", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for stage, run in json.loads(out.read_text()).items():
+        # step 2: NaN gradients from rank 1's policy; step 3: rank 1 only reports a non-finite loss
+        assert run["skipped"] == [False, True, True, False], stage
+        assert run["unchanged"] == [False, True, True, False], stage  # policy and critic both untouched
+        # the optimizer state survived the skips: steps 1 and 4 equal one process that never saw 2 and 3
+        assert run["max_diff"] < 1e-6, stage
