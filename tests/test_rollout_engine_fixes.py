@@ -86,11 +86,14 @@ class RecordingSGLangEngine:
 
 
 class RecordingLLM:
-    """Stand-in for `vllm.LLM` (the cache-reset and sleep calls): records them."""
+    """Stand-in for `vllm.LLM` 0.32 (cache resets, wake-up): records the calls. As there, the encoder
+    cache is reset through `llm_engine`, and `wake_up` answers whether the engine is fully awake."""
 
-    def __init__(self, prefix_reset_ok: bool = True):
+    def __init__(self, prefix_reset_ok: bool = True, fully_awake: bool = True):
         self.calls: list[str] = []
         self.prefix_reset_ok = prefix_reset_ok
+        self.fully_awake = fully_awake
+        self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("reset_encoder_cache"))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         self.calls.append("reset_prefix_cache")
@@ -99,14 +102,9 @@ class RecordingLLM:
     def reset_mm_cache(self) -> None:
         self.calls.append("reset_mm_cache")
 
-    def reset_encoder_cache(self) -> None:
-        self.calls.append("reset_encoder_cache")
-
-    def wake_up(self, tags=None) -> None:
+    def wake_up(self, tags=None) -> bool:
         self.calls.append(f"wake_up:{tags}")
-
-    def sleep(self, level: int = 1) -> None:
-        self.calls.append(f"sleep:{level}")
+        return self.fully_awake or tags == ["weights"]
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +230,20 @@ def test_vllm_weight_load_resets_prefix_and_multimodal_caches():
 def test_vllm_refused_prefix_reset_raises():
     with pytest.raises(EngineError, match="refused to reset its prefix cache"):
         VLLMBackend(RecordingLLM(prefix_reset_ok=False), TOKENS, owns_distributed=False).weights_loaded()
+
+
+def test_vllm_without_an_encoder_cache_reset_refuses_to_go_on():
+    llm = RecordingLLM()
+    llm.llm_engine = SimpleNamespace()
+    with pytest.raises(EngineError, match="old vision tower"):
+        VLLMBackend(llm, TOKENS, owns_distributed=False).weights_loaded()
+
+
+def test_vllm_wake_up_that_leaves_the_engine_asleep_raises():
+    backend = VLLMBackend(RecordingLLM(fully_awake=False), TOKENS, owns_distributed=False)
+    backend.resume_weights()  # a partial wake: not fully awake is expected here
+    with pytest.raises(EngineError, match="not fully awake"):
+        backend.resume_cache()
 
 
 # ---------------------------------------------------------------------------------------------- memory

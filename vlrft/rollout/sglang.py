@@ -118,7 +118,8 @@ def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, 
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    monkey_patch_torch_reductions()  # handles name GPUs by UUID, as SGLang's workers expect
+    if any(tensor.is_cuda for _, tensor in bucket):
+        monkey_patch_torch_reductions()  # CUDA handles name GPUs by UUID, as SGLang's workers expect
     return [(name, MultiprocessingSerializer.serialize(tensor)) for name, tensor in bucket]
 
 

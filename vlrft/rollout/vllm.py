@@ -9,8 +9,8 @@ uses vLLM's sleep mode: `LLM.sleep(level=2)` drops weights and KV cache, `LLM.wa
 re-allocates only the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest
 (docs.vllm.ai "Sleep Mode"); the trainer's cached CUDA blocks are freed before each wake-up. After
 every weight load the caches computed with the old weights are dropped: the prefix (KV) cache and
-the multimodal caches (`reset_mm_cache`: processed inputs, and the encoder outputs vLLM reuses
-across requests by image hash; `reset_encoder_cache` too where the installed vLLM has it).
+the multimodal caches (`LLM.reset_mm_cache`: processed inputs; `LLMEngine.reset_encoder_cache`: the
+vision-encoder outputs vLLM reuses across requests by image hash).
 The trainer processor's pixel bounds are passed as engine-wide `mm_processor_kwargs`.
 
 Prompts: see `vlrft.rollout.requests` (placeholders folded, vLLM re-expands them, we check the
@@ -114,6 +114,9 @@ class VLLMBackend:
     def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
         import vllm
 
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 with greedy sampling; the n are all the same
+            once = self.run(requests, dataclasses.replace(sampling, n=1))
+            return [sample for sample in once for _ in range(sampling.n)]
         params = vllm.SamplingParams(**vllm_sampling_kwargs(sampling, self.tokens))
         outputs = self.llm.generate([r.payload for r in requests], params, use_tqdm=False)
         return vllm_samples(outputs, requests, sampling.n)
@@ -125,7 +128,8 @@ class VLLMBackend:
         self.llm.wake_up(tags=["weights"])
 
     def resume_cache(self) -> None:
-        self.llm.wake_up(tags=["kv_cache"])
+        if self.llm.wake_up(tags=["kv_cache"]) is False:  # vLLM >= 0.2x reports whether it is fully awake
+            raise EngineError("vLLM is not fully awake after wake_up(tags=['kv_cache']); its scheduler stays paused")
 
     def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         def load_into(model):
@@ -141,9 +145,15 @@ class VLLMBackend:
         if self.llm.reset_prefix_cache() is False:
             raise EngineError("vLLM refused to reset its prefix cache after a weight update (requests still "
                               "running?); its cached prompts would be sampled with the old weights")
-        self.llm.reset_mm_cache()
-        if hasattr(self.llm, "reset_encoder_cache"):
-            self.llm.reset_encoder_cache()
+        self.llm.reset_mm_cache()  # processed inputs (and the workers' multimodal receiver caches)
+        # Encoder outputs live in another cache: `LLMEngine.reset_encoder_cache` (vLLM 0.32; `LLM` itself
+        # has no such method there). Without it, images already seen keep their old vision-tower outputs.
+        reset_encoder = getattr(self.llm, "reset_encoder_cache", None) or \
+            getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
+        if reset_encoder is None:
+            raise EngineError("this vLLM cannot reset its encoder cache after a weight update, so images would be "
+                              "encoded with the old vision tower; install the tested vLLM (constraints/vllm.txt)")
+        reset_encoder()
 
     def close(self) -> None:
         import gc
