@@ -23,8 +23,11 @@ CORE = [
 EXTRAS = {
     # torchvision enables video and the fast image processors; install the build that matches your torch.
     "video": ["torchvision", "av>=12", "qwen-vl-utils>=0.0.10"],
-    "vllm": ["vllm>=0.10"],
-    "sglang": ["sglang>=0.5"],
+    # Engine stacks pin their own torch/transformers: install with -c constraints/vllm.txt or constraints/sglang.txt.
+    # vLLM >= 0.19.1: transformers 5 support (older vLLM requires transformers < 5; 0.10.0 also lacks Qwen3-VL).
+    # SGLang >= 0.5.23: the weight-update session API vlrft drives (begin/end_weight_update); the tested release.
+    "vllm": ["vllm>=0.19.1"],
+    "sglang": ["sglang>=0.5.23"],
     "deepspeed": ["deepspeed>=0.15"],
     "wandb": ["wandb>=0.18"],
     "peft": ["peft>=0.13"],

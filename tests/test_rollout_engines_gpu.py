@@ -1,8 +1,14 @@
 """vLLM and SGLang rollout engines for real: generate, sleep/wake and weight sync with a tiny Qwen2-VL.
 
-Each test needs the engine package and a CUDA GPU and is skipped (with the reason) without them.
-One engine per package is built for the module; the tests run in file order and the last one
-changes the policy's weights.
+Each test needs the engine package and a CUDA GPU and is skipped (with the reason) without them;
+run them in an engine stack's environment (constraints/vllm.txt, constraints/sglang.txt) on a GPU:
+`python -m pytest tests/test_rollout_engines_gpu.py -v`. One engine per package is built for the
+module; the tests run in file order and the last one changes the policy's weights.
+
+What they pin down: the engine's greedy output is the transformers engine's on the same weights and
+prompts (images included); the logprobs it returns are the trainer's (softmax of logits / temperature)
+at temperature 1 and 0.7; a weight update reaches the engine (a different greedy output), so a
+silent sync failure cannot pass.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from PIL import Image
 
 from vlrft.config import Config
 from vlrft.data import PromptEncoder, Sample
-from vlrft.rollout.base import FINISH_LENGTH, SamplingParams
+from vlrft.batch import build_sequences
+from vlrft.rollout.base import FINISH_LENGTH, Rollouts, SamplingParams
+from vlrft.rollout.hf import HFEngine
 from vlrft.tokens import TokenSpec
 
 ENGINES = ["vllm", "sglang"]
@@ -26,10 +34,16 @@ SPEC = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
 ENGINE_KWARGS = {"vllm": {"enforce_eager": True}, "sglang": {"disable_cuda_graph": True}}
 
 
+# A near-tie may break either way between the engine's bf16 kernels and transformers: allowed only where
+# the two tokens' logprobs (trainer's, at the first difference) are this close.
+TIE_NATS = 0.05
+
+
 def require_engine(name: str) -> None:
-    pytest.importorskip(name, reason=f"{name} is not installed (pip install 'vlrft[{name}]'); engine tests need it")
     if not torch.cuda.is_available():
         pytest.skip(f"rollout.engine={name} needs a CUDA GPU and none is visible")
+    pytest.importorskip(name, reason=f"{name} is not installed (pip install -c constraints/{name}.txt "
+                                     f"-e '.[{name}]'); engine tests need it")
 
 
 def noise(size: int, seed: int) -> Image.Image:
@@ -86,6 +100,44 @@ def test_generate_samples_groups_from_our_prompts(setup):
         assert not suppressed & set(ids)  # vision placeholders are never sampled
         assert len(logprobs) == len(ids) and all(lp <= 1e-4 and np.isfinite(lp) for lp in logprobs)
     assert rollouts.texts == trainer.processor.tokenizer.batch_decode(rollouts.completion_ids, skip_special_tokens=True)
+
+
+def trainer_logprobs(trainer, batch, rollouts, temperature: float) -> list[list[float]]:
+    """The trainer's logprobs (ActorVL, the policy the engine was synced from) of each completion."""
+    tokens = trainer.tokens
+    seqs = build_sequences(batch.prompt_ids, batch.visual, rollouts.completion_ids, rollouts.prompt_index,
+                           tokens.pad_id).to("cuda")
+    with torch.no_grad():
+        lp = trainer.actor.logprobs(seqs, temperature=temperature).logprobs.float().cpu()
+    return [lp[r, :len(ids)].tolist() for r, ids in enumerate(rollouts.completion_ids)]
+
+
+def test_greedy_output_is_the_transformers_engines(setup):
+    engine, trainer, batch = setup
+    hf = HFEngine(lambda: trainer.actor.model, trainer.processor, trainer.tokens, max_batch_prompts=2)
+    ours, reference = greedy(engine, batch, 16), greedy(hf, batch, 16)
+    for row, (a, b) in enumerate(zip(ours.completion_ids, reference.completion_ids)):
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y)
+        assert k < min(len(a), len(b)), f"row {row}: one completion stopped early: {a} vs {b}"
+        # Same prefix up to k: the two next tokens must be a numerical tie under the trainer's model.
+        both = Rollouts(n=1, completion_ids=[a[:k + 1], b[:k + 1]], finish_reasons=["length"] * 2)
+        lp_a, lp_b = trainer_logprobs(trainer, batch.select([row, row]), both, temperature=1.0)
+        assert abs(lp_a[k] - lp_b[k]) < TIE_NATS, (f"row {row}: greedy outputs differ at token {k} "
+                                                   f"({a[k]} vs {b[k]}) and it is no tie: {lp_a[k]:.3f} vs "
+                                                   f"{lp_b[k]:.3f}")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_returned_logprobs_are_the_trainers(setup, temperature):
+    engine, trainer, batch = setup
+    rollouts = engine.generate(batch, SamplingParams(n=3, temperature=temperature, max_new_tokens=16))
+    expected = trainer_logprobs(trainer, batch, rollouts, temperature)
+    diffs = torch.tensor([abs(x - y) for got, want in zip(rollouts.logprobs, expected) for x, y in zip(got, want)])
+    # bf16 engine vs fp32 trainer: small on average, never far off (a wrong temperature or a top-k/top-p
+    # renormalisation shifts every token by far more).
+    assert diffs.mean() < 0.02 and diffs.max() < 0.2, (diffs.mean().item(), diffs.max().item())
 
 
 def test_sleep_frees_memory_and_wake_restores_the_same_policy(setup):

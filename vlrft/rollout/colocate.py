@@ -157,6 +157,7 @@ class EngineOptions:
     bucket_bytes: int = 512 << 20
     # The strategy's context for reading a bucket's parameters whole (ZeRO-3); None: nothing to gather.
     gather: Callable[[list[torch.Tensor]], ContextManager] | None = None
+    seed: int = 0  # the engine's sampling seed: equal on the ranks of a tensor-parallel group (RankLayout.seed)
 
 
 class ColocatedEngine:
@@ -169,7 +170,8 @@ class ColocatedEngine:
 
     def __init__(self, backend: Backend | None, build_requests: Callable[["PromptBatch"], list[PromptRequest]],
                  layout: RankLayout, comm: GroupComm, get_policy: Callable[[], torch.nn.Module], tokenizer,
-                 tokens: "TokenSpec", options: EngineOptions, every_rank_drives: bool):
+                 tokens: "TokenSpec", options: EngineOptions, every_rank_drives: bool,
+                 pack_bucket: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None):
         self.backend = backend  # None on members of a group whose leader drives the engine alone
         self.build_requests = build_requests
         self.layout = layout
@@ -181,9 +183,13 @@ class ColocatedEngine:
         # vLLM's external launcher: every member runs the engine on the pooled prompts. SGLang: the
         # leader's engine process owns the whole group, the members hand it their prompts.
         self.every_rank_drives = every_rank_drives
+        # Leader-driven engines whose TP workers each load their own GPU's copy (SGLang): every member
+        # packs its bucket (serialized handles) and the leader's backend loads the list, one per member.
+        self.pack_bucket = pack_bucket
         self.memory = Memory.AWAKE
         self.weights_current = False  # the engine holds the policy's latest weights
         self._weights: PolicyWeights | None = None
+        self._generate_calls = 0  # equal on every member: they call generate in lockstep
 
     @property
     def drives(self) -> bool:
@@ -194,8 +200,30 @@ class ColocatedEngine:
     def stop_ids(self, sampling: SamplingParams) -> set[int]:
         return set(self.tokens.eos_ids) | {int(i) for i in sampling.stop_token_ids}
 
+    def sampling_seed(self) -> int:
+        """The seed of this `generate` call: a function of the engine seed and the call count only.
+
+        Members of a tensor-parallel group run one engine together (vLLM's external launcher: each
+        runs the sampler) and must draw the same random numbers, whatever the trainer did to their
+        own generators since the last call (dropout, shuffles, `seed + rank` seeding).
+        """
+        return (self.options.seed * 1_000_003 + self._generate_calls) % (2**63)
+
+    def _engine_rng(self):
+        """A fork of torch's generators (CPU and this rank's GPU) for the engine; the trainer's streams are kept."""
+        device = torch.device(self.options.device)
+        gpus = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        return torch.random.fork_rng(devices=gpus)
+
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
         self._ensure_awake()
+        self._generate_calls += 1
+        with self._engine_rng():
+            torch.manual_seed(self.sampling_seed())
+            return self._generate(batch, sampling)
+
+    def _generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
         try:
             local: tuple[str, Any] = ("ok", self.build_requests(batch))
         except UserError as exc:  # tell the group first, so no member waits for this rank forever
@@ -206,7 +234,7 @@ class ColocatedEngine:
             if errors:
                 raise errors[0]
             per_rank = [requests for _, requests in pooled]
-            samples = self.backend.run([r for part in per_rank for r in part], sampling)
+            samples = self._run([r for part in per_rank for r in part], sampling)
             mine = _member_slice(samples, per_rank, self.layout.rank - self.layout.leader, sampling.n)
         else:
             kind, mine = self.comm.scatter_from_leader(self._lead(self.comm.gather_to_leader(local), sampling))
@@ -226,7 +254,7 @@ class ColocatedEngine:
             return [("error", errors[0])] * len(pooled)
         per_rank = [requests for _, requests in pooled]
         try:
-            samples = self.backend.run([r for part in per_rank for r in part], sampling)
+            samples = self._run([r for part in per_rank for r in part], sampling)
         except Exception as exc:  # noqa: BLE001 - every member raises it, the leader included
             if self.comm.group is None:
                 raise  # nobody waits for us: keep the engine's own traceback
@@ -234,6 +262,10 @@ class ColocatedEngine:
                 exc = EngineError(f"the engine failed on the group's prompts: {type(exc).__name__}: {exc}")
             return [("error", exc)] * len(pooled)
         return [("ok", _member_slice(samples, per_rank, k, sampling.n)) for k in range(len(per_rank))]
+
+    def _run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
+        """The engine on the pooled requests; none at all (every member's batch was empty) runs nothing."""
+        return self.backend.run(requests, sampling) if requests else []
 
     # ------------------------------------------------------------------ memory
 
@@ -255,6 +287,7 @@ class ColocatedEngine:
         if not self.weights_current:
             self._load_policy(self._get_policy())
         if self.drives:
+            free_cached_gpu_memory()
             self.backend.resume_cache()
         self.memory = Memory.AWAKE
 
@@ -264,6 +297,7 @@ class ColocatedEngine:
 
     def _resume_weights(self) -> None:
         if self.drives:
+            free_cached_gpu_memory()
             self.backend.resume_weights()
         self.memory = Memory.WEIGHTS_ONLY
 
@@ -284,16 +318,62 @@ class ColocatedEngine:
             self.backend.close()
             self.backend = None
 
-    def _load_policy(self, model: torch.nn.Module) -> None:
+    def _policy_weights(self, model: torch.nn.Module) -> PolicyWeights:
         if self._weights is None or self._weights.model is not policy_module(model):
             self._weights = PolicyWeights(model, self.options.dtype, self.options.gather)
-        if self.drives or self._weights.sharded:  # gathering shards is collective: every rank walks the buckets
-            for bucket in self._weights.buckets(self.options.bucket_bytes, self.options.device):
+        return self._weights
+
+    def _load_policy(self, model: torch.nn.Module) -> None:
+        if self.pack_bucket is not None:  # every member walks the buckets and ends with weights_loaded
+            self._load_packed(model)
+            self.weights_current = True
+            return
+        if self.drives or self._policy_weights(model).sharded:  # gathering shards is collective: all ranks walk
+            for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
                 if self.drives:
                     self.backend.load(bucket)
         if self.drives:
             self.backend.weights_loaded()
         self.weights_current = True
+
+    def _load_packed(self, model: torch.nn.Module) -> None:
+        """Every member packs each bucket from its own GPU; the leader loads them together, then all go on.
+
+        The leader's outcome reaches every member after each bucket, so a member keeps its tensors
+        alive until the engine has read them and a failure raises everywhere (nobody is left waiting).
+        """
+        for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
+            packed = self.comm.gather_to_leader(self.pack_bucket(bucket))
+            self._leader_step(lambda: self.backend.load(packed))
+        self._leader_step(self.backend.weights_loaded if self.drives else lambda: None)
+
+    def _leader_step(self, step: Callable[[], None]) -> None:
+        """Run `step` on the leader; its success or its error arrives at every member."""
+        if self.comm.group is None:
+            step()  # nobody waits for us: keep the engine's own traceback
+            return
+        outcome: tuple[str, Exception | None] | None = None
+        if self.drives:
+            try:
+                step()
+                outcome = ("ok", None)
+            except Exception as exc:  # noqa: BLE001 - every member raises it, the leader included
+                if not isinstance(exc, (UserError, EngineError)):  # engine exceptions may not pickle
+                    exc = EngineError(f"the engine failed to load weights: {type(exc).__name__}: {exc}")
+                outcome = ("error", exc)
+        kind, error = self.comm.scatter_from_leader([outcome] * self.layout.tp_size if self.drives else None)
+        if kind == "error":
+            raise error
+
+
+def free_cached_gpu_memory() -> None:
+    """Give the trainer's cached-but-free CUDA blocks back before the engine re-maps its memory.
+
+    PyTorch's caching allocator keeps freed activations reserved; an engine waking up (vLLM's
+    `wake_up` maps its pool without emptying that cache first) would otherwise run out of memory.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _member_slice(samples: list[EngineSample], per_rank: Sequence[list], member: int, n: int) -> list[EngineSample]:

@@ -128,6 +128,24 @@ def expand_vision_placeholders(ids: Sequence[int], image_token_id: int, video_to
     return out
 
 
+def pixel_bounds(processor: Any, data_cfg: Any) -> dict[str, dict[str, int]]:
+    """`{"image": {"min_pixels", "max_pixels"}, "video": {...}}`: the bounds our processor resizes to.
+
+    `data.min_pixels` / `data.max_pixels` intersected with the processor's own (as `PromptEncoder`
+    fits media); engines get them as engine-wide processor options, so their memory profiling
+    (largest image) and resize rules are the trainer's.
+    """
+    from vlrft.data.processor import _pixel_bounds
+
+    out: dict[str, dict[str, int]] = {}
+    for kind, attr in (("image", "image_processor"), ("video", "video_processor")):
+        sub = getattr(processor, attr, None)
+        bounds = _pixel_bounds(sub, data_cfg) if sub is not None else None
+        if bounds is not None:
+            out[kind] = {"min_pixels": bounds.min_pixels, "max_pixels": bounds.max_pixels}
+    return out
+
+
 def video_metadata_dict(metadata: Any) -> dict[str, Any]:
     """Frame-sampling metadata as a plain dict (what vLLM's `(frames, metadata)` video items carry)."""
     keys = ("total_num_frames", "fps", "width", "height", "duration", "video_backend", "frames_indices")

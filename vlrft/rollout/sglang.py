@@ -1,16 +1,22 @@
-"""SGLang as a colocated rollout engine (`rollout.engine=sglang`; `pip install 'vlrft[sglang]'`).
+"""SGLang as a colocated rollout engine (`rollout.engine=sglang`; `pip install 'vlrft[sglang]'`, SGLang >= 0.5.23).
 
 The first rank of each tensor-parallel group starts one `sglang.Engine` (its scheduler processes
 run on that group's GPUs, `base_gpu_id` = the leader's GPU); the other members hand the leader
-their prompts and get their completions back. Every rank holds a full replica of the policy, so the
-leader alone pushes weights: `Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`
-(the engine shards them over its tensor-parallel workers). Memory goes back and forth with
-`release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs
+their prompts and get their completions back. Every rank holds a full replica of the policy on its
+own GPU, and SGLang's tensor-parallel worker k loads the tensors of GPU k: each member serializes
+its bucket (CUDA IPC handles, `MultiprocessingSerializer`), the leader sends one
+`LocalSerializedTensor(values=[one payload per TP rank])` per weight through
+`Engine.update_weights_from_tensor`, inside a weight-update session
+(`begin_weight_update()` ... `end_weight_update()`; SGLang 0.5.23 refuses updates outside one), then
+`flush_cache()`. Every call that returns a status is checked: a failure raises `EngineError` with
+SGLang's message on every member, instead of sampling on from stale weights. Memory goes back and
+forth with `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` (needs
 `enable_memory_saver=True`), weights first, KV cache (and CUDA graphs) after.
 
 Prompts: our ids verbatim and our processor's tensors as one `processor_output` item per prompt
 (see `vlrft.rollout.requests`): SGLang runs no processor and no tokenizer on them. Logprobs are the
-engine's `output_token_logprobs` (after temperature scaling, SGLang's default).
+engine's `output_token_logprobs`: log-softmax of the logits after temperature scaling only (SGLang's
+default); top-k / top-p / min-p truncation is not applied to them.
 
 Sources read (SGLang main 2025-2026):
 https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/entrypoints/engine.py (update_weights_from_tensor,
@@ -29,8 +35,8 @@ import torch
 from vlrft.errors import require
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
-from vlrft.rollout.outputs import EngineSample, sglang_samples
-from vlrft.rollout.requests import PromptRequest, sglang_requests
+from vlrft.rollout.outputs import EngineError, EngineSample, sglang_samples
+from vlrft.rollout.requests import PromptRequest, pixel_bounds, sglang_requests
 
 if TYPE_CHECKING:
     from vlrft.tokens import TokenSpec
@@ -62,8 +68,13 @@ def sglang_sampling_params(sampling: SamplingParams, tokens: "TokenSpec") -> dic
     return params
 
 
-def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int) -> dict[str, Any]:
-    """Keyword arguments of `sglang.Engine` for a group leader on GPU `gpu_id`."""
+def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
+                         pixels: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """Keyword arguments of `sglang.Engine` for a group leader on GPU `gpu_id`.
+
+    `pixels` (`requests.pixel_bounds`: the trainer processor's image / video bounds) becomes
+    SGLang's engine-wide `mm_process_config`, so its limits are ours.
+    """
     r = cfg.rollout
     kwargs: dict[str, Any] = dict(
         model_path=cfg.model.path,
@@ -78,8 +89,38 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int) -> dict[str, Any]
         port=30000 + 10 * layout.group,  # engines of one node must not share ports
         log_level="error",
     )
+    if pixels:
+        kwargs["mm_process_config"] = {kind: dict(bounds) for kind, bounds in pixels.items()}
     kwargs.update(r.engine_kwargs)
     return kwargs
+
+
+def check_status(result: Any, call: str) -> None:
+    """Raise `EngineError` with SGLang's own message when `call` reports failure.
+
+    SGLang answers `(success, message)` tuples (weight updates, sessions) or objects with
+    `success` / `message` (`flush_cache`); `None` means the call reports nothing.
+    """
+    if result is None:
+        return
+    if isinstance(result, tuple):
+        success, message = bool(result[0]), (str(result[1]) if len(result) > 1 else "")
+    elif hasattr(result, "success"):
+        success, message = bool(result.success), str(getattr(result, "message", ""))
+    else:
+        return
+    if not success:
+        raise EngineError(f"SGLang {call} failed: {message or 'no message'}")
+
+
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, Any]]:
+    """This rank's tensors as SGLang payloads (CUDA IPC handles: the tensors must stay alive until loaded)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    if any(tensor.is_cuda for _, tensor in bucket):
+        monkey_patch_torch_reductions()  # CUDA handles name GPUs by UUID, as SGLang's workers expect
+    return [(name, MultiprocessingSerializer.serialize(tensor)) for name, tensor in bucket]
 
 
 def _memory_tags() -> tuple[str, ...]:
@@ -90,14 +131,25 @@ def _memory_tags() -> tuple[str, ...]:
     return tuple(GPU_MEMORY_ALL_TYPES)
 
 
-class SGLangBackend:
-    """`Backend` over an `sglang.Engine` owned by this (leader) rank."""
+def _local_serialized_tensor():
+    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
-    def __init__(self, engine, tokens: "TokenSpec"):
+    return LocalSerializedTensor
+
+
+class SGLangBackend:
+    """`Backend` over an `sglang.Engine` owned by this (leader) rank.
+
+    `load` receives, per weight bucket, one serialized bucket per tensor-parallel rank (member order).
+    `local_tensor` builds SGLang's per-rank wrapper (`LocalSerializedTensor`); tests pass their own.
+    """
+
+    def __init__(self, engine, tokens: "TokenSpec", local_tensor=None):
         self.engine = engine
         self.tokens = tokens
         self.tags = _memory_tags()
-        self._pending: list[list[tuple[str, torch.Tensor]]] = []
+        self.local_tensor = local_tensor or _local_serialized_tensor()
+        self.session_open = False
 
     def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
         image_data = [r.payload["image_data"] for r in requests]
@@ -110,25 +162,40 @@ class SGLangBackend:
         return sglang_samples(outputs, requests, sampling.n)
 
     def release(self) -> None:
-        self.engine.release_memory_occupation(tags=list(self.tags))
+        check_status(self.engine.release_memory_occupation(tags=list(self.tags)), "release_memory_occupation")
 
     def resume_weights(self) -> None:
-        self.engine.resume_memory_occupation(tags=[WEIGHTS_TAG])
+        check_status(self.engine.resume_memory_occupation(tags=[WEIGHTS_TAG]), "resume_memory_occupation")
 
     def resume_cache(self) -> None:
-        self.engine.resume_memory_occupation(tags=[t for t in self.tags if t != WEIGHTS_TAG])
+        check_status(self.engine.resume_memory_occupation(tags=[t for t in self.tags if t != WEIGHTS_TAG]),
+                     "resume_memory_occupation")
 
-    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        # Held one bucket back so the last call can flush the cache once.
-        if self._pending:
-            self.engine.update_weights_from_tensor(self._pending.pop(), flush_cache=False)
-        self._pending.append(bucket)
+    def load(self, per_rank: list[list[tuple[str, Any]]]) -> None:
+        """One bucket: `per_rank[k]` is TP rank k's serialized copy of it (same names, same order)."""
+        names = [name for name, _ in per_rank[0]]
+        if any([name for name, _ in part] != names for part in per_rank):
+            raise EngineError("SGLang weight sync: the tensor-parallel ranks serialized different weights")
+        if not self.session_open:
+            check_status(self.engine.begin_weight_update(), "begin_weight_update")
+            self.session_open = True
+        named = [(name, self.local_tensor(values=[part[i][1] for part in per_rank])) for i, name in enumerate(names)]
+        try:
+            check_status(self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=False),
+                         "update_weights_from_tensor")
+        except EngineError:
+            self._end_session()
+            raise
 
     def weights_loaded(self) -> None:
-        if self._pending:
-            self.engine.update_weights_from_tensor(self._pending.pop(), flush_cache=True)
-        else:
-            self.engine.flush_cache()
+        if self.session_open:
+            self._end_session()
+        # Cached prefixes (KV and preprocessed media) were computed with the old weights.
+        check_status(self.engine.flush_cache(), "flush_cache")
+
+    def _end_session(self) -> None:
+        self.session_open = False
+        check_status(self.engine.end_weight_update(), "end_weight_update")
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -147,7 +214,8 @@ class SGLangEngine(ColocatedEngine):
         if layout.is_leader:
             device = torch.device(strategy.device)
             gpu_id = device.index if device.index is not None else 0
-            backend = SGLangBackend(sgl.Engine(**sglang_engine_kwargs(cfg, layout, gpu_id)), trainer.tokens)
+            pixels = pixel_bounds(trainer.processor, cfg.data)
+            backend = SGLangBackend(sgl.Engine(**sglang_engine_kwargs(cfg, layout, gpu_id, pixels)), trainer.tokens)
         actor = trainer.actor
         engine = cls(
             backend=backend,
@@ -156,8 +224,10 @@ class SGLangEngine(ColocatedEngine):
             tokens=trainer.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
                                   sleep_between_steps=cfg.rollout.sleep_between_steps,
-                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered),
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered,
+                                  seed=layout.seed(cfg.train.seed)),
             every_rank_drives=False,
+            pack_bucket=serialize_bucket,
         )
         engine.update_weights(actor)  # the engine loaded the checkpoint from disk; the policy may differ
         return engine

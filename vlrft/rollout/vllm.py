@@ -1,4 +1,4 @@
-"""vLLM as a colocated rollout engine (`rollout.engine=vllm`; `pip install 'vlrft[vllm]'`, vLLM >= 0.10, V1 engine).
+"""vLLM as a colocated rollout engine (`rollout.engine=vllm`; `pip install 'vlrft[vllm]'`, vLLM >= 0.19.1, V1 engine).
 
 Each training process builds one `vllm.LLM` in-process on its own GPU (several processes form a
 tensor-parallel engine through vLLM's `external_launcher` backend, as TRL's colocate mode does), so
@@ -7,8 +7,11 @@ the policy's tensors can be loaded into the engine's model directly:
 `apply_model`, to `llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`). Sleep
 uses vLLM's sleep mode: `LLM.sleep(level=2)` drops weights and KV cache, `LLM.wake_up(tags=["weights"])`
 re-allocates only the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest
-(docs.vllm.ai "Sleep Mode"). After every weight load the prefix cache is reset: cached KV blocks
-were computed with the old weights.
+(docs.vllm.ai "Sleep Mode"); the trainer's cached CUDA blocks are freed before each wake-up. After
+every weight load the caches computed with the old weights are dropped: the prefix (KV) cache and
+the multimodal caches (`LLM.reset_mm_cache`: processed inputs; `LLMEngine.reset_encoder_cache`: the
+vision-encoder outputs vLLM reuses across requests by image hash).
+The trainer processor's pixel bounds are passed as engine-wide `mm_processor_kwargs`.
 
 Prompts: see `vlrft.rollout.requests` (placeholders folded, vLLM re-expands them, we check the
 result equals our ids). Logprobs: `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they are
@@ -33,8 +36,8 @@ import torch
 from vlrft.errors import UserError, require
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
-from vlrft.rollout.outputs import EngineSample, vllm_samples
-from vlrft.rollout.requests import PromptRequest, vllm_requests
+from vlrft.rollout.outputs import EngineError, EngineSample, vllm_samples
+from vlrft.rollout.requests import PromptRequest, pixel_bounds, vllm_requests
 
 if TYPE_CHECKING:
     from vlrft.tokens import TokenSpec
@@ -67,8 +70,14 @@ def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs
     return kwargs
 
 
-def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: set[str]) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for this rank; `supported` = the installed vLLM's EngineArgs fields."""
+def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: set[str],
+                       pixels: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for this rank; `supported` = the installed vLLM's EngineArgs fields.
+
+    `pixels` (`requests.pixel_bounds`) become engine-wide `mm_processor_kwargs` (the image bounds;
+    Qwen-VL processors read `min_pixels` / `max_pixels`), so vLLM profiles memory for, and resizes
+    to, the trainer's largest image.
+    """
     r = cfg.rollout
     kwargs: dict[str, Any] = dict(
         model=cfg.model.path,
@@ -86,6 +95,8 @@ def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: se
         kwargs["distributed_executor_backend"] = "external_launcher"
     if "logprobs_mode" in supported:
         kwargs["logprobs_mode"] = "processed_logprobs"
+    if pixels and "image" in pixels:
+        kwargs["mm_processor_kwargs"] = dict(pixels["image"])
     kwargs.update(r.engine_kwargs)
     return kwargs
 
@@ -94,9 +105,6 @@ class VLLMBackend:
     """`Backend` over an in-process `vllm.LLM`."""
 
     def __init__(self, llm, tokens: "TokenSpec", owns_distributed: bool):
-        import vllm
-
-        self._vllm = vllm
         self.llm = llm
         self.tokens = tokens
         # Single process: vLLM set up torch.distributed for itself and tears it down on close. Under
@@ -104,7 +112,12 @@ class VLLMBackend:
         self.owns_distributed = owns_distributed
 
     def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
-        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(sampling, self.tokens))
+        import vllm
+
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 with greedy sampling; the n are all the same
+            once = self.run(requests, dataclasses.replace(sampling, n=1))
+            return [sample for sample in once for _ in range(sampling.n)]
+        params = vllm.SamplingParams(**vllm_sampling_kwargs(sampling, self.tokens))
         outputs = self.llm.generate([r.payload for r in requests], params, use_tqdm=False)
         return vllm_samples(outputs, requests, sampling.n)
 
@@ -115,7 +128,8 @@ class VLLMBackend:
         self.llm.wake_up(tags=["weights"])
 
     def resume_cache(self) -> None:
-        self.llm.wake_up(tags=["kv_cache"])
+        if self.llm.wake_up(tags=["kv_cache"]) is False:  # vLLM >= 0.2x reports whether it is fully awake
+            raise EngineError("vLLM is not fully awake after wake_up(tags=['kv_cache']); its scheduler stays paused")
 
     def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         def load_into(model):
@@ -127,7 +141,19 @@ class VLLMBackend:
             load_into(self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
 
     def weights_loaded(self) -> None:
-        self.llm.reset_prefix_cache()
+        """Drop everything computed with the old weights: KV prefixes, and encoder outputs reused by image hash."""
+        if self.llm.reset_prefix_cache() is False:
+            raise EngineError("vLLM refused to reset its prefix cache after a weight update (requests still "
+                              "running?); its cached prompts would be sampled with the old weights")
+        self.llm.reset_mm_cache()  # processed inputs (and the workers' multimodal receiver caches)
+        # Encoder outputs live in another cache: `LLMEngine.reset_encoder_cache` (vLLM 0.32; `LLM` itself
+        # has no such method there). Without it, images already seen keep their old vision-tower outputs.
+        reset_encoder = getattr(self.llm, "reset_encoder_cache", None) or \
+            getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
+        if reset_encoder is None:
+            raise EngineError("this vLLM cannot reset its encoder cache after a weight update, so images would be "
+                              "encoded with the old vision tower; install the tested vLLM (constraints/vllm.txt)")
+        reset_encoder()
 
     def close(self) -> None:
         import gc
@@ -158,7 +184,8 @@ class VLLMEngine(ColocatedEngine):
             raise UserError("rollout.engine=vllm runs vLLM inside the training process; unset "
                             "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
         supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-        llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported))
+        llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
+                                            pixel_bounds(trainer.processor, cfg.data)))
         actor = trainer.actor
         engine = cls(
             backend=VLLMBackend(llm, trainer.tokens, owns_distributed=not distributed),
@@ -167,7 +194,8 @@ class VLLMEngine(ColocatedEngine):
             tokens=trainer.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
                                   sleep_between_steps=cfg.rollout.sleep_between_steps,
-                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered),
+                                  bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered,
+                                  seed=layout.seed(cfg.train.seed)),
             every_rank_drives=True,
         )
         # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once.

@@ -82,10 +82,11 @@ def collect(trainer, step: int) -> Collected:
         encoded = trainer.encoder.encode([trainer.train_samples[i] for i in indices])
         skipped += len(encoded.skipped)
         batch = encoded.batch
+        with trainer.timer("time/generate"):
+            # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
+            rollouts = trainer.engine.generate(batch, trainer.sampling)
         if len(batch) == 0:
             continue
-        with trainer.timer("time/generate"):
-            rollouts = trainer.engine.generate(batch, trainer.sampling)
         with trainer.timer("time/reward"):
             result = score(trainer.rewards, batch, rollouts, step)
         for key in reward_errors:

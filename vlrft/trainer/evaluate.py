@@ -3,7 +3,9 @@
 A completion is correct when the accuracy reward (`train.eval_accuracy_reward`, default the first
 configured reward function) gives it more than 0.5; with `train.eval_n = k > 1` samples per prompt,
 pass@k is the share of prompts with at least one correct sample. Every rank evaluates its own
-slice of the eval set; sums and counts are reduced so the numbers are exact over all of it.
+slice of the eval set; sums and counts are reduced so the numbers are exact over all of it. Every
+rank calls `generate` equally often (a rank with a shorter slice, or whose batch was all skipped,
+generates on an empty batch): ranks sharing a tensor-parallel engine must run it in lockstep.
 """
 
 from __future__ import annotations
@@ -29,17 +31,19 @@ def accuracy_reward_key(cfg, reward_set) -> str:
 
 def evaluate(trainer, step: int) -> dict[str, float]:
     cfg = trainer.cfg
-    samples = trainer.eval_samples[trainer.strategy.rank::trainer.strategy.world_size]
+    rank, world = trainer.strategy.rank, trainer.strategy.world_size
+    samples = trainer.eval_samples[rank::world]
+    largest_share = -(-len(trainer.eval_samples) // world)  # rank 0's slice; the others are at most one shorter
     sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
     key = trainer.accuracy_key
     stats = Stats()
-    for start in range(0, len(samples), cfg.train.eval_batch_prompts):
+    for start in range(0, largest_share, cfg.train.eval_batch_prompts):
         encoded = trainer.encoder.encode(samples[start:start + cfg.train.eval_batch_prompts])
         stats.add("eval/skipped", float(len(encoded.skipped)), 1.0)
         batch = encoded.batch
+        rollouts = trainer.engine.generate(batch, sampling)  # even on an empty batch: see the module docstring
         if len(batch) == 0:
             continue
-        rollouts = trainer.engine.generate(batch, sampling)
         result = score(trainer.rewards, batch, rollouts, step)
         correct = torch.nan_to_num(result.per_function.get(key, torch.full((len(rollouts),), float("nan"))),
                                    nan=0.0) > 0.5
