@@ -49,7 +49,7 @@ def full_weights(strategy: DeepSpeedStrategy, module: nn.Module) -> list[torch.T
 
 def train_sharded(stage: int) -> dict:
     cfg = load_config(None, ["train.strategy=deepspeed", f"train.deepspeed.zero_stage={stage}",
-                             f"train.max_grad_norm={MAX_NORM}", "train.micro_batch_size=2"], validate=False)
+                             f"train.max_grad_norm={MAX_NORM}", "train.micro_batch_completions_per_rank=2"], validate=False)
     strategy = DeepSpeedStrategy(rank_info_from_env(), cfg)
     rank, world = strategy.rank, strategy.world_size
     parts, modules = [], []

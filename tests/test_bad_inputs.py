@@ -85,9 +85,9 @@ class Inputs:
     def config(self, *overrides: str, data: str | None = None, **sections) -> list[str]:
         cfg = {"model": {"path": str(self.model), "dtype": "float32"},
                "data": {"train_files": [data or self.jsonl()], "min_pixels": 784, "max_pixels": 3136},
-               "rollout": {"n": 2, "batch_size": 4, "max_new_tokens": 3},
+               "rollout": {"n": 2, "global_batch_completions": 4, "max_new_tokens": 3},
                "reward": {"functions": [{"name": f"{REWARDS}:text_hash"}]},
-               "train": {"output_dir": str(self.run), "total_steps": 1, "micro_batch_size": 4},
+               "train": {"output_dir": str(self.run), "total_steps": 1, "micro_batch_completions_per_rank": 4},
                "logging": {"progress": False, "completions_every": 0, "tensorboard": False}}
         for section, values in sections.items():
             cfg[section].update(values)
@@ -163,8 +163,8 @@ CASES = {
     "config: negative temperature": (lambda i: i.train("rollout.temperature=-1"), 2, ("rollout.temperature",)),
     "config: top_p > 1": (lambda i: i.train("rollout.top_p=1.5"), 2, ("rollout.top_p", "(0, 1]")),
     "config: top_k < -1": (lambda i: i.train("rollout.top_k=-3"), 2, ("rollout.top_k",)),
-    "config: batch not a multiple of n": (lambda i: i.train("rollout.batch_size=5"), 2,
-                                          ("rollout.batch_size", "multiple of rollout.n")),
+    "config: batch not a multiple of n": (lambda i: i.train("rollout.global_batch_completions=5"), 2,
+                                          ("rollout.global_batch_completions", "multiple of rollout.n")),
     "config: resume path missing": (lambda i: i.train(f"train.resume={i.dir / 'ckpt'}"), 2, ("train.resume",)),
     "config: overwrite and resume": (lambda i: i.train("train.overwrite=true", "train.resume=auto"), 2,
                                      ("train.overwrite", "contradict")),

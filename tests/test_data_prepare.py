@@ -286,8 +286,8 @@ def test_each_recipe_trains_two_steps_on_its_prepared_data(task, prepared, tiny_
         f"model.path={tiny_vlm_dir('qwen2_vl')}", "model.dtype=float32", "model.gradient_checkpointing=false",
         f"data.train_files=[{train}]", "data.eval_files=[]", "data.min_pixels=784", "data.max_pixels=3136",
         "data.max_prompt_length=4096", "data.video_max_frames=4",
-        "rollout.engine=hf", "rollout.n=2", "rollout.batch_size=4", "rollout.max_new_tokens=4",
-        "train.strategy=single", "train.total_steps=2", "train.mini_batch_size=4", "train.micro_batch_size=4",
+        "rollout.engine=hf", "rollout.n=2", "rollout.global_batch_completions=4", "rollout.max_new_tokens=4",
+        "train.strategy=single", "train.total_steps=2", "train.global_mini_batch_completions=4", "train.micro_batch_completions_per_rank=4",
         "train.eval_every=0", "train.save_every=0", f"train.output_dir={tmp_path / 'run'}",
         "logging.tensorboard=false", "logging.progress=false",
     ])

@@ -93,9 +93,9 @@ def setup(tmp_path_factory, tiny_vlm_dir):
     config.write_text(f"""
 model: {{path: {model}, dtype: float32}}
 data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 4, batch_size: 16, max_new_tokens: 5}}
+rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 5}}
 reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
-train: {{total_steps: 3, lr: 1.0e-3, micro_batch_size: 4, strategy: deepspeed, save_every: 1, keep_last: 5,
+train: {{total_steps: 3, lr: 1.0e-3, micro_batch_completions_per_rank: 4, strategy: deepspeed, save_every: 1, keep_last: 5,
          eval_before_training: false}}
 logging: {{progress: false, completions_every: 0, tensorboard: false}}
 """)
@@ -116,7 +116,7 @@ def zero(setup):
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
-        run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_size=1"),
+        run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
         run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
     return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z2": results[2]["history"],

@@ -32,10 +32,10 @@ pytestmark = pytest.mark.slow
 def write_config(path: Path, model: Path, shapes: dict, out: Path) -> Path:
     cfg = {"model": {"path": str(model), "dtype": "float32"},
            "data": {"train_files": [str(shapes["train"])], "min_pixels": 784, "max_pixels": 3136},
-           "rollout": {"n": 2, "batch_size": 4, "max_new_tokens": 4},
+           "rollout": {"n": 2, "global_batch_completions": 4, "max_new_tokens": 4},
            "reward": {"functions": [{"name": f"{REWARDS}:text_hash"}]},
            "algorithm": {"kl_coef": 0.05},
-           "train": {"output_dir": str(out), "total_steps": STEPS, "lr": 1e-3, "micro_batch_size": 4,
+           "train": {"output_dir": str(out), "total_steps": STEPS, "lr": 1e-3, "micro_batch_completions_per_rank": 4,
                      "save_every": 1, "keep_last": 2, "resume": "auto"},
            "logging": {"progress": False, "completions_every": 0, "tensorboard": True}}
     path.write_text(yaml.safe_dump(cfg))

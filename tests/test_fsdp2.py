@@ -54,9 +54,9 @@ def setup(tmp_path_factory, tiny_vlm_dir):
     config.write_text(f"""
 model: {{path: {model}, dtype: float32}}
 data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 4, batch_size: 16, max_new_tokens: 5}}
+rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 5}}
 reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
-train: {{total_steps: 3, lr: 1.0e-3, micro_batch_size: 4, strategy: fsdp2, save_every: 1, keep_last: 5,
+train: {{total_steps: 3, lr: 1.0e-3, micro_batch_completions_per_rank: 4, strategy: fsdp2, save_every: 1, keep_last: 5,
          eval_before_training: false}}
 logging: {{progress: false, completions_every: 0, tensorboard: false}}
 """)
@@ -77,8 +77,8 @@ def sharded(setup):
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "A", sync_out=str(setup["folder"] / "sync.pt")),
-        run_args(setup, "B", "train.total_steps=1", "train.micro_batch_size=1"),
-        run_args(setup, "C", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_size=2",
+        run_args(setup, "B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
+        run_args(setup, "C", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_completions_per_rank=2",
                  scripted=False),
     ])
     return {"A": results[0]["history"], "B": results[1]["history"], "C": results[2]["history"],

@@ -34,9 +34,9 @@ def make_data(folder: Path, n: int = 8, bad: dict[int, bytes] | None = None) -> 
 def config(tmp_path, model, data, *overrides):
     return load_config(None, [
         f"model.path={model}", "model.dtype=float32", f"data.train_files=[{data}]", "data.min_pixels=784",
-        "data.max_pixels=3136", "rollout.n=2", "rollout.batch_size=4", "rollout.max_new_tokens=3",
+        "data.max_pixels=3136", "rollout.n=2", "rollout.global_batch_completions=4", "rollout.max_new_tokens=3",
         f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
-        "train.total_steps=1", "train.micro_batch_size=4", "logging.progress=false", "logging.completions_every=0",
+        "train.total_steps=1", "train.micro_batch_completions_per_rank=4", "logging.progress=false", "logging.completions_every=0",
         *overrides])
 
 

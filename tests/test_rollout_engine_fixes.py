@@ -378,7 +378,7 @@ def test_evaluation_calls_generate_equally_often_on_every_rank(rank, empty_encod
     from vlrft.trainer.evaluate import evaluate
 
     cfg = Config()
-    cfg.train.eval_batch_size = 2
+    cfg.train.eval_batch_prompts = 2
     engine = CountingEngine()
     trainer = SimpleNamespace(cfg=cfg, eval_samples=list(range(5)),  # rank 0 gets 3 samples, rank 1 gets 2
                               strategy=SimpleNamespace(rank=rank, world_size=2), encoder=empty_encoder, engine=engine,

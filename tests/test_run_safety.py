@@ -30,9 +30,9 @@ def config(out, model_dir, shapes, *overrides):
     base = [
         f"model.path={model_dir}", "model.dtype=float32",
         f"data.train_files=[{shapes['train']}]", "data.min_pixels=784", "data.max_pixels=3136",
-        "rollout.n=4", "rollout.batch_size=8", "rollout.max_new_tokens=4",
+        "rollout.n=4", "rollout.global_batch_completions=8", "rollout.max_new_tokens=4",
         f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]",
-        f"train.output_dir={out}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_size=8",
+        f"train.output_dir={out}", "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_completions_per_rank=8",
         "train.save_every=1", "logging.progress=false", "logging.completions_every=0",
     ]
     return load_config(None, base + list(overrides))
