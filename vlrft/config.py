@@ -179,7 +179,7 @@ class TrainConfig:
     micro_batch_size: int = 4  # completions per forward pass per rank
     strategy: Literal["single", "ddp"] = "single"  # "ddp" under torchrun (gloo on CPU, NCCL on GPUs)
     save_every: int = 20  # steps; 0 = only at the end (a crash then loses every step)
-    keep_last: int = 2  # checkpoints of this run kept; older ones of the same run are deleted
+    keep_last: int = 2  # checkpoints of this run kept (0 = all); older ones of the same run are deleted
     resume: str = "none"  # "none", "auto" (latest checkpoint in output_dir) or a checkpoint path
     overwrite: bool = False  # start over in a non-empty output_dir, deleting the run files there
     save_on_interrupt: bool = True  # Ctrl-C finishes the step, saves a checkpoint, then stops
@@ -312,6 +312,8 @@ _NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
     ("train.weight_decay", lambda v: v >= 0, "a number >= 0"),
     ("train.max_grad_norm", lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"),
     ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    ("train.save_every", lambda v: v >= 0, "a number of steps >= 0 (0 = only at the end)"),
+    ("train.keep_last", lambda v: v >= 0, "a number of checkpoints >= 0 (0 = keep all)"),
     ("rollout.temperature", lambda v: v >= 0,
      "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),
