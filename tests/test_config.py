@@ -147,6 +147,7 @@ def test_old_batch_size_names_still_load_and_say_what_to_use(tmp_path, capsys):
     ("algorithm.entropy_coef=nan", "algorithm.entropy_coef"), ("algorithm.clip_eps_high=inf", "algorithm.clip_eps_high"),
     ("model.lora.dropout=1.0", "model.lora.dropout"), ("reward.timeout_s=0", "reward.timeout_s"),
     ("reward.functions=[{name: accuracy, weight: .nan}]", "reward.functions[0].weight"),
+    ("train.save_every=-1", "train.save_every"), ("train.keep_last=-2", "train.keep_last"),
 ])
 def test_float_options_must_be_finite_and_in_range(override, key):
     with pytest.raises(ConfigError, match=re.escape(f"config: {key}=")):

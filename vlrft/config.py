@@ -482,6 +482,8 @@ _NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
     ("train.weight_decay", lambda v: v >= 0, "a number >= 0"),
     ("train.max_grad_norm", lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"),
     ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    ("train.save_every", lambda v: v >= 0, "a number of steps >= 0 (0 = only at the end)"),
+    ("train.keep_last", lambda v: v >= 0, "a number of checkpoints >= 0 (0 = keep all)"),
     ("rollout.temperature", lambda v: v >= 0,
      "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),

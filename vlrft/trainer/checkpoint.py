@@ -1,7 +1,9 @@
 """Checkpoints that resume exactly: weights (HF format), optimizer, scheduler, every rank's RNG, trainer state.
 
 A checkpoint is written into a temporary folder and renamed into place only when complete, so a
-crash while saving never touches the previous one; older ones are pruned after that (keep-last-k).
+crash while saving never touches the previous one; older ones of the same run lineage (the `run_id` in
+`trainer_state.json`) are pruned after that (keep-last-k), renamed first so a cut-short delete is never mistaken
+for a checkpoint.
 Layout of `<output_dir>/checkpoints/step_<k>/`: `model/` (save_pretrained + processor; for LoRA the
 adapter), `scheduler.pt`, `trainer_state.json`, `rng/rank<r>.pt`, and what the strategy writes for
 the optimizer states (single/DDP: `optimizer.pt`, `critic.pt` for PPO; FSDP2: `sharded/`, a

@@ -29,15 +29,23 @@ class InterruptGuard:
         self._held = False  # a Ctrl-C arrived during a save and must be raised after it
         self._previous = None
 
-    def __enter__(self) -> "InterruptGuard":
+    def install(self) -> "InterruptGuard":
+        """Take over SIGINT (only possible, and only needed, in the main thread)."""
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
+        """Give SIGINT back to whoever had it."""
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+    def __enter__(self) -> "InterruptGuard":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     def _handle(self, signum, frame) -> None:
         if self._in_save:

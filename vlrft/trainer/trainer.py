@@ -365,30 +365,31 @@ class Trainer:
             if self.resume_from is not None:
                 self.message(f"resumed from {self.resume_from} at step {self.step_count}")
         self.strategy.barrier()  # the old run's files are gone before any rank writes
+        interrupt = InterruptGuard(cfg.train.save_on_interrupt).install()
         try:
-            with InterruptGuard(cfg.train.save_on_interrupt) as interrupt:
-                if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
-                    metrics = evaluate(self, 0)
-                    self._log(0, metrics)
-                    history.append({"step": 0, **metrics})
-                while self.step_count < cfg.train.total_steps:
-                    metrics = self.train_step()
-                    step = self.step_count
-                    if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
-                                                                       step == cfg.train.total_steps):
-                        metrics.update(evaluate(self, step))
-                    self._log(step, metrics)
-                    history.append({"step": step, **metrics})
-                    due = (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps
-                    stop = self._stop_requested(interrupt)
-                    if due or stop:
-                        with interrupt.saving():
-                            saved = self.save()
-                        stop = stop or self._stop_requested(interrupt)  # a Ctrl-C during the save: stop now
-                    if stop and step < cfg.train.total_steps:
-                        raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
-                                                  "with train.resume=auto")
+            if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
+                metrics = evaluate(self, 0)
+                self._log(0, metrics)
+                history.append({"step": 0, **metrics})
+            while self.step_count < cfg.train.total_steps:
+                metrics = self.train_step()
+                step = self.step_count
+                if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
+                                                                   step == cfg.train.total_steps):
+                    metrics.update(evaluate(self, step))
+                self._log(step, metrics)
+                history.append({"step": step, **metrics})
+                due = (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps
+                stop = self._stop_requested(interrupt)
+                if due or stop:
+                    with interrupt.saving():
+                        saved = self.save()
+                    stop = stop or self._stop_requested(interrupt)  # a Ctrl-C during the save: stop now
+                if stop and step < cfg.train.total_steps:
+                    raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
+                                              "with train.resume=auto")
         finally:
+            interrupt.uninstall()
             if self.logger is not None:
                 self.logger.close()
         return history
