@@ -36,6 +36,8 @@ def test_missing_deepspeed_is_one_clear_error(monkeypatch):
     from vlrft.errors import UserError
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is not installed
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}.items():
+        monkeypatch.setenv(var, value)  # as under torchrun: the package check comes before any process group
     with pytest.raises(UserError, match=r"train.strategy=deepspeed needs the deepspeed package .*vlrft\[deepspeed\]"):
         make_strategy("deepspeed")
 

@@ -395,6 +395,7 @@ def test_collect_generates_even_when_a_rounds_batch_is_empty(empty_encoder):
     engine = CountingEngine()
     trainer = SimpleNamespace(cfg=cfg, prompts_per_rank=1, encoder=empty_encoder, engine=engine,
                               sampler=SimpleNamespace(next_indices=lambda: [0]), train_samples=["s"],
+                              rewards=SimpleNamespace(keys=[]),
                               strategy=SimpleNamespace(all_reduce=lambda t, op: t),
                               timer=lambda name: __import__("contextlib").nullcontext(), sampling=SamplingParams())
     with pytest.raises(Exception, match="could not collect 1 usable prompts"):

@@ -71,7 +71,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self.offload_optimizer = bool(getattr(options, "offload_optimizer", False))
         self.offload_param = bool(getattr(options, "offload_param", False))
         self.max_grad_norm = float(getattr(getattr(cfg, "train", None), "max_grad_norm", 1.0))
-        self.micro_batch_size = int(getattr(getattr(cfg, "train", None), "micro_batch_size", 1))
+        self.micro_batch_size = int(getattr(getattr(cfg, "train", None), "micro_batch_completions_per_rank", 1))
         self._engines: dict[int, Any] = {}  # id(module given to prepare_*) -> its engine
 
     # ------------------------------------------------------------------ configuration
