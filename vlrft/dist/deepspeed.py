@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -294,14 +295,23 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 engine._config.load_universal_checkpoint = False
 
     def _universal(self, path: Path) -> str:
-        """Tag of DeepSpeed's universal checkpoint of `path/TAG` (converted once, by rank 0): any world size reads it."""
+        """Tag of DeepSpeed's universal checkpoint of `path/TAG` (converted once, by rank 0): any world size reads it.
+
+        Written next to the original (into the checkpoint folder), under a temporary name renamed
+        into place when complete, so an interrupted conversion is redone rather than half-read.
+        """
         tag = f"{TAG}_universal"
-        if self.is_main and not (path / tag / "zero").is_dir():
+        if self.is_main and not (path / tag).is_dir():
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+            partial = path / f".{tag}-partial"
+            shutil.rmtree(partial, ignore_errors=True)
             ds_to_universal(argparse.Namespace(
-                input_folder=str(path / TAG), output_folder=str(path / tag), num_extract_workers=1,
-                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+                input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                # a plain (non-Megatron) model records no universal-checkpoint info; ZeRO-1/2 needs the default
+                inject_missing_state=True))
+            partial.rename(path / tag)
         self.barrier()
         return tag
 
