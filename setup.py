@@ -25,7 +25,7 @@ EXTRAS = {
     "video": ["torchvision", "av>=12", "qwen-vl-utils>=0.0.10"],
     "vllm": ["vllm>=0.10"],
     "sglang": ["sglang>=0.5"],
-    "deepspeed": ["deepspeed>=0.15"],
+    "deepspeed": ["deepspeed>=0.19.8"],  # train.strategy=deepspeed (managed_gradient_accumulation=false)
     "wandb": ["wandb>=0.18"],
     "peft": ["peft>=0.13"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],

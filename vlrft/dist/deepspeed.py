@@ -129,6 +129,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             unset_hf_deepspeed_config()  # later from_pretrained calls (rollout engines) load whole models
             del hf_ds_config
         self._keep_used_conversions(model)
+        for module in model.modules():  # zero.Init places the parameter shards; buffers (rotary tables) follow
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.device)
         return model
 
     def _keep_used_conversions(self, model: nn.Module) -> None:
@@ -138,12 +142,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         (and the weight sync's checkpoint names) would then revert renamings that never happened and
         write e.g. `model.model.embed_tokens.weight`. Only rank 0 reads the checkpoint, so it decides.
         """
-        conversions = getattr(model, "_weight_conversions", None)
-        if not conversions:
-            return
+        conversions = getattr(model, "_weight_conversions", None) or []
         used = [i for i, c in enumerate(conversions) if getattr(c, "was_used", lambda: True)()]
-        used = self.broadcast_object(used)
-        model._weight_conversions = [conversions[i] for i in used]
+        used = self.broadcast_object(used)  # every rank calls this, whatever it recorded
+        if conversions:
+            model._weight_conversions = [conversions[i] for i in used if i < len(conversions)]
 
     def _register_head(self, model: nn.Module) -> None:
         """ZeRO-3 gathers a layer's weights when that layer runs; the LM head's weight is read directly
