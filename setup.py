@@ -28,7 +28,7 @@ EXTRAS = {
     # SGLang >= 0.5.23: the weight-update session API vlrft drives (begin/end_weight_update); the tested release.
     "vllm": ["vllm>=0.19.1"],
     "sglang": ["sglang>=0.5.23"],
-    "deepspeed": ["deepspeed>=0.15"],
+    "deepspeed": ["deepspeed>=0.19.8"],  # train.strategy=deepspeed (managed_gradient_accumulation=false)
     "wandb": ["wandb>=0.18"],
     "peft": ["peft>=0.13"],
     "dev": ["pytest>=8", "pytest-timeout>=2.3"],

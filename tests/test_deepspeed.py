@@ -114,15 +114,18 @@ def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def zero(setup):
-    """One torchrun launch: Z3 (3 steps, micro-batch 4, weight sync after), Z3B (1 step, micro-batch 1), Z2."""
+    """One torchrun launch: Z3 (3 steps, micro-batch 4, weight sync after), Z3B (1 step, micro-batch 1),
+    Z3H (the real hf engine generating from the gathered ZeRO-3 policy), Z2 (ZeRO-2, as Z3)."""
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
         run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
+        run_args(setup, "Z3H", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_completions_per_rank=2",
+                 scripted=False),
         run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
-    return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z2": results[2]["history"],
-            "seconds": time.perf_counter() - start}
+    return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z3H": results[2]["history"],
+            "Z2": results[3]["history"], "seconds": time.perf_counter() - start}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,17 @@ def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup
 
 
 @torchrun_test
+def test_zero3_trains_with_the_hf_engine_and_evaluates(setup, zero):
+    steps = [h for h in zero["Z3H"] if h["step"] > 0]
+    assert [h["step"] for h in steps] == [1, 2]
+    assert all(h["completions/mean_length"] > 0 and h["actor/grad_norm"] > 0 for h in steps)
+    assert 0 <= steps[-1]["eval/accuracy"] <= 1
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    trained = weights(setup, "Z3H", 2)
+    assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+
+
+@torchrun_test
 def test_a_zero3_checkpoint_resumes_bitwise_on_2_ranks(setup, zero):
     resume = setup["folder"] / "Z3" / "checkpoints" / "step_1"
     history = run_plan(setup["folder"], 2, [run_args(setup, "R2", f"train.resume={resume}")])[0]["history"]
@@ -199,15 +213,21 @@ def test_a_zero3_checkpoint_resumes_bitwise_on_2_ranks(setup, zero):
 
 
 @torchrun_test
-def test_a_2_rank_zero3_checkpoint_resumes_on_1_rank(setup, zero):
-    resume = setup["folder"] / "Z3" / "checkpoints" / "step_1"
-    history = run_plan(setup["folder"], 1, [run_args(setup, "R1", f"train.resume={resume}")])[0]["history"]
-    assert [h["step"] for h in history] == [2, 3]
-    assert_close(weights(setup, "R1", 3), weights(setup, "Z3", 3))
-    for ours, theirs in zip(history, zero["Z3"][1:]):
-        for key in ("reward/mean", "actor/grad_norm", "entropy", "actor/kl_ref"):
-            if key in theirs:
-                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+def test_a_2_rank_zero3_or_zero2_checkpoint_resumes_on_1_rank(setup, zero):
+    """Through DeepSpeed's universal checkpoint format (converted on first use)."""
+    results = run_plan(setup["folder"], 1, [
+        run_args(setup, "R1", f"train.resume={setup['folder'] / 'Z3' / 'checkpoints' / 'step_1'}"),
+        run_args(setup, "R1Z2", f"train.resume={setup['folder'] / 'Z2' / 'checkpoints' / 'step_1'}",
+                 "train.deepspeed.zero_stage=2", new_strategy=True),
+    ])
+    for (run, written), result in zip((("R1", "Z3"), ("R1Z2", "Z2")), results):
+        history = result["history"]
+        assert [h["step"] for h in history] == [2, 3]
+        assert_close(weights(setup, run, 3), weights(setup, written, 3))
+        for ours, theirs in zip(history, zero[written][1:]):
+            for key in ("reward/mean", "actor/grad_norm", "entropy", "actor/kl_ref"):
+                if key in theirs:
+                    assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
 @torchrun_test

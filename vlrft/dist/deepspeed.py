@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,6 +129,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             unset_hf_deepspeed_config()  # later from_pretrained calls (rollout engines) load whole models
             del hf_ds_config
         self._keep_used_conversions(model)
+        for module in model.modules():  # zero.Init places the parameter shards; buffers (rotary tables) follow
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(self.device)
         return model
 
     def _keep_used_conversions(self, model: nn.Module) -> None:
@@ -137,12 +142,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         (and the weight sync's checkpoint names) would then revert renamings that never happened and
         write e.g. `model.model.embed_tokens.weight`. Only rank 0 reads the checkpoint, so it decides.
         """
-        conversions = getattr(model, "_weight_conversions", None)
-        if not conversions:
-            return
+        conversions = getattr(model, "_weight_conversions", None) or []
         used = [i for i, c in enumerate(conversions) if getattr(c, "was_used", lambda: True)()]
-        used = self.broadcast_object(used)
-        model._weight_conversions = [conversions[i] for i in used]
+        used = self.broadcast_object(used)  # every rank calls this, whatever it recorded
+        if conversions:
+            model._weight_conversions = [conversions[i] for i in used if i < len(conversions)]
 
     def _register_head(self, model: nn.Module) -> None:
         """ZeRO-3 gathers a layer's weights when that layer runs; the LM head's weight is read directly
@@ -294,14 +298,23 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 engine._config.load_universal_checkpoint = False
 
     def _universal(self, path: Path) -> str:
-        """Tag of DeepSpeed's universal checkpoint of `path/TAG` (converted once, by rank 0): any world size reads it."""
+        """Tag of DeepSpeed's universal checkpoint of `path/TAG` (converted once, by rank 0): any world size reads it.
+
+        Written next to the original (into the checkpoint folder), under a temporary name renamed
+        into place when complete, so an interrupted conversion is redone rather than half-read.
+        """
         tag = f"{TAG}_universal"
-        if self.is_main and not (path / tag / "zero").is_dir():
+        if self.is_main and not (path / tag).is_dir():
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
+            partial = path / f".{tag}-partial"
+            shutil.rmtree(partial, ignore_errors=True)
             ds_to_universal(argparse.Namespace(
-                input_folder=str(path / TAG), output_folder=str(path / tag), num_extract_workers=1,
-                num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+                input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=1,
+                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                # a plain (non-Megatron) model records no universal-checkpoint info; ZeRO-1/2 needs the default
+                inject_missing_state=True))
+            partial.rename(path / tag)
         self.barrier()
         return tag
 
