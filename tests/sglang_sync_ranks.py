@@ -61,7 +61,8 @@ def worker(rank: int, out_dir: str, model_dir: str, fail_update: str) -> None:
     model = load_policy(model_dir)
     recorder = RecordingSGLangEngine() if layout.is_leader else None
     tokens = TokenSpec(pad_id=0, eos_ids=(2,), image_token_id=6, video_token_id=7)
-    backend = SGLangBackend(recorder, tokens, local_tensor=StandInLocalSerializedTensor) if recorder else None
+    backend = SGLangBackend(recorder, tokens, local_tensor=StandInLocalSerializedTensor,
+                            tags=("weights", "kv_cache")) if recorder else None  # no sglang import needed
     engine = ColocatedEngine(backend, lambda batch: [], layout, GroupComm(layout), lambda: model, None, tokens,
                              EngineOptions(dtype=torch.float32, device="cpu", bucket_bytes=1 << 30),
                              every_rank_drives=False,

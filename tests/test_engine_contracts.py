@@ -41,7 +41,7 @@ def engine_package(name: str):
     to import is an error, not a skip (a broken stack must not pass)."""
     if importlib.util.find_spec(name) is None:
         pytest.skip(f"{name} is not installed here; CI runs the contract tests in the {name} stack's environment "
-                    f"(pip install -c constraints/{name}.txt -e '.[{name},dev,video]')")
+                    f"(pip install -c constraints/{name}.txt -e '.[{name},video,peft,dev]')")
     return importlib.import_module(name)
 
 

@@ -32,11 +32,15 @@ ENGINES = ["vllm", "sglang"]
 # Heads of 64 dims: every attention backend of both engines takes them.
 SPEC = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, vision_hidden_size=64, vision_heads=1)
 ENGINE_KWARGS = {"vllm": {"enforce_eager": True}, "sglang": {"disable_cuda_graph": True}}
+# The tiny model's logits are nearly flat (std ~0.2: every greedy step a near-tie, temperature barely matters).
+# Sharpened (std ~3) in the policy only: the engine starts from the checkpoint on disk, so matching the
+# policy also proves the start-up sync reached it.
+LOGIT_SCALE = 15.0
 
 
 # A near-tie may break either way between the engine's bf16 kernels and transformers: allowed only where
 # the two tokens' logprobs (trainer's, at the first difference) are this close.
-TIE_NATS = 0.05
+TIE_NATS = 0.1
 
 
 def require_engine(name: str) -> None:
@@ -69,6 +73,8 @@ def setup(request, tiny_vlm_dir, tmp_path_factory):
     cfg.data.max_prompt_length = 512
     processor = load_processor(folder)
     model = load_policy(folder, device="cuda")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
     trainer = SimpleNamespace(  # the attributes from_trainer reads off vlrft.trainer.Trainer
@@ -135,9 +141,9 @@ def test_returned_logprobs_are_the_trainers(setup, temperature):
     rollouts = engine.generate(batch, SamplingParams(n=3, temperature=temperature, max_new_tokens=16))
     expected = trainer_logprobs(trainer, batch, rollouts, temperature)
     diffs = torch.tensor([abs(x - y) for got, want in zip(rollouts.logprobs, expected) for x, y in zip(got, want)])
-    # bf16 engine vs fp32 trainer: small on average, never far off (a wrong temperature or a top-k/top-p
-    # renormalisation shifts every token by far more).
-    assert diffs.mean() < 0.02 and diffs.max() < 0.2, (diffs.mean().item(), diffs.max().item())
+    # bf16 engine vs fp32 trainer: small on average, never far off (with these logits a wrong temperature
+    # moves a token's logprob by ~1 nat on average).
+    assert diffs.mean() < 0.05 and diffs.max() < 0.5, (diffs.mean().item(), diffs.max().item())
 
 
 def test_sleep_frees_memory_and_wake_restores_the_same_policy(setup):

@@ -144,10 +144,10 @@ class SGLangBackend:
     `local_tensor` builds SGLang's per-rank wrapper (`LocalSerializedTensor`); tests pass their own.
     """
 
-    def __init__(self, engine, tokens: "TokenSpec", local_tensor=None):
+    def __init__(self, engine, tokens: "TokenSpec", local_tensor=None, tags: tuple[str, ...] | None = None):
         self.engine = engine
         self.tokens = tokens
-        self.tags = _memory_tags()
+        self.tags = tags or _memory_tags()
         self.local_tensor = local_tensor or _local_serialized_tensor()
         self.session_open = False
 
