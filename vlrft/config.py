@@ -163,6 +163,9 @@ class RolloutConfig:
     tool_timeout_s: float = option(30.0, "multi-turn: seconds one tool call may take; then the model reads a "
                                    "timeout error and the call is counted in tools/timeouts")
     tool_max_concurrency: int = option(16, "multi-turn: tool calls running at once (across the batch)")
+    tool_parser: str = option("qwen", "multi-turn: how a turn's tool call is found: 'qwen' (<tool_call>{\"name\": ..., "
+                              "\"arguments\": {...}}</tool_call>) or 'module:function' / 'path.py:function' mapping "
+                              "the turn's text to a vlrft.tools.ToolCall, MalformedCall or None (no call)")
 
     def validate_tools(self) -> None:
         """Multi-turn limits and that every tool name resolves (at load time, not mid-run)."""
@@ -175,6 +178,10 @@ class RolloutConfig:
         _positive("rollout.tool_max_concurrency", self.tool_max_concurrency)
         if self.tool_timeout_s <= 0:
             _fail("rollout.tool_timeout_s", self.tool_timeout_s, "a number of seconds > 0")
+        if self.tool_parser != "qwen":
+            from vlrft.registry import load_reference
+
+            load_reference(self.tool_parser, f"rollout.tool_parser={self.tool_parser!r}")
         for i, spec in enumerate(self.tools):
             if not spec.name:
                 _fail(f"rollout.tools[{i}].name", spec.name, "a tool: a built-in name, 'module:function' or "

@@ -203,12 +203,16 @@ class MultiTurnEngine:
     @classmethod
     def from_trainer(cls, cfg, trainer, engine) -> "MultiTurnEngine":
         """Around `engine`; also tells the trainer's prompt encoder to describe the tools in the prompt."""
+        from vlrft.registry import load_reference
+
         tools = ToolSet.from_config(cfg.rollout)
         install_tool_prompt(trainer.encoder, tools.schemas)
+        parser = cfg.rollout.tool_parser
+        parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
         return cls(engine, trainer.processor, trainer.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
                    image_bounds=getattr(trainer.encoder, "_image_bounds", None),
-                   merge_size=trainer.encoder.merge_size)
+                   merge_size=trainer.encoder.merge_size, parse_call=parse_call)
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:
