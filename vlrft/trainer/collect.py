@@ -42,7 +42,8 @@ def shape_rewards(total: torch.Tensor, rollouts: Rollouts, cfg) -> torch.Tensor:
     rewards = total.clone()
     if cfg.algorithm.overlong_buffer > 0:
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
-        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algorithm.overlong_buffer,
+        limit = cfg.rollout.max_trajectory_tokens if cfg.rollout.tools else cfg.rollout.max_new_tokens  # multi-turn
+        rewards = rewards + overlong_penalty(lengths, limit, cfg.algorithm.overlong_buffer,
                                              cfg.algorithm.overlong_penalty)
     return clip_rewards(rewards, cfg.algorithm.reward_clip)
 
