@@ -287,3 +287,25 @@ def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
     steps = [h for h in result["history"] if h.get("step", 0) > 0]
     assert [h["step"] for h in steps] == [1, 2] and all(h["tools/calls"] > 0 for h in steps)
+
+
+def test_vllm_and_sglang_requests_carry_the_images_that_arrived_mid_trajectory(setup):
+    """The later turns' requests (pure Python, no engine): each tool image is one more item, in order."""
+    from vlrft.rollout.requests import expand_vision_placeholders, sglang_requests, tokens_per_item, vllm_requests
+
+    _, _, tokens, _, out, calls = setup
+    context = calls[1][0]  # the second turn's requests: rows of sample 'a' carry the zoomed image
+    with_tool_image = [j for j in range(len(context)) if len(context.images[j]) == 2]
+    assert with_tool_image
+    for j, request in zip(range(len(context)), vllm_requests(context, tokens)):
+        assert request.payload.get("multi_modal_data", {}).get("image", []) == list(context.images[j])
+        visual = context.visual.select([j])
+        assert expand_vision_placeholders(request.payload["prompt_token_ids"], tokens.image_token_id,
+                                          tokens.video_token_id, tokens_per_item(visual.image_grid_thw, 2), []) \
+            == context.prompt_ids[j]
+    for j, request in zip(range(len(context)), sglang_requests(context)):
+        assert request.payload["input_ids"] == context.prompt_ids[j]
+        if j in with_tool_image:
+            item = request.payload["image_data"][0]
+            assert item["image_grid_thw"].shape[0] == 2
+            assert torch.equal(item["pixel_values"], context.visual.select([j]).pixel_values)
