@@ -120,3 +120,34 @@ def test_tools_load_from_config_with_their_schema_and_bad_names_fail_at_load(tmp
     with pytest.raises(Exception, match="JSON schema object"):
         load_tool(ToolConfig(name="zoom", parameters={"type": "string"}), 0)
     assert RolloutConfig().tools == []  # no tools: single-turn rollouts as before
+
+
+def test_the_zoom_demo_mark_is_hidden_at_prompt_resolution_and_plain_after_zooming():
+    import numpy as np
+
+    from vlrft.data.media import PixelBounds, fit_image
+    from vlrft.data.zoom_marks import render_mark
+
+    bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=3136)  # the demo's 56 x 56 prompt image
+    rng = np.random.default_rng(0)
+    for color in ("red", "green", "blue", "yellow", None):
+        image = render_mark(color, rng)
+        shown = fit_image(image, bounds)
+        prompt_dev = np.abs(np.asarray(shown, dtype=int) - 255).max()
+        region, _ = zoom(ToolCall("zoom", {"region": "center"}), ToolContext(images=[shown], sample=None, turn=1))
+        # the tool cuts from the image the model saw when the sample's original is unavailable: use the original
+        crop = image.crop(tuple(round(v) for v in region_box({"region": "center"}, *image.size)))
+        zoom_dev = np.abs(np.asarray(fit_image(crop.resize((448, 448)), bounds), dtype=int) - 255).max()
+        assert prompt_dev < 32  # no pixel of the prompt's image stands out from the background blotches
+        if color is None:
+            assert zoom_dev < 32
+        else:
+            assert zoom_dev > 60, color  # zoomed, the mark stands far above them
+
+
+def test_the_zoom_word_parser_calls_zoom_and_leaves_answers_alone():
+    from vlrft.tools.builtin import parse_zoom_word
+
+    assert parse_zoom_word("zoom") == ToolCall("zoom", {"region": "center"})
+    assert parse_zoom_word(" Zoom top left") == ToolCall("zoom", {"region": "top-left"})
+    assert parse_zoom_word("red") is None and parse_zoom_word("") is None

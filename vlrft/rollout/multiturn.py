@@ -264,7 +264,7 @@ class MultiTurnEngine:
             row.logprobs += lps
             row.turns += 1
             row.turn_ids.append(ids)
-            row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=False))
+            row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
             if reason == FINISH_LENGTH:
                 row.done, row.reason = True, FINISH_LENGTH
 
@@ -330,8 +330,8 @@ class MultiTurnEngine:
         return merge_visuals([own, *row.visual]) if row.visual else own
 
     def _finish(self, rows: list[_Row], n: int) -> Trajectories:
-        # What rewards read: the model's own turns (tool outputs left out), one line apart.
-        texts = ["\n".join(self.tokenizer.batch_decode(row.turn_ids, skip_special_tokens=True)) for row in rows]
+        # What rewards read: the model's last turn (its final answer); the whole trajectory is in completion_ids.
+        texts = [row.texts[-1] if row.texts else "" for row in rows]
         return Trajectories(
             n=n, completion_ids=[row.ids for row in rows], finish_reasons=[row.reason for row in rows],
             logprobs=[row.logprobs for row in rows], texts=texts, sampled_mask=[row.mask for row in rows],

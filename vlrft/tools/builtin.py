@@ -95,3 +95,13 @@ def zoom(call: ToolCall, context: ToolContext):
 def crop(call: ToolCall, context: ToolContext):
     """The same as `zoom`, under the name some prompts use."""
     return zoom(call, context)
+
+
+def parse_zoom_word(text: str) -> ToolCall | None:
+    """A minimal call syntax for tiny models (the CPU zoom demo): a turn that starts with the word "zoom",
+    optionally followed by a region name, calls `zoom` (default region: the centre); anything else is an answer."""
+    words = text.strip().split()
+    if not words or words[0].lower() != "zoom":
+        return None
+    region = "-".join(words[1:3]).lower() if len(words) > 1 else "center"
+    return ToolCall("zoom", {"region": region if region in REGIONS else "center"})
