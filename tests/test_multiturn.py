@@ -149,7 +149,8 @@ def _logprobs_of_full_forward(model, tokens, ids, visual, start, count):
 def test_training_logprobs_equal_the_engine_and_a_single_forward_over_the_conversation(setup):
     processor, model, tokens, batch, out, _ = setup
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
-    for rows in (list(range(len(out))), [2, 3, 6, 7]):  # with tool images (one forward per row) / without (shared)
+    # groups sharing their prompt with tool images / without / one row per prompt (a full forward per row)
+    for rows in (list(range(len(out))), [2, 3, 6, 7], [0, 2, 4]):
         seqs = out.sequences(batch, rows, tokens.pad_id)
         with torch.no_grad():
             lp = actor.logprobs(seqs).logprobs

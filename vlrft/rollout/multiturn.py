@@ -14,9 +14,9 @@ image placeholders); only sampled tokens get a loss, an entropy and a KL term
 (`vlrft.trainer.experience`). Images added mid-trajectory join the row's visual tensors after the
 prompt's; positions come from the model's own M-RoPE rule over the full sequence.
 
-Training forward: rows whose observations carry no images keep the shared-prompt forward (the first
-turn's prompt runs once per group); rows with tool images run one full forward per trajectory
-(the shared path places every continuation token as text, which image placeholders are not).
+Training forward: the shared-prompt forward stays (each group's prompt runs once); the tool images
+ride along per row (`SequenceBatch.completion_visual`), are encoded in the continuation pass and
+placed on their placeholders, with positions from the model's M-RoPE rule over the whole row.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from vlrft.batch import SequenceBatch, build_sequences
+from vlrft.batch import SequenceBatch, build_sequences, join_samples
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams
 from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
 from vlrft.tools.toolset import ToolSet
@@ -45,13 +45,6 @@ TOOL_PROMPT = (
     "object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-
-
-def merge_visuals(parts: list[VisualBatch]) -> VisualBatch:
-    """Single-sample visual batches joined into ONE sample whose images come in the order of `parts`."""
-    joined = VisualBatch.concat(parts)
-    return dataclasses.replace(joined, images_per_sample=(sum(joined.images_per_sample),),
-                               videos_per_sample=(sum(joined.videos_per_sample),))
 
 
 class ObservationTemplate:
@@ -142,25 +135,22 @@ class Trajectories(Rollouts):
         return out
 
     def sequences(self, prompts: "PromptBatch", rows: list[int], pad_id: int) -> SequenceBatch:
-        """Training rows: shared-prompt layout when no row has tool images, else one sample per trajectory."""
-        if all(self.observation_visual[r] is None for r in rows):
-            seqs = build_sequences(prompts.prompt_ids, prompts.visual, self.completion_ids, self.prompt_index,
-                                   pad_id, rows)
-        else:
-            index = self.prompt_index
-            visual = VisualBatch.concat([self.row_visual(prompts, r) for r in rows])
-            seqs = build_sequences([prompts.prompt_ids[index[r]] for r in rows], visual,
-                                   [self.completion_ids[r] for r in rows], list(range(len(rows))), pad_id)
+        """Training rows in the shared-prompt layout; tool images ride along per row (`completion_visual`)."""
+        seqs = build_sequences(prompts.prompt_ids, prompts.visual, self.completion_ids, self.prompt_index, pad_id, rows)
         mask = torch.zeros_like(seqs.completion_mask)
         for i, r in enumerate(rows):
             mask[i, :len(self.sampled_mask[r])] = torch.as_tensor(self.sampled_mask[r], dtype=mask.dtype)
-        return dataclasses.replace(seqs, completion_mask=mask)
+        extra = None
+        if any(self.observation_visual[r] is not None for r in rows):
+            merge = prompts.visual.merge_size
+            extra = VisualBatch.concat([self.observation_visual[r] or VisualBatch.empty(1, merge) for r in rows])
+        return dataclasses.replace(seqs, completion_mask=mask, completion_visual=extra)
 
     def row_visual(self, prompts: "PromptBatch", row: int) -> VisualBatch:
         """The row's visual tensors as one sample: the prompt's images, then the tools' in arrival order."""
         own = prompts.visual.select([self.prompt_index[row]])
         extra = self.observation_visual[row]
-        return own if extra is None else merge_visuals([own, extra])
+        return own if extra is None else join_samples([own, extra])
 
 
 @dataclass
@@ -327,7 +317,7 @@ class MultiTurnEngine:
 
     def _row_visual(self, batch: "PromptBatch", row: _Row) -> VisualBatch:
         own = batch.visual.select([row.prompt])
-        return merge_visuals([own, *row.visual]) if row.visual else own
+        return join_samples([own, *row.visual]) if row.visual else own
 
     def _finish(self, rows: list[_Row], n: int) -> Trajectories:
         # What rewards read: the model's last turn (its final answer); the whole trajectory is in completion_ids.
@@ -335,7 +325,7 @@ class MultiTurnEngine:
         return Trajectories(
             n=n, completion_ids=[row.ids for row in rows], finish_reasons=[row.reason for row in rows],
             logprobs=[row.logprobs for row in rows], texts=texts, sampled_mask=[row.mask for row in rows],
-            observation_visual=[merge_visuals(row.visual) if row.visual else None for row in rows],
+            observation_visual=[join_samples(row.visual) if row.visual else None for row in rows],
             observation_images=[row.tool_images for row in rows],
             turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
             tool_stats=[row.stats for row in rows])
