@@ -310,3 +310,19 @@ def test_vllm_and_sglang_requests_carry_the_images_that_arrived_mid_trajectory(s
             item = request.payload["image_data"][0]
             assert item["image_grid_thw"].shape[0] == 2
             assert torch.equal(item["pixel_values"], context.visual.select([j]).pixel_values)
+
+
+def test_a_template_that_renders_tools_gets_the_schemas_through_tools(tiny_vlm_dir):
+    """Where the chat template supports `tools`, the schemas go through it (no system text is added)."""
+    import copy
+
+    processor = copy.deepcopy(load_processor(tiny_vlm_dir("qwen2_vl")))
+    template = processor.chat_template
+    processor.chat_template = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t['function']['name'] }}"
+                               "{% endfor %}<|im_end|>\n{% endif %}" + template)
+    encoder = PromptEncoder(processor, DATA)
+    schemas = [{"type": "function", "function": {"name": "zoom", "description": "d", "parameters": {}}}]
+    install_tool_prompt(encoder, schemas)
+    assert encoder.tools == schemas and encoder.tool_prompt is None
+    ids = encoder.encode([Sample(id="x", prompt="Hello?")]).batch.prompt_ids[0]
+    assert processor.tokenizer.decode(ids).startswith("<|im_start|>system\nTOOLS: zoom<|im_end|>")
