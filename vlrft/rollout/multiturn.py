@@ -164,8 +164,7 @@ class _Row:
     visual: list[VisualBatch] = field(default_factory=list)
     images: list[Any] = field(default_factory=list)  # the prompt's, then the tools'
     tool_images: list[Any] = field(default_factory=list)
-    turn_ids: list[list[int]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # each model turn, decoded without special tokens
     turns: int = 0
     reward: float = 0.0
     stats: ToolStats = field(default_factory=ToolStats)
@@ -253,7 +252,6 @@ class MultiTurnEngine:
             row.mask += [1] * len(ids)
             row.logprobs += lps
             row.turns += 1
-            row.turn_ids.append(ids)
             row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
             if reason == FINISH_LENGTH:
                 row.done, row.reason = True, FINISH_LENGTH
