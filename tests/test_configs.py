@@ -12,7 +12,8 @@ from vlrft.plan import Hardware, plan_for_config
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 
-GPU_CONFIGS = [p for p in CONFIGS if p.name != "demo.yaml"]
+CPU_DEMOS = ("demo.yaml", "zoom_demo.yaml")  # run on one CPU process; every other config names its GPUs
+GPU_CONFIGS = [p for p in CONFIGS if p.name not in CPU_DEMOS]
 NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4}
 
 
@@ -26,7 +27,7 @@ def named_hardware(path: Path) -> Hardware:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_is_valid(path):
-    cfg = load_config(path, world_size=1 if path.name == "demo.yaml" else named_hardware(path).world_size)
+    cfg = load_config(path, world_size=1 if path.name in CPU_DEMOS else named_hardware(path).world_size)
     assert cfg.model.path and cfg.data.train_files and cfg.reward.functions
     assert cfg.rollout.global_batch_completions % cfg.rollout.n == 0
 

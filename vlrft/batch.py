@@ -8,6 +8,7 @@ by index (`row_prompt`), so a group of n completions shares one copy of the prom
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,6 +25,20 @@ class SequenceBatch:
     prompt_width: int  # P
     row_prompt: tuple[int, ...]  # row -> sample of `visual`
     visual: VisualBatch  # the distinct prompts these rows use, each once
+    # Multi-turn: images inside the completions (tool outputs), one sample per row, in order; None: none
+    completion_visual: VisualBatch | None = None
+
+    @property
+    def has_completion_images(self) -> bool:
+        return self.completion_visual is not None and self.completion_visual.num_images > 0
+
+    def row_visual(self) -> VisualBatch:
+        """One sample per row: its prompt's images, then those inside its completion."""
+        prompts = self.visual.select(list(self.row_prompt))
+        if not self.has_completion_images:
+            return prompts
+        return VisualBatch.concat([join_samples([prompts.select([i]), self.completion_visual.select([i])])
+                                   for i in range(len(self))])
 
     @property
     def completion_width(self) -> int:
@@ -39,7 +54,15 @@ class SequenceBatch:
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(self.input_ids.to(device), self.attention_mask.to(device),
                              self.completion_mask.to(device), self.prompt_width, self.row_prompt,
-                             self.visual.to(device))
+                             self.visual.to(device),
+                             None if self.completion_visual is None else self.completion_visual.to(device))
+
+
+def join_samples(parts: Sequence[VisualBatch]) -> VisualBatch:
+    """Single-sample visual batches joined into ONE sample whose images come in the order of `parts`."""
+    joined = VisualBatch.concat(list(parts))
+    return dataclasses.replace(joined, images_per_sample=(sum(joined.images_per_sample),),
+                               videos_per_sample=(sum(joined.videos_per_sample),))
 
 
 def build_sequences(prompt_ids: Sequence[Sequence[int]], visual: VisualBatch, completion_ids: Sequence[Sequence[int]],

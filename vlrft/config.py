@@ -113,6 +113,17 @@ class DataConfig:
 
 
 @dataclass
+class ToolConfig:
+    """One tool of multi-turn rollouts: a built-in name, `module:function` or `path.py:function`."""
+
+    name: str = option("", "a built-in tool ('zoom', 'crop'), 'module:function' or 'path.py:function'")
+    alias: str | None = option(None, "the name the model calls it by; default: the tool's registered name")
+    description: str | None = option(None, "what the model is told the tool does; default: the tool's own")
+    parameters: dict[str, Any] | None = option(None, "JSON schema of the arguments; default: the tool's own")
+    kwargs: dict[str, Any] = option(help="fixed keyword arguments, in ToolContext.kwargs", factory=dict)
+
+
+@dataclass
 class RolloutConfig:
     """Sampling completions: the engine, the batch and the sampling options."""
 
@@ -145,6 +156,43 @@ class RolloutConfig:
                                         "this many MB")
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
                                            factory=dict)
+    # Multi-turn rollouts with tools (docs/multiturn.md); off while `tools` is empty
+    tools: list[ToolConfig] = option(help="tools the model may call (list of {name, alias, description, "
+                                     "parameters, kwargs}); non-empty turns on multi-turn rollouts", factory=list)
+    max_turns: int = option(4, "multi-turn: most model turns per trajectory (tools answer at most max_turns - 1 "
+                            "calls)")
+    max_trajectory_tokens: int = option(2048, "multi-turn: most tokens after the prompt per trajectory (model "
+                                        "turns, tool outputs and their images); past it the trajectory is truncated")
+    tool_timeout_s: float = option(30.0, "multi-turn: seconds one tool call may take; then the model reads a "
+                                   "timeout error and the call is counted in tools/timeouts")
+    tool_max_concurrency: int = option(16, "multi-turn: tool calls running at once (across the batch)")
+    tool_parser: str = option("qwen", "multi-turn: how a turn's tool call is found: 'qwen' (<tool_call>{\"name\": ..., "
+                              "\"arguments\": {...}}</tool_call>) or 'module:function' / 'path.py:function' mapping "
+                              "the turn's text to a vlrft.tools.ToolCall, MalformedCall or None (no call)")
+
+    def validate_tools(self) -> None:
+        """Multi-turn limits and that every tool name resolves (at load time, not mid-run)."""
+        if not self.tools:
+            return
+        from vlrft.registry import TOOLS
+
+        _positive("rollout.max_turns", self.max_turns)
+        _positive("rollout.max_trajectory_tokens", self.max_trajectory_tokens)
+        _positive("rollout.tool_max_concurrency", self.tool_max_concurrency)
+        if self.tool_timeout_s <= 0:
+            _fail("rollout.tool_timeout_s", self.tool_timeout_s, "a number of seconds > 0")
+        if self.tool_parser != "qwen":
+            from vlrft.registry import load_reference
+
+            load_reference(self.tool_parser, f"rollout.tool_parser={self.tool_parser!r}")
+        for i, spec in enumerate(self.tools):
+            if not spec.name:
+                _fail(f"rollout.tools[{i}].name", spec.name, "a tool: a built-in name, 'module:function' or "
+                      "'path.py:function'")
+            try:
+                TOOLS.is_known(spec.name)
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace("rollout.tools[*].name", f"rollout.tools[{i}].name", 1)) from None
 
     @property
     def batch_size(self) -> int:
@@ -390,6 +438,7 @@ class Config:
         _positive("rollout.n", r.n)
         _positive("rollout.global_batch_completions", r.global_batch_completions)
         _positive("rollout.max_new_tokens", r.max_new_tokens)
+        r.validate_tools()
         _positive("train.micro_batch_completions_per_rank", t.micro_batch_completions_per_rank)
         _positive("train.ppo_epochs", t.ppo_epochs)
         _positive("data.max_prompt_length", self.data.max_prompt_length)

@@ -143,3 +143,5 @@ REWARDS: Registry = Registry(
     "reward function", "reward.functions[*].name", "vlrft.rewards",
     ("accuracy", "math_accuracy", "exact_match", "choice", "numeric", "format", "iou", "remote", "reward_model"),
     "vlrft.rewards.reward")
+TOOLS: Registry = Registry(
+    "tool", "rollout.tools[*].name", "vlrft.tools.builtin", ("zoom", "crop"), "vlrft.tools.tool")

@@ -147,6 +147,10 @@ class PromptEncoder:
         special = getattr(self.tokenizer, "all_special_tokens", [])
         mm_tokens |= {t for t in special if any(word in t for word in ("vision", "image", "video"))}
         self._reserved = sorted(t for t in mm_tokens if t)
+        # Multi-turn tools (vlrft.rollout.multiturn.install_tool_prompt): schemas the chat template renders, or a
+        # system text describing them for templates without tool support.
+        self.tools: list[dict] | None = None
+        self.tool_prompt: str | None = None
 
     # ------------------------------------------------------------------ token ids
 
@@ -236,7 +240,8 @@ class PromptEncoder:
 
     def _prepare(self, sample: Sample) -> _Prepared:
         """Messages and loaded media of one sample; raises BadSampleError naming the field."""
-        messages = build_messages(sample, self.cfg.system_prompt, self.cfg.prompt_suffix)
+        system = "\n\n".join(t for t in (self.cfg.system_prompt, self.tool_prompt) if t) or None
+        messages = build_messages(sample, system, self.cfg.prompt_suffix)
         reserved = reserved_tokens_in(messages, self._reserved)
         if reserved:
             raise BadSampleError(sample.source, sample.id, "prompt",
@@ -270,8 +275,9 @@ class PromptEncoder:
                             "video-capable model (e.g. Qwen2.5-VL) or drop the videos")
 
     def _call_processor(self, prepared: list[_Prepared]) -> tuple[list[str], Any]:
+        tools = {"tools": self.tools} if self.tools else {}
         texts = self.processor.apply_chat_template([p.messages for p in prepared], tokenize=False,
-                                                   add_generation_prompt=True)
+                                                   add_generation_prompt=True, **tools)
         images = [im for p in prepared for im in p.images]
         videos = [v for p in prepared for v in p.videos]
         kwargs: dict[str, Any] = {}

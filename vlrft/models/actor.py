@@ -141,7 +141,10 @@ class ActorVL(nn.Module):
         backbone, _ = split_head(self.model)
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                       mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
-        kwargs.update(self._vision(batch.visual, batch.row_prompt))
+        if batch.has_completion_images:  # multi-turn: each row's prompt images, then its tool images
+            kwargs.update(batch.row_visual().model_inputs())
+        else:
+            kwargs.update(self._vision(batch.visual, batch.row_prompt))
         return backbone(**kwargs).last_hidden_state
 
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
@@ -170,15 +173,24 @@ class ActorVL(nn.Module):
         visual = batch.visual.model_inputs()
         positions = prompt_positions(backbone, ids, mask, mm, visual)
         rows = torch.tensor(batch.row_prompt, device=ids.device)
-        completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         completion_ids = batch.input_ids[:, p:]
+        completion_mm, completion_visual = torch.zeros_like(completion_ids), {}
+        if batch.has_completion_images:
+            # Multi-turn: tool images inside the completions. Their positions follow the model's rule over the
+            # whole row; the completion pass encodes them and places their features on their placeholders.
+            full_mm = mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id)
+            completion_positions = prompt_positions(backbone, batch.input_ids, batch.attention_mask, full_mm,
+                                                    batch.row_visual().model_inputs())[:, :, p:]
+            completion_mm, completion_visual = full_mm[:, p:], batch.completion_visual.model_inputs()
+        else:
+            completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         recorded = recording_cache()
         with cache_through_checkpointing(backbone):
             prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
                                   past_key_values=recorded, use_cache=True, **visual)
             completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
                                       position_ids=completion_positions, past_key_values=prefix_cache(recorded, rows),
-                                      use_cache=True, mm_token_type_ids=torch.zeros_like(completion_ids))
+                                      use_cache=True, mm_token_type_ids=completion_mm, **completion_visual)
         last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
         return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
 

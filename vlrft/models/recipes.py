@@ -90,6 +90,9 @@ def build_shapes_demo(out_dir: Path) -> Path:
 
 
 RECIPES: dict[str, Callable[[Path], Path]] = {"shapes-demo": build_shapes_demo}
+# Recipes built with layers above the models (the multi-turn zoom demo needs the rollout layer), named by
+# 'module:function' and imported only when used, so this layer never imports upward.
+RECIPE_REFERENCES: dict[str, str] = {"zoom-demo": "vlrft.rollout.zoom_demo:build_zoom_demo"}
 
 
 def ensure_model(path: str, recipe: str | None) -> None:
@@ -97,11 +100,17 @@ def ensure_model(path: str, recipe: str | None) -> None:
     target = Path(path)
     if recipe is None or (target / "config.json").is_file():
         return
-    if recipe not in RECIPES:
+    if recipe not in RECIPES and recipe not in RECIPE_REFERENCES:
         raise UserError(f"config: model.build_recipe={recipe!r} is not a known recipe; expected one of "
-                        f"{', '.join(sorted(RECIPES))} or null")
+                        f"{', '.join(sorted([*RECIPES, *RECIPE_REFERENCES]))} or null")
+    if recipe in RECIPE_REFERENCES:
+        from vlrft.registry import load_reference
+
+        builder = load_reference(RECIPE_REFERENCES[recipe], f"model.build_recipe={recipe!r}")
+    else:
+        builder = RECIPES[recipe]
     tmp = target.with_name(target.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    RECIPES[recipe](tmp)
+    builder(tmp)
     tmp.rename(target)  # whole or not at all: a crash mid-build leaves no half-built model behind

@@ -8,7 +8,17 @@ ENGINES = ("hf", "vllm", "sglang")
 
 
 def make_engine(cfg, trainer) -> RolloutEngine:
-    """The engine `rollout.engine` names, built once on this rank around the trainer's policy."""
+    """The engine `rollout.engine` names, built once on this rank around the trainer's policy (multi-turn around it
+    when `rollout.tools` is set)."""
+    engine = _make_engine(cfg, trainer)
+    if cfg.rollout.tools:
+        from vlrft.rollout.multiturn import MultiTurnEngine
+
+        return MultiTurnEngine.from_trainer(cfg, trainer, engine)
+    return engine
+
+
+def _make_engine(cfg, trainer) -> RolloutEngine:
     name = cfg.rollout.engine
     if name == "hf":
         from vlrft.rollout.hf import HFEngine

@@ -42,7 +42,8 @@ def shape_rewards(total: torch.Tensor, rollouts: Rollouts, cfg) -> torch.Tensor:
     rewards = total.clone()
     if cfg.algorithm.overlong_buffer > 0:
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
-        rewards = rewards + overlong_penalty(lengths, cfg.rollout.max_new_tokens, cfg.algorithm.overlong_buffer,
+        limit = cfg.rollout.max_trajectory_tokens if cfg.rollout.tools else cfg.rollout.max_new_tokens  # multi-turn
+        rewards = rewards + overlong_penalty(lengths, limit, cfg.algorithm.overlong_buffer,
                                              cfg.algorithm.overlong_penalty)
     return clip_rewards(rewards, cfg.algorithm.reward_clip)
 
@@ -91,7 +92,10 @@ def collect(trainer, step: int) -> Collected:
             result = score(trainer.rewards, batch, rollouts, step)
         for key in reward_errors:
             reward_errors[key] += int(result.stats[key].errors) if key in result.stats else 0
-        rewards = shape_rewards(result.total, rollouts, cfg)
+        total = result.total
+        if hasattr(rollouts, "tool_rewards"):  # multi-turn: reward parts returned by tools (vlrft.rollout.multiturn)
+            total = total + torch.tensor(rollouts.tool_rewards, dtype=total.dtype)
+        rewards = shape_rewards(total, rollouts, cfg)
         zero = zero_variance_groups(rewards, n)
         groups_seen += len(batch)
         zero_groups += int(zero.sum())
@@ -134,5 +138,5 @@ def _assemble(parts, need: int, n: int, groups_seen: int, zero_groups: int, fill
     names = sorted({name for f in functions for name in f})
     per_function = {name: torch.cat([f.get(name, torch.full((len(r),), float("nan")))
                                      for f, r in zip(functions, rewards)]) for name in names}
-    return Collected(PromptBatch.concat(batches), Rollouts.concat(rollouts), torch.cat(rewards), per_function,
+    return Collected(PromptBatch.concat(batches), type(rollouts[0]).concat(rollouts), torch.cat(rewards), per_function,
                      groups_seen, zero_groups, filled, skipped, rounds)

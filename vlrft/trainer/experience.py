@@ -45,6 +45,8 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 
 def sequences_for(trainer, collected, rows: list[int]) -> SequenceBatch:
     """Training rows `rows` of this step, on the trainer's device."""
+    if hasattr(collected.rollouts, "sequences"):  # multi-turn trajectories (vlrft.rollout.multiturn)
+        return collected.rollouts.sequences(collected.prompts, rows, trainer.tokens.pad_id).to(trainer.device)
     return build_sequences(collected.prompts.prompt_ids, collected.prompts.visual,
                            collected.rollouts.completion_ids, collected.rollouts.prompt_index,
                            trainer.tokens.pad_id, rows).to(trainer.device)
@@ -95,6 +97,9 @@ def make_experience(trainer, collected) -> Experience:
     algo = cfg.algorithm
     rollouts = collected.rollouts
     token_mask, mask = training_masks(rollouts.completion_ids, rollouts.truncated, algo.mask_truncated)
+    if hasattr(rollouts, "sampled_mask"):  # multi-turn: tool outputs, images and templates never train
+        sampled = padded(rollouts.sampled_mask, token_mask.shape[1])
+        token_mask, mask = token_mask * sampled, mask * sampled
     width = token_mask.shape[1]
     temperature = trainer.train_temperature
     # Through __call__ (= logprobs): a sharded module gathers its root parameters in forward hooks.

@@ -311,6 +311,8 @@ class Trainer:
         stats.add("data/skipped_prompts", float(collected.skipped_prompts))
         stats.add("rollout/rounds", float(collected.rounds))
         stats.add("optimizer/skipped_steps", float(skipped))
+        for name, (total, count) in getattr(collected.rollouts, "metrics", dict)().items():  # multi-turn tools
+            stats.add(name, total, count)
         error_keys = [f"reward/{name}/errors" for name in collected.reward_errors]  # failures under on_error=none
         for key, count in zip(error_keys, collected.reward_errors.values()):
             stats.add(key, float(count))

@@ -1,0 +1,328 @@
+"""Multi-turn rollouts with tools: one tokenization across turns, images mid-trajectory, sampled-token-only training."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlrft.batch import build_sequences
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.data.processor import _pixel_bounds
+from vlrft.models.actor import ActorVL
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout.base import FINISH_LENGTH, SamplingParams
+from vlrft.rollout.hf import HFEngine
+from vlrft.rollout.multiturn import MultiTurnEngine, Trajectories, install_tool_prompt
+from vlrft.tokens import TokenSpec
+from vlrft.tools import Tool, ToolCall, ToolOutput, ToolSet
+from vlrft.tools.builtin import zoom
+
+TOOLS = Path(__file__).parent / "data" / "multiturn_tools.py"
+DATA = DataConfig(min_pixels=784, max_pixels=3136)
+
+
+class RecordingEngine:
+    """The real transformers engine, recording every request it is given and what it sampled."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate(self, batch, sampling):
+        out = self.inner.generate(batch, sampling)
+        self.calls.append((batch, out))
+        return out
+
+
+def scripted(call, context):
+    """Image for sample 'a' (then text), text for 'b', an error for 'c' on turn 2, done for 'd'."""
+    sid = context.sample.id
+    if sid == "a" and context.turn == 1:
+        return zoom(ToolCall("zoom", {"region": "center"}), context)
+    if sid == "c" and context.turn == 2:
+        raise ValueError("the region is outside the image")
+    if sid == "d":
+        return ToolOutput(text="done", reward=0.5, done=True)
+    return f"turn {context.turn} of {sid}"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir("qwen2_vl")
+    processor = load_processor(folder)
+    model = load_policy(folder).eval()
+    bias = torch.zeros(model.lm_head.weight.shape[0])  # turns of a few tokens that end with the end-of-turn token
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    bias[list(tokens.eos_ids)] = 6.0
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    root = tmp_path_factory.mktemp("imgs")
+    Image.new("RGB", (112, 112), (220, 30, 30)).save(root / "red.png")
+    encoder = PromptEncoder(processor, DATA)
+    tools = ToolSet([Tool("look", scripted, "look closer", {"type": "object", "properties": {}})], timeout_s=5)
+    install_tool_prompt(encoder, tools.schemas)
+    samples = [Sample(id="a", prompt="<image>What is it?", images=[str(root / "red.png")]),
+               Sample(id="b", prompt="Say something."),
+               Sample(id="c", prompt="<image>Which colour?", images=[str(root / "red.png")]),
+               Sample(id="d", prompt="Count.")]
+    batch = encoder.encode(samples).batch
+    recorder = RecordingEngine(HFEngine(lambda: model, processor, tokens))
+    engine = MultiTurnEngine(recorder, processor, tokens, tools, max_turns=3, max_trajectory_tokens=400,
+                             image_bounds=_pixel_bounds(processor.image_processor, DATA), merge_size=2,
+                             parse_call=lambda text: ToolCall("look", {}))
+    torch.manual_seed(0)
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=8))
+    return processor, model, tokens, batch, out, recorder.calls
+
+
+def test_the_tools_are_described_in_the_prompt(setup):
+    processor, _, _, batch, _, _ = setup
+    # the tiny model's template has no tool support: the Qwen-style tool text goes into the system turn
+    assert '<tools>\n{"type": "function", "function": {"name": "look"' in processor.tokenizer.decode(batch.prompt_ids[1])
+
+
+def test_every_turn_is_sampled_from_exactly_the_ids_and_images_the_trainer_sees(setup):
+    processor, _, tokens, batch, out, calls = setup
+    assert isinstance(out, Trajectories) and len(out) == 8
+    assert len(calls) == max(out.turns)
+    assert len(set(out.turns)) > 1  # different turn counts in one batch, and nothing hung
+    spans = [[] for _ in range(len(out))]
+    for k, (context, sampled) in enumerate(calls):
+        rows = [r for r in range(len(out)) if out.turns[r] > k]  # live rows, in row order
+        # the first turn samples n per prompt (the prompt shared by its group), later turns one per live row
+        assert len(rows) == (len(context) * out.n if k == 0 else len(context)) == len(sampled)
+        for j, r in enumerate(rows):
+            prompt = batch.prompt_ids[out.prompt_index[r]]
+            full = prompt + out.completion_ids[r]
+            c = out.prompt_index[r] if k == 0 else j
+            ctx = context.prompt_ids[c]
+            assert full[:len(ctx)] == ctx  # the engine ran our ids, byte for byte
+            ids = sampled.completion_ids[j]
+            start = len(ctx) - len(prompt)
+            assert out.completion_ids[r][start:start + len(ids)] == ids  # and we kept what it sampled
+            assert out.logprobs[r][start:start + len(ids)] == sampled.logprobs[j]
+            spans[r].extend(range(start, start + len(ids)))
+            # its images: the prompt's, then the tools' so far, with grids that match the placeholders
+            seen = context.visual.select([c])
+            seen.check([ctx], tokens.image_token_id, tokens.video_token_id, ["row"])
+            final = out.row_visual(batch, r)
+            if seen.pixel_values is not None:
+                assert torch.equal(final.pixel_values[:seen.pixel_values.shape[0]], seen.pixel_values)
+    for r in range(len(out)):
+        assert [i for i, m in enumerate(out.sampled_mask[r]) if m] == spans[r]  # mask = sampled tokens, nothing else
+        out.row_visual(batch, r).check([batch.prompt_ids[out.prompt_index[r]] + out.completion_ids[r]],
+                                       tokens.image_token_id, tokens.video_token_id, ["row"])
+
+
+def test_tool_outputs_errors_rewards_and_done_are_recorded(setup):
+    processor, _, _, batch, out, _ = setup
+    decoded = [processor.tokenizer.decode(ids) for ids in out.completion_ids]
+    rows_a, rows_c, rows_d = [0, 1], [4, 5], [6, 7]
+    assert all(out.observation_visual[r] is not None and len(out.observation_images[r]) == 1 for r in rows_a)
+    assert all(out.observation_visual[r] is None for r in range(2, 8))
+    for r in rows_c:
+        if out.turns[r] == 3:  # its second turn called the tool, which failed: the model read the error
+            assert "Error: ValueError: the region is outside the image" in decoded[r]
+            assert out.tool_stats[r].errors == 1
+    assert sum(out.tool_stats[r].errors for r in rows_c) >= 1  # the run went on past the failing tool
+    assert all(out.turns[r] == 1 and out.tool_rewards[r] == 0.5 for r in rows_d if out.tool_stats[r].calls)
+    assert "<tool_response>" not in out.texts[2]  # rewards read the model's own turns only
+    metrics = out.metrics()
+    assert metrics["tools/turns"] == (float(sum(out.turns)), 8.0)
+
+
+def _logprobs_of_full_forward(model, tokens, ids, visual, start, count):
+    """Logprobs of ids[start:start+count] from one plain forward over the whole conversation (no padding)."""
+    from vlrft.vision import mm_token_type_ids
+
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                       mm_token_type_ids=mm_token_type_ids(input_ids, tokens.image_token_id, tokens.video_token_id),
+                       **visual.model_inputs()).logits[0].float()
+    logits[:, list(tokens.suppressed_ids)] = float("-inf")
+    lp = torch.log_softmax(logits, -1)
+    return torch.stack([lp[start + t - 1, ids[start + t]] for t in range(count)])
+
+
+def test_training_logprobs_equal_the_engine_and_a_single_forward_over_the_conversation(setup):
+    processor, model, tokens, batch, out, _ = setup
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    # groups sharing their prompt with tool images / without / one row per prompt (a full forward per row)
+    for rows in (list(range(len(out))), [2, 3, 6, 7], [0, 2, 4]):
+        seqs = out.sequences(batch, rows, tokens.pad_id)
+        with torch.no_grad():
+            lp = actor.logprobs(seqs).logprobs
+        for i, r in enumerate(rows):
+            mask = torch.tensor(out.sampled_mask[r], dtype=torch.bool)
+            assert torch.allclose(lp[i, :len(mask)][mask], torch.tensor(out.logprobs[r])[mask], atol=1e-4), r
+            assert torch.all(lp[i, :len(mask)][~mask] == 0)
+    r = 0  # a row with an image that arrived after generated text
+    prompt = batch.prompt_ids[out.prompt_index[r]]
+    full = prompt + out.completion_ids[r]
+    single = _logprobs_of_full_forward(model, tokens, full, out.row_visual(batch, r), len(prompt),
+                                       len(out.completion_ids[r]))
+    mask = torch.tensor(out.sampled_mask[r], dtype=torch.bool)
+    assert torch.allclose(single[mask], torch.tensor(out.logprobs[r])[mask], atol=1e-4)
+
+
+def test_tool_output_tokens_get_no_gradient(setup):
+    _, model, tokens, batch, out, _ = setup
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    rows = list(range(len(out)))
+    seqs = out.sequences(batch, rows, tokens.pad_id)
+    result = actor.logprobs(seqs)
+    observation = torch.zeros_like(seqs.completion_mask, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        observation[i, :len(out.sampled_mask[r])] = torch.tensor(out.sampled_mask[r]) == 0
+    assert observation.sum() > 100  # tool outputs, templates and image placeholders
+    params = [p for p in model.parameters() if p.requires_grad]
+    leak = result.logprobs[observation].sum() + result.entropy[observation].sum()
+    grads = torch.autograd.grad(leak, params, allow_unused=True, retain_graph=True)
+    assert all(g is None or not g.any() for g in grads)
+    sampled = result.logprobs[~observation & seqs.completion_mask.bool()].sum()
+    assert any(g is not None and g.any() for g in torch.autograd.grad(sampled, params, allow_unused=True))
+
+
+def test_the_token_budget_truncates_a_trajectory(setup):
+    processor, model, tokens, batch, _, _ = setup
+    tools = ToolSet([Tool("look", lambda call, ctx: "x " * 30, "d", {"type": "object", "properties": {}})])
+    engine = MultiTurnEngine(HFEngine(lambda: model, processor, tokens), processor, tokens, tools, max_turns=5,
+                             max_trajectory_tokens=60, merge_size=2, parse_call=lambda text: ToolCall("look", {}))
+    out = engine.generate(batch.select([1]), SamplingParams(n=2, max_new_tokens=8))
+    assert all(len(ids) <= 60 for ids in out.completion_ids)
+    assert all(reason == FINISH_LENGTH for reason in out.finish_reasons)
+    assert all(t < 5 for t in out.turns)
+
+
+def test_groups_are_selected_and_concatenated_whole(setup):
+    _, _, _, _, out, _ = setup
+    part = out.select_groups([3, 0])
+    assert isinstance(part, Trajectories) and part.completion_ids == [out.completion_ids[r] for r in (6, 7, 0, 1)]
+    assert part.sampled_mask[2] == out.sampled_mask[0] and part.observation_visual[1] is None
+    both = Trajectories.concat([part, out.select_groups([1])])
+    assert len(both) == 6 and both.turns[4:] == out.turns[2:4]
+
+
+def _config(tmp_path, model_dir, shapes, *overrides):
+    from vlrft.config import load_config
+
+    rewards = Path(__file__).parent / "data" / "trainer_rewards.py"
+    stops = ",".join(str(i) for i in range(100, 160))  # short turns from an untrained model
+    return load_config(None, [
+        f"model.path={model_dir}", "model.dtype=float32", f"data.train_files=[{shapes['train']}]",
+        "data.min_pixels=784", "data.max_pixels=3136", "rollout.n=2", "rollout.global_batch_completions=4",
+        "rollout.max_new_tokens=6", f"rollout.stop_token_ids=[{stops}]",
+        f"rollout.tools=[{{name: '{TOOLS}:look'}}]", f"rollout.tool_parser={TOOLS}:always_call", "rollout.max_turns=3",
+        "rollout.max_trajectory_tokens=300", f"reward.functions=[{{name: '{rewards}:text_hash'}}]",
+        f"train.output_dir={tmp_path / 'run'}", "train.total_steps=2", "train.lr=1e-3",
+        "train.micro_batch_completions_per_rank=4", "train.eval_every=0", "logging.progress=false",
+        "logging.completions_every=0", *overrides])
+
+
+def test_two_training_steps_with_a_tool(tmp_path, tiny_vlm_dir, monkeypatch):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from vlrft.trainer import Trainer, trainer as trainer_module
+
+    shapes = make_shapes(tmp_path / "shapes", ShapesSpec(train_size=8, test_size=2))
+    seen = []
+    real = trainer_module.make_experience
+
+    def recording(trainer, collected):
+        exp = real(trainer, collected)
+        seen.append((collected, exp))
+        return exp
+
+    monkeypatch.setattr(trainer_module, "make_experience", recording)
+    trainer = Trainer(_config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes))
+    history = trainer.fit()
+    assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history if "loss" in h)
+    assert history[-1]["tools/calls"] > 0 and "tools/errors" in history[-1] and history[-1]["tools/turns"] > 1
+    for collected, exp in seen:
+        rollouts = collected.rollouts
+        assert isinstance(rollouts, Trajectories)
+        assert any(v is not None for v in rollouts.observation_visual)  # images arrived mid-trajectory
+        for r, sampled in enumerate(rollouts.sampled_mask):
+            sampled = torch.tensor(sampled, dtype=torch.float32)
+            assert torch.equal(exp.token_mask[r, :len(sampled)], sampled)  # only sampled tokens count
+            assert exp.mask[r].sum() <= sampled.sum() and exp.mask[r, len(sampled):].sum() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
+    """Two ranks (torchrun, gloo): each rank's trajectories take their own number of turns; training stays in step."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    repo = Path(__file__).resolve().parents[1]
+    shapes = make_shapes(tmp_path / "shapes", ShapesSpec(train_size=8, test_size=2))
+    cfg = _config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes)
+    overrides = [f"model.path={cfg.model.path}", "model.dtype=float32", f"data.train_files=[{shapes['train']}]",
+                 "data.min_pixels=784", "data.max_pixels=3136", "rollout.n=2", "rollout.global_batch_completions=8",
+                 "rollout.max_new_tokens=6", f"rollout.stop_token_ids={cfg.rollout.stop_token_ids}",
+                 f"rollout.tools=[{{name: '{TOOLS}:look'}}]", f"rollout.tool_parser={TOOLS}:always_call",
+                 "rollout.max_turns=3", "rollout.max_trajectory_tokens=300",
+                 f"reward.functions=[{{name: exact_match}}]", f"train.output_dir={tmp_path / 'run'}",
+                 "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_completions_per_rank=2",
+                 "train.eval_every=0", "train.strategy=ddp", "logging.progress=false", "logging.completions_every=0"]
+    out, base = tmp_path / "result.json", tmp_path / "base.yaml"
+    base.write_text("{}\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(repo / "tests" / "dist_train_worker.py"), str(base), str(out), *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+    steps = [h for h in result["history"] if h.get("step", 0) > 0]
+    assert [h["step"] for h in steps] == [1, 2] and all(h["tools/calls"] > 0 for h in steps)
+
+
+def test_vllm_and_sglang_requests_carry_the_images_that_arrived_mid_trajectory(setup):
+    """The later turns' requests (pure Python, no engine): each tool image is one more item, in order."""
+    from vlrft.rollout.requests import expand_vision_placeholders, sglang_requests, tokens_per_item, vllm_requests
+
+    _, _, tokens, _, out, calls = setup
+    context = calls[1][0]  # the second turn's requests: rows of sample 'a' carry the zoomed image
+    with_tool_image = [j for j in range(len(context)) if len(context.images[j]) == 2]
+    assert with_tool_image
+    for j, request in zip(range(len(context)), vllm_requests(context, tokens)):
+        assert request.payload.get("multi_modal_data", {}).get("image", []) == list(context.images[j])
+        visual = context.visual.select([j])
+        assert expand_vision_placeholders(request.payload["prompt_token_ids"], tokens.image_token_id,
+                                          tokens.video_token_id, tokens_per_item(visual.image_grid_thw, 2), []) \
+            == context.prompt_ids[j]
+    for j, request in zip(range(len(context)), sglang_requests(context)):
+        assert request.payload["input_ids"] == context.prompt_ids[j]
+        if j in with_tool_image:
+            item = request.payload["image_data"][0]
+            assert item["image_grid_thw"].shape[0] == 2
+            assert torch.equal(item["pixel_values"], context.visual.select([j]).pixel_values)
+
+
+def test_a_template_that_renders_tools_gets_the_schemas_through_tools(tiny_vlm_dir):
+    """Where the chat template supports `tools`, the schemas go through it (no system text is added)."""
+    import copy
+
+    processor = copy.deepcopy(load_processor(tiny_vlm_dir("qwen2_vl")))
+    template = processor.chat_template
+    processor.chat_template = ("{% if tools %}<|im_start|>system\nTOOLS:{% for t in tools %} {{ t['function']['name'] }}"
+                               "{% endfor %}<|im_end|>\n{% endif %}" + template)
+    encoder = PromptEncoder(processor, DATA)
+    schemas = [{"type": "function", "function": {"name": "zoom", "description": "d", "parameters": {}}}]
+    install_tool_prompt(encoder, schemas)
+    assert encoder.tools == schemas and encoder.tool_prompt is None
+    ids = encoder.encode([Sample(id="x", prompt="Hello?")]).batch.prompt_ids[0]
+    assert processor.tokenizer.decode(ids).startswith("<|im_start|>system\nTOOLS: zoom<|im_end|>")

@@ -1,0 +1,153 @@
+"""The tool API: loading from config, the built-in zoom/crop, and failures that become counted observations."""
+
+import asyncio
+import time
+
+import pytest
+from PIL import Image
+
+from vlrft.config import RolloutConfig, ToolConfig, load_config
+from vlrft.errors import ConfigError
+from vlrft.tools import MalformedCall, Tool, ToolCall, ToolContext, ToolOutput, ToolSet, load_tool, parse_qwen_tool_call
+from vlrft.tools.builtin import region_box, zoom
+
+SCHEMA = {"type": "object", "properties": {}}
+
+
+def _ctx(images=(), sample=None):
+    return ToolContext(images=list(images), sample=sample, turn=1)
+
+
+def test_qwen_tool_calls_parse_and_bad_ones_say_why():
+    assert parse_qwen_tool_call("no call here") is None
+    call = parse_qwen_tool_call('look <tool_call>\n{"name": "zoom", "arguments": {"region": "top"}}\n</tool_call>')
+    assert call == ToolCall("zoom", {"region": "top"})
+    assert parse_qwen_tool_call('<tool_call>{"name": "zoom", "arguments": "{\\"bbox\\": [1, 2, 3, 4]}"}</tool_call>') \
+        == ToolCall("zoom", {"bbox": [1, 2, 3, 4]})
+    for text, why in (("<tool_call>{\"name\": \"zoom\"", "not closed"), ("<tool_call>{zoom}</tool_call>", "not valid JSON"),
+                      ('<tool_call>["zoom"]</tool_call>', "JSON object"),
+                      ('<tool_call>{"name": "z", "arguments": 3}</tool_call>', "arguments")):
+        result = parse_qwen_tool_call(text)
+        assert isinstance(result, MalformedCall) and why in result.reason, (text, result)
+
+
+def test_raising_hanging_garbage_and_malformed_calls_are_counted_and_the_batch_goes_on():
+    def ok(call, ctx):
+        return f"got {call.arguments['x']}"
+
+    def raises(call, ctx):
+        raise RuntimeError("boom")
+
+    def hangs(call, ctx):
+        time.sleep(3)
+        return "late"
+
+    async def hangs_async(call, ctx):
+        await asyncio.sleep(30)
+
+    def garbage(call, ctx):
+        return {"not": "an observation"}
+
+    tools = ToolSet([Tool(fn.__name__, fn, "d", SCHEMA) for fn in (ok, raises, hangs, hangs_async, garbage)],
+                    timeout_s=0.3, max_concurrency=4)
+    calls = [ToolCall("ok", {"x": 1}), ToolCall("raises", {}), ToolCall("hangs", {}), ToolCall("hangs_async", {}),
+             ToolCall("garbage", {}), ToolCall("missing", {}), MalformedCall("the tool call is not valid JSON")]
+    start = time.perf_counter()
+    outputs, kinds = tools.run(calls, [_ctx() for _ in calls])
+    assert time.perf_counter() - start < 2.5  # the hung tools cost one timeout, concurrently, not their run time
+    assert kinds == ["ok", "errors", "timeouts", "timeouts", "bad_outputs", "malformed_calls", "malformed_calls"]
+    assert outputs[0].text == "got 1"
+    assert outputs[1].text == "Error: RuntimeError: boom"
+    assert "timed out after 0.3 s" in outputs[2].text and "timed out" in outputs[3].text
+    assert "returned dict" in outputs[4].text
+    assert "unknown tool 'missing'" in outputs[5].text and "ok, raises" in outputs[5].text
+    assert outputs[6].text == "Error: the tool call is not valid JSON"
+    # the next turn's calls run normally
+    outputs, kinds = tools.run([ToolCall("ok", {"x": 2})], [_ctx()])
+    assert kinds == ["ok"] and outputs[0].text == "got 2"
+    tools.close()
+
+
+def test_tools_return_text_images_lists_or_tool_outputs():
+    image = Image.new("RGB", (8, 8))
+    returns = {"text": "hello", "image": image, "both": [image, "a", "b"],
+               "full": ToolOutput(text="t", images=[image], reward=0.5, done=True)}
+    tools = ToolSet([Tool(name, (lambda v: lambda call, ctx: v)(value), "d", SCHEMA) for name, value in returns.items()])
+    outputs, kinds = tools.run([ToolCall(name, {}) for name in returns], [_ctx() for _ in returns])
+    assert kinds == ["ok"] * 4
+    assert outputs[0] == ToolOutput(text="hello")
+    assert outputs[1].images == [image] and outputs[1].text == ""
+    assert outputs[2].images == [image] and outputs[2].text == "a\nb"
+    assert outputs[3].reward == 0.5 and outputs[3].done
+
+
+def test_zoom_cuts_the_original_image_by_box_or_region_at_higher_resolution(tmp_path):
+    from vlrft.data import Sample
+
+    original = Image.new("RGB", (300, 300), (255, 255, 255))
+    original.paste((255, 0, 0), (200, 200, 300, 300))  # a red bottom-right corner
+    original.save(tmp_path / "big.png")
+    shown = original.resize((60, 60))  # what the model saw
+    sample = Sample(id="s", prompt="<image>q", images=[str(tmp_path / "big.png")])
+    ctx = ToolContext(images=[shown], sample=sample, turn=1, kwargs={"max_side": 120})
+    region, text = zoom(ToolCall("zoom", {"region": "bottom-right"}), ctx)
+    assert region.size == (120, 120) and region.getpixel((60, 60)) == (255, 0, 0)
+    assert text == "Zoomed into [40, 40, 60, 60]."
+    box, _ = zoom(ToolCall("zoom", {"bbox": [0, 0, 0.5, 0.25]}), ctx)  # relative coordinates
+    assert box.size == (120, 60)
+    assert region_box({"bbox": [50, 50, 10, 10]}, 60, 60) == (10.0, 10.0, 50.0, 50.0)  # corners in any order
+    for bad, why in (({"bbox": [1, 2]}, "four numbers"), ({"region": "middle-ish"}, "unknown region"), ({}, "give bbox"),
+                     ({"bbox": [70, 70, 90, 90]}, "empty")):
+        with pytest.raises(ValueError, match=why):
+            region_box(bad, 60, 60)
+
+
+def test_tools_load_from_config_with_their_schema_and_bad_names_fail_at_load(tmp_path):
+    cfg = load_config(None, ["rollout.tools=[{name: zoom}, {name: crop, alias: look, kwargs: {max_side: 64}}]",
+                             "rollout.max_turns=3"])
+    tools = ToolSet.from_config(cfg.rollout)
+    assert list(tools.tools) == ["zoom", "look"] and tools.tools["look"].kwargs == {"max_side": 64}
+    schema = tools.schemas[0]["function"]
+    assert schema["name"] == "zoom" and "region" in schema["parameters"]["properties"] and schema["description"]
+    user = tmp_path / "my_tools.py"
+    user.write_text('def count(call, context):\n    """Count the shapes."""\n    return "3"\n')
+    spec = load_tool(ToolConfig(name=f"{user}:count"), 0)
+    assert spec.name == "count" and spec.description == "Count the shapes."
+    with pytest.raises(ConfigError, match=r"rollout.tools\[0\].name"):
+        load_config(None, ["rollout.tools=[{name: no_such_tool}]"])
+    with pytest.raises(ConfigError, match="rollout.max_turns"):
+        load_config(None, ["rollout.tools=[{name: zoom}]", "rollout.max_turns=0"])
+    with pytest.raises(Exception, match="JSON schema object"):
+        load_tool(ToolConfig(name="zoom", parameters={"type": "string"}), 0)
+    assert RolloutConfig().tools == []  # no tools: single-turn rollouts as before
+
+
+def test_the_zoom_demo_mark_is_hidden_at_prompt_resolution_and_plain_after_zooming():
+    import numpy as np
+
+    from vlrft.data.media import PixelBounds, fit_image
+    from vlrft.data.zoom_marks import render_mark
+
+    bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=3136)  # the demo's 56 x 56 prompt image
+    rng = np.random.default_rng(0)
+    for color in ("red", "green", "blue", "yellow", None):
+        image = render_mark(color, rng)
+        shown = fit_image(image, bounds)
+        prompt_dev = np.abs(np.asarray(shown, dtype=int) - 255).max()
+        region, _ = zoom(ToolCall("zoom", {"region": "center"}), ToolContext(images=[shown], sample=None, turn=1))
+        # the tool cuts from the image the model saw when the sample's original is unavailable: use the original
+        crop = image.crop(tuple(round(v) for v in region_box({"region": "center"}, *image.size)))
+        zoom_dev = np.abs(np.asarray(fit_image(crop.resize((448, 448)), bounds), dtype=int) - 255).max()
+        assert prompt_dev < 32  # no pixel of the prompt's image stands out from the background blotches
+        if color is None:
+            assert zoom_dev < 32
+        else:
+            assert zoom_dev > 60, color  # zoomed, the mark stands far above them
+
+
+def test_the_zoom_word_parser_calls_zoom_and_leaves_answers_alone():
+    from vlrft.tools.builtin import parse_zoom_word
+
+    assert parse_zoom_word("zoom") == ToolCall("zoom", {"region": "center"})
+    assert parse_zoom_word(" Zoom top left") == ToolCall("zoom", {"region": "top-left"})
+    assert parse_zoom_word("red") is None and parse_zoom_word("") is None

@@ -1,0 +1,343 @@
+"""Multi-turn rollouts with tools: the model writes, calls a tool, reads its text/images, and goes on.
+
+One tokenization across turns. A trajectory's ids are the prompt's ids, then each model turn's ids
+exactly as the engine sampled them, then each observation's ids, appended as they come. The
+conversation is never re-templated: an observation is templated on its own (the chat template
+renders it as the next user turn, `<tool_response>`-wrapped, after a fixed dummy history, and the
+part after that history is cut out), run through the same processor (so its images get their
+placeholders expanded and their pixels/grids), and appended. The next turn is sampled from that
+exact id sequence (the engine receives it as a prompt together with all the trajectory's images,
+in order), so the ids and images the trainer sees are those the engine sampled from.
+
+`sampled_mask` marks model-sampled tokens (1) and everything else (0: observation text, templates,
+image placeholders); only sampled tokens get a loss, an entropy and a KL term
+(`vlrft.trainer.experience`). Images added mid-trajectory join the row's visual tensors after the
+prompt's; positions come from the model's own M-RoPE rule over the full sequence.
+
+Training forward: the shared-prompt forward stays (each group's prompt runs once); the tool images
+ride along per row (`SequenceBatch.completion_visual`), are encoded in the continuation pass and
+placed on their placeholders, with positions from the model's M-RoPE rule over the whole row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from vlrft.batch import SequenceBatch, build_sequences, join_samples
+from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams
+from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
+from vlrft.tools.toolset import ToolSet
+from vlrft.tools.types import ToolCall, ToolContext, ToolOutput, ToolStats
+from vlrft.vision import VisualBatch
+
+if TYPE_CHECKING:
+    from vlrft.data import PromptBatch
+    from vlrft.tokens import TokenSpec
+
+_SENTINEL = "\uE000vlrft-turn\uE001"
+TOOL_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
+    "signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a json "
+    "object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+class ObservationTemplate:
+    """Observation ids (and visual tensors) for a tool output, templated on their own by the chat template."""
+
+    def __init__(self, processor, image_bounds=None, role: str = "user"):
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.image_bounds = image_bounds
+        self.role = role
+        history = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                   {"role": "assistant", "content": _SENTINEL}]
+        before = self._render(history, generation=False)
+        self.closing = before[before.index(_SENTINEL) + len(_SENTINEL):]  # e.g. "<|im_end|>\n"
+        self._history = history
+        self._before = before
+
+    def _render(self, messages: list[dict], generation: bool) -> str:
+        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+
+    def text(self, output: ToolOutput, turn_ids: list[int]) -> str:
+        """The text appended after a model turn ending in `turn_ids`: the turn's close, the observation, the next
+        assistant header."""
+        content: list[dict] = [{"type": "image"} for _ in output.images]
+        content.append({"type": "text", "text": f"<tool_response>\n{output.text}\n</tool_response>"})
+        rendered = self._render([*self._history, {"role": self.role, "content": content}], generation=True)
+        if not rendered.startswith(self._before):
+            raise ValueError("the chat template renders an earlier turn differently once a later turn follows; "
+                             "observations cannot be templated on their own with it")
+        closing = self.closing
+        last = self.tokenizer.decode(turn_ids[-1:]) if turn_ids else ""
+        if last and closing.startswith(last):  # the turn already ends with the template's end-of-turn token
+            closing = closing[len(last):]
+        return closing + rendered[len(self._before):]
+
+    def encode(self, output: ToolOutput, turn_ids: list[int], merge_size: int) -> tuple[list[int], VisualBatch, list]:
+        """(ids, visual tensors of its images as one sample, the images as processed)."""
+        from vlrft.data.media import fit_image
+
+        images = [fit_image(im.convert("RGB"), self.image_bounds) for im in output.images]
+        out = self.processor(text=[self.text(output, turn_ids)], images=images or None, return_tensors=None)
+        ids = [int(i) for i in out["input_ids"][0]]
+        visual = VisualBatch.from_processor_output(out, [len(images)], [0], merge_size)
+        return ids, visual, images
+
+
+@dataclass
+class Trajectories(Rollouts):
+    """Rollouts whose completions are whole trajectories (model turns + observations).
+
+    `completion_ids` hold everything after the prompt; `sampled_mask` is 1 on model-sampled tokens;
+    `logprobs` are the engine's on sampled tokens and 0 elsewhere.
+    """
+
+    sampled_mask: list[list[int]] = field(default_factory=list)
+    observation_visual: list[VisualBatch | None] = field(default_factory=list)  # per row; None: no tool images
+    observation_images: list[list[Any]] = field(default_factory=list)  # per row, PIL as processed
+    turns: list[int] = field(default_factory=list)  # model turns per row
+    tool_rewards: list[float] = field(default_factory=list)  # summed reward parts of the row's tool outputs
+    tool_stats: list[ToolStats] = field(default_factory=list)  # per row
+
+    _ROW_FIELDS = ("completion_ids", "finish_reasons", "texts", "sampled_mask", "observation_visual",
+                   "observation_images", "turns", "tool_rewards", "tool_stats")
+
+    def _rows(self, rows: list[int]) -> "Trajectories":
+        fields = {name: [getattr(self, name)[r] for r in rows] for name in self._ROW_FIELDS}
+        return Trajectories(n=self.n, logprobs=None if self.logprobs is None else [self.logprobs[r] for r in rows],
+                            **fields)
+
+    def select_groups(self, groups: list[int]) -> "Trajectories":
+        return self._rows([g * self.n + j for g in groups for j in range(self.n)])
+
+    @classmethod
+    def concat(cls, parts: list["Trajectories"]) -> "Trajectories":
+        fields = {name: [v for p in parts for v in getattr(p, name)] for name in cls._ROW_FIELDS}
+        has_logprobs = all(p.logprobs is not None for p in parts)
+        return cls(n=parts[0].n, logprobs=[lp for p in parts for lp in p.logprobs] if has_logprobs else None,
+                   **fields)
+
+    def metrics(self) -> dict[str, tuple[float, float]]:
+        """Per-trajectory means as (sum, count), so ranks can add them: turns, tool calls and each failure kind."""
+        rows = float(len(self))
+        total = sum(self.tool_stats, ToolStats())
+        out = {name: (value, rows) for name, value in total.as_dict().items()}
+        out["tools/turns"] = (float(sum(self.turns)), rows)
+        out["tools/sampled_token_frac"] = (float(sum(sum(m) for m in self.sampled_mask)),
+                                           float(max(1, sum(len(m) for m in self.sampled_mask))))
+        return out
+
+    def sequences(self, prompts: "PromptBatch", rows: list[int], pad_id: int) -> SequenceBatch:
+        """Training rows in the shared-prompt layout; tool images ride along per row (`completion_visual`)."""
+        seqs = build_sequences(prompts.prompt_ids, prompts.visual, self.completion_ids, self.prompt_index, pad_id, rows)
+        mask = torch.zeros_like(seqs.completion_mask)
+        for i, r in enumerate(rows):
+            mask[i, :len(self.sampled_mask[r])] = torch.as_tensor(self.sampled_mask[r], dtype=mask.dtype)
+        extra = None
+        if any(self.observation_visual[r] is not None for r in rows):
+            merge = prompts.visual.merge_size
+            extra = VisualBatch.concat([self.observation_visual[r] or VisualBatch.empty(1, merge) for r in rows])
+        return dataclasses.replace(seqs, completion_mask=mask, completion_visual=extra)
+
+    def row_visual(self, prompts: "PromptBatch", row: int) -> VisualBatch:
+        """The row's visual tensors as one sample: the prompt's images, then the tools' in arrival order."""
+        own = prompts.visual.select([self.prompt_index[row]])
+        extra = self.observation_visual[row]
+        return own if extra is None else join_samples([own, extra])
+
+
+@dataclass
+class _Row:
+    """A trajectory under construction."""
+
+    prompt: int
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    visual: list[VisualBatch] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)  # the prompt's, then the tools'
+    tool_images: list[Any] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # each model turn, decoded without special tokens
+    turns: int = 0
+    reward: float = 0.0
+    stats: ToolStats = field(default_factory=ToolStats)
+    done: bool = False
+    reason: str = FINISH_STOP
+
+
+class MultiTurnEngine:
+    """Wraps a rollout engine: n trajectories per prompt, tools between turns (see the module docstring)."""
+
+    def __init__(self, engine, processor, tokens: "TokenSpec", tools: ToolSet, *, max_turns: int,
+                 max_trajectory_tokens: int, image_bounds=None, merge_size: int = 2,
+                 parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call):
+        self.engine = engine
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.tokens = tokens
+        self.tools = tools
+        self.max_turns = max_turns
+        self.max_trajectory_tokens = max_trajectory_tokens
+        self.merge_size = merge_size
+        self.parse_call = parse_call
+        self.observations = ObservationTemplate(processor, image_bounds)
+
+    @classmethod
+    def from_trainer(cls, cfg, trainer, engine) -> "MultiTurnEngine":
+        """Around `engine`; also tells the trainer's prompt encoder to describe the tools in the prompt."""
+        from vlrft.registry import load_reference
+
+        tools = ToolSet.from_config(cfg.rollout)
+        install_tool_prompt(trainer.encoder, tools.schemas)
+        parser = cfg.rollout.tool_parser
+        parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
+        return cls(engine, trainer.processor, trainer.tokens, tools, max_turns=cfg.rollout.max_turns,
+                   max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
+                   image_bounds=getattr(trainer.encoder, "_image_bounds", None),
+                   merge_size=trainer.encoder.merge_size, parse_call=parse_call)
+
+    # engine protocol: weights and memory belong to the wrapped engine
+    def update_weights(self, model) -> None:
+        self.engine.update_weights(model)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+
+    def turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """Turns also end right after a closed tool call."""
+        stop = sampling.stop if TOOL_CALL_CLOSE in sampling.stop else (*sampling.stop, TOOL_CALL_CLOSE)
+        return dataclasses.replace(sampling, stop=stop, max_new_tokens=min(sampling.max_new_tokens,
+                                                                           self.max_trajectory_tokens))
+
+    def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Trajectories:
+        turn_sampling = self.turn_sampling(sampling)
+        rows = [_Row(prompt=i // sampling.n) for i in range(len(batch) * sampling.n)]
+        for row in rows:
+            row.images = list(batch.images[row.prompt])
+        first = self.engine.generate(batch, turn_sampling)
+        self._take_turn(rows, list(range(len(rows))), first)
+        for _ in range(self.max_turns - 1):
+            pending = self._run_tools(rows, batch)
+            if not pending:
+                break
+            budget = max(self.max_trajectory_tokens - len(rows[r].ids) for r in pending)
+            context = self._context_batch(batch, rows, pending)
+            out = self.engine.generate(context, dataclasses.replace(turn_sampling, n=1,
+                                                                    max_new_tokens=min(turn_sampling.max_new_tokens,
+                                                                                       budget)))
+            self._take_turn(rows, pending, out)
+        return self._finish(rows, sampling.n)
+
+    def _take_turn(self, rows: list[_Row], which: list[int], out: Rollouts) -> None:
+        """Append each row's sampled turn (cut to its token budget)."""
+        for k, r in enumerate(which):
+            row = rows[r]
+            ids = list(out.completion_ids[k])
+            reason = out.finish_reasons[k]
+            room = self.max_trajectory_tokens - len(row.ids)
+            if len(ids) >= room:
+                ids, reason = ids[:room], (FINISH_LENGTH if len(ids) > room or reason == FINISH_LENGTH else reason)
+            lps = list(out.logprobs[k][:len(ids)]) if out.logprobs is not None else [0.0] * len(ids)
+            row.ids += ids
+            row.mask += [1] * len(ids)
+            row.logprobs += lps
+            row.turns += 1
+            row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
+            if reason == FINISH_LENGTH:
+                row.done, row.reason = True, FINISH_LENGTH
+
+    def _run_tools(self, rows: list[_Row], batch: "PromptBatch") -> list[int]:
+        """Run the calls of every live row's last turn at once; returns the rows that go on to another turn."""
+        calls, contexts, which = [], [], []
+        for r, row in enumerate(rows):
+            if row.done:
+                continue
+            call = self.parse_call(row.texts[-1])
+            if call is None:
+                row.done = True
+                continue
+            calls.append(call)
+            contexts.append(ToolContext(images=list(row.images), sample=batch.samples[row.prompt], turn=row.turns))
+            which.append(r)
+        if not calls:
+            return []
+        outputs, kinds = self.tools.run(calls, contexts)
+        going = []
+        for r, output, kind in zip(which, outputs, kinds):
+            row = rows[r]
+            row.stats.count(kind, output)
+            if output.reward is not None:
+                row.reward += float(output.reward)
+            if output.done:
+                row.done = True
+                continue
+            try:
+                ids, visual, images = self.observations.encode(output, row.ids, self.merge_size)
+            except Exception as exc:  # an image the processor refuses: the model reads why
+                row.stats.bad_outputs += 1
+                ids, visual, images = self.observations.encode(
+                    ToolOutput(text=f"Error: the tool's output could not be processed ({type(exc).__name__})"),
+                    row.ids, self.merge_size)
+            if len(row.ids) + len(ids) >= self.max_trajectory_tokens:  # no room for the observation and a reply
+                row.done, row.reason = True, FINISH_LENGTH
+                continue
+            row.ids += ids
+            row.mask += [0] * len(ids)
+            row.logprobs += [0.0] * len(ids)
+            if images:
+                row.visual.append(visual)
+                row.images += images
+                row.tool_images += images
+            going.append(r)
+        return going
+
+    def _context_batch(self, batch: "PromptBatch", rows: list[_Row], which: list[int]) -> "PromptBatch":
+        """The live trajectories as prompts: prompt + everything so far, with all their images in order."""
+        from vlrft.data import PromptBatch
+
+        prompts = [rows[r].prompt for r in which]
+        base = batch.select(prompts)
+        visual = [self._row_visual(batch, rows[r]) for r in which]
+        return PromptBatch(samples=base.samples,
+                           prompt_ids=[batch.prompt_ids[rows[r].prompt] + rows[r].ids for r in which],
+                           prompt_texts=base.prompt_texts, images=[rows[r].images for r in which],
+                           videos=base.videos, visual=VisualBatch.concat(visual))
+
+    def _row_visual(self, batch: "PromptBatch", row: _Row) -> VisualBatch:
+        own = batch.visual.select([row.prompt])
+        return join_samples([own, *row.visual]) if row.visual else own
+
+    def _finish(self, rows: list[_Row], n: int) -> Trajectories:
+        # What rewards read: the model's last turn (its final answer); the whole trajectory is in completion_ids.
+        texts = [row.texts[-1] if row.texts else "" for row in rows]
+        return Trajectories(
+            n=n, completion_ids=[row.ids for row in rows], finish_reasons=[row.reason for row in rows],
+            logprobs=[row.logprobs for row in rows], texts=texts, sampled_mask=[row.mask for row in rows],
+            observation_visual=[join_samples(row.visual) if row.visual else None for row in rows],
+            observation_images=[row.tool_images for row in rows],
+            turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
+            tool_stats=[row.stats for row in rows])
+
+
+def install_tool_prompt(encoder, schemas: list[dict]) -> None:
+    """Describe the tools in every prompt: through the chat template's `tools` when it renders them, else as a
+    Qwen-style system text."""
+    import json
+
+    probe = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    render = encoder.processor.apply_chat_template
+    with_tools = render(probe, tokenize=False, add_generation_prompt=True, tools=schemas)
+    if with_tools != render(probe, tokenize=False, add_generation_prompt=True):
+        encoder.tools = schemas
+    else:
+        encoder.tool_prompt = TOOL_PROMPT.format(tools="\n".join(json.dumps(s) for s in schemas))

@@ -1,0 +1,98 @@
+"""The CPU zoom demo's starting model (`model.build_recipe: zoom-demo`, configs/zoom_demo.yaml).
+
+A tiny Qwen2-VL (as the shapes demo) with a supervised *format* warm start on images without a
+mark: half the sequences answer with a colour word at once, half say "zoom", read the zoomed (still
+empty) centre and then answer. It lives in the rollout layer because the two-turn sequences are
+built with the multi-turn rollout's own observation template and training layout.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlrft.models.recipes import WarmStart
+
+
+def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cfg) -> dict[str, float]:
+    """Format warm start for the zoom demo, on images without a mark: half the sequences answer with a colour
+    word at once, half say "zoom", read the zoomed (still empty) centre and then answer. The model learns both
+    formats, not which colour (there is none to see), nor that zooming helps: RL has to find that."""
+    from vlrft.data import PromptEncoder
+    from vlrft.data.processor import _pixel_bounds
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.loading import load_policy, load_processor
+    from vlrft.rollout.multiturn import ObservationTemplate, Trajectories, install_tool_prompt
+    from vlrft.tokens import TokenSpec
+    from vlrft.tools import ToolCall, ToolContext, ToolStats
+    from vlrft.tools.builtin import ZOOM_PARAMETERS, zoom
+    from vlrft.tools.toolset import as_output
+
+    processor = load_processor(model_dir)
+    model = load_policy(model_dir).train()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    encoder = PromptEncoder(processor, data_cfg)
+    install_tool_prompt(encoder, [{"type": "function", "function": {"name": "zoom", "description": "Zoom into a "
+                                   "region of the image", "parameters": ZOOM_PARAMETERS}}])
+    observations = ObservationTemplate(processor, _pixel_bounds(processor.image_processor, data_cfg))
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    words = lambda text: processor.tokenizer(text, add_special_tokens=False).input_ids + [end]  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
+    rng = np.random.default_rng(settings.seed)
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        for _ in range(settings.steps):
+            picked = [samples[i] for i in rng.choice(len(samples), size=settings.batch_size, replace=False)]
+            batch = encoder.encode(picked).batch
+            rows: dict[str, list] = {k: [] for k in ("completion_ids", "sampled_mask", "observation_visual")}
+            for i, sample in enumerate(picked):
+                answer = words(sample.answer)
+                if i % 2:
+                    ids, mask, visual = answer, [1] * len(answer), None
+                else:
+                    first = words("zoom")
+                    context = ToolContext(images=list(batch.images[i]), sample=sample, turn=1)
+                    output = as_output(zoom(ToolCall("zoom", {"region": "center"}), context))
+                    obs, visual, _ = observations.encode(output, first, encoder.merge_size)
+                    ids, mask = first + obs + answer, [1] * len(first) + [0] * len(obs) + [1] * len(answer)
+                for key, value in zip(rows, (ids, mask, visual)):
+                    rows[key].append(value)
+            n = len(picked)
+            trajectories = Trajectories(n=1, finish_reasons=["stop"] * n, turns=[1] * n, tool_rewards=[0.0] * n,
+                                        tool_stats=[ToolStats() for _ in range(n)], texts=[""] * n,
+                                        observation_images=[[] for _ in range(n)], **rows)
+            seqs = trajectories.sequences(batch, list(range(n)), tokens.pad_id)
+            out = actor.logprobs(seqs)
+            loss = -(out.logprobs * seqs.completion_mask).sum() / seqs.completion_mask.sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return {"warm_start/first_loss": losses[0], "warm_start/last_loss": losses[-1]}
+
+
+def build_zoom_demo(out_dir: Path) -> Path:
+    """Tiny Qwen2-VL (as shapes-demo) + the two-format warm start of `zoom_warm_start`."""
+    from vlrft.config import DataConfig
+    from vlrft.data import read_samples
+    from vlrft.data.zoom_marks import make_zoom_marks
+    from vlrft.models.tiny import TinySpec, build_tiny_vlm
+
+    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56,
+                    vocab_size=1024, seed=0)
+    build_tiny_vlm(out_dir, spec)
+    warmup_dir = out_dir / "warmup_data"
+    samples = read_samples(make_zoom_marks(warmup_dir, "warmup", 128, seed=1, blank=True))
+    metrics = zoom_warm_start(out_dir, samples, WarmStart(steps=80),
+                              DataConfig(min_pixels=56 * 56, max_pixels=56 * 56))
+    shutil.rmtree(warmup_dir)
+    (out_dir / "vlrft_recipe.json").write_text(json.dumps({"recipe": "zoom-demo", **metrics}, indent=1))
+    return out_dir

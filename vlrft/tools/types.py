@@ -1,0 +1,71 @@
+"""Types that cross the tool API boundary: the parsed call, what a tool sees, what it returns, counters.
+
+A tool is a plain (sync or async) callable `tool(call: ToolCall, context: ToolContext)` returning a
+`ToolOutput`, a string, a PIL image, or a list of strings and images. Everything else is "garbage":
+the trajectory gets a defined error observation and the failure is counted (`ToolStats`), like a
+reward function that fails under `reward.on_error=none`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, field
+from typing import Any
+
+from vlrft.errors import UserError
+
+
+class ToolConfigError(UserError):
+    """A tool that cannot be loaded or described (bad name, bad schema); raised before training starts."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model wrote: the tool's name and its JSON arguments (a dict)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class ToolContext:
+    """What a tool may read besides the call: the trajectory's images so far and the sample's columns."""
+
+    images: list[Any]  # PIL images of the prompt, then those tools returned earlier in this trajectory
+    sample: Any  # vlrft.data.Sample (id, answer, label, extra, ...)
+    turn: int  # 1-based model turn that made the call
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the tool's fixed config kwargs
+
+
+@dataclass
+class ToolOutput:
+    """A tool's answer: text and/or images, optional reward parts (summed into the trajectory's reward) and done."""
+
+    text: str = ""
+    images: list[Any] = field(default_factory=list)
+    reward: float | None = None
+    done: bool = False
+
+
+@dataclass
+class ToolStats:
+    """Counts over a batch of trajectories (sums, so ranks can add them)."""
+
+    calls: float = 0.0  # tool calls run (ok or not)
+    errors: float = 0.0  # the tool raised
+    timeouts: float = 0.0  # the tool ran past rollout.tool_timeout_s
+    malformed_calls: float = 0.0  # the model wrote a call that does not parse or names no configured tool
+    bad_outputs: float = 0.0  # the tool returned something that is not text/images/ToolOutput
+    images_returned: float = 0.0
+
+    def __add__(self, other: "ToolStats") -> "ToolStats":
+        return ToolStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def count(self, kind: str, output: "ToolOutput") -> None:
+        """Add one call that ended as `kind` ("ok" or a counter name) with `output`."""
+        self.calls += kind != "malformed_calls"
+        if kind != "ok":
+            setattr(self, kind, getattr(self, kind) + 1)
+        self.images_returned += len(output.images)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f"tools/{name}": float(value) for name, value in self.__dict__.items()}
