@@ -215,8 +215,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def clip_and_step(self, parts: Sequence[TrainedModel], max_norm: float, nonfinite_local: bool) -> StepResult:
         """Every engine steps (clipping to `gradient_clipping` over all shards) or all skip.
 
-        A non-finite loss on any rank forces DeepSpeed's overflow path on every engine; a non-finite
-        gradient norm takes that path by itself (the norm is global, so on every rank).
+        A non-finite loss on any rank forces DeepSpeed's overflow path on every engine. A non-finite
+        gradient norm (the norm is global, so the same on every rank) makes that engine take the
+        path by itself, and the engines after it are then forced to skip too; only an engine that
+        already stepped before it (the policy, when just the critic's gradients are non-finite while
+        every loss was finite) is not undone.
         """
         if abs((max_norm if max_norm > 0 else 0.0) - (self.max_grad_norm if self.max_grad_norm > 0 else 0.0)) > 1e-12:
             raise ValueError(f"DeepSpeed clips to train.max_grad_norm={self.max_grad_norm} (set at initialize); "
@@ -230,6 +233,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             with _forced_overflow(engine.optimizer) if force_skip else contextlib.nullcontext():
                 engine.step()
             applied.append(bool(engine.was_step_applied()))
+            force_skip = force_skip or not applied[-1]
             norm = engine.get_global_grad_norm()
             norms.append(float(norm) if norm is not None else math.nan)
         skipped = not all(applied)
@@ -270,9 +274,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             with self.ds.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=None):
                 if self.is_main:
                     prefix = f"{module_name}." if module_name else ""
-                    for key, tensor in module.state_dict().items():
-                        if "." not in key:  # this module's own parameters and buffers
-                            out[prefix + key] = tensor.detach().cpu().clone()
+                    own = [*module.named_parameters(recurse=False),
+                           *((name, b) for name, b in module.named_buffers(recurse=False)
+                             if name not in module._non_persistent_buffers_set)]
+                    for key, tensor in own:
+                        out[prefix + key] = tensor.detach().cpu().clone()
         if not self.is_main:
             return None
         for name in tied_weight_names(hf_model):
