@@ -113,17 +113,19 @@ def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def zero(setup):
     """One torchrun launch: Z3 (3 steps, micro-batch 4, weight sync after), Z3B (1 step, micro-batch 1),
-    Z3H (the real hf engine generating from the gathered ZeRO-3 policy), Z2 (ZeRO-2, as Z3)."""
+    Z3H (the real hf engine generating from the gathered ZeRO-3 policy), Z3L (loaded, not trained, then
+    a weight sync), Z2 (ZeRO-2, as Z3)."""
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
         run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_size=1"),
         run_args(setup, "Z3H", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_size=2",
                  scripted=False),
+        run_args(setup, "Z3L", "train.total_steps=0", sync_out=str(setup["folder"] / "sync_loaded.pt")),
         run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
     return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z3H": results[2]["history"],
-            "Z2": results[3]["history"], "seconds": time.perf_counter() - start}
+            "Z2": results[4]["history"], "seconds": time.perf_counter() - start}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +189,21 @@ def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup
     saved = weights(setup, "Z3", 3)
     assert sorted(saved) == sorted(sent["received"])
     assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
+
+
+@torchrun_test
+def test_weight_sync_right_after_a_zero3_load_sends_exactly_the_single_process_state_dict(setup, zero):
+    """zero.Init loading and the bucketed gather lose nothing: bitwise the weights one process loads."""
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.weights import PolicyWeights
+
+    sent = torch.load(setup["folder"] / "sync_loaded.pt")
+    assert sent["duplicates"] == []
+    expected = {name: t for bucket in PolicyWeights(load_policy(setup["model"]), torch.float32).buckets(1 << 30, "cpu")
+                for name, t in bucket}
+    assert "lm_head.weight" not in expected and "lm_head.weight" not in sent["received"]  # tied: sent once
+    assert sorted(sent["received"]) == sorted(expected)
+    assert all(torch.equal(sent["received"][k], expected[k]) for k in expected)
 
 
 @torchrun_test
