@@ -20,6 +20,7 @@ from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
 
 from vlrft.config import load_config  # noqa: E402
 from vlrft.dist.strategy import make_strategy  # noqa: E402
+from vlrft.errors import UserError  # noqa: E402
 from vlrft.rollout.weights import PolicyWeights  # noqa: E402
 
 
@@ -49,7 +50,11 @@ def run_plan(plan_file: str) -> None:
         if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
             strategy = make_strategy(cfg.train.strategy, cfg)
         trainer = Trainer(cfg, strategy)
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except UserError as exc:  # a run expected to be refused: every rank raises it together
+            results.append({"error": str(exc)})
+            continue
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
         results.append({"history": history, "world_size": strategy.world_size})

@@ -169,9 +169,6 @@ class FSDPConfig:
     cpu_offload: bool = False  # keep the shards (and optimizer state) in host memory (CPUOffloadPolicy)
     reshard_after_forward: bool = True  # free gathered layers after forward (less memory, one more all-gather)
     mixed_precision: bool = True  # on GPUs: compute in model.dtype, reduce gradients in float32
-    # Move the trainer's shards, gradients and optimizer state to host memory while the rollout
-    # engine (vllm/sglang) is awake, and back for the update (GPUs only).
-    offload_during_rollout: bool = False
 
 
 @dataclass

@@ -8,7 +8,8 @@ calls. On GPUs the gathered weights are cast to `model.dtype` and gradients redu
 
 Loading: rank 0 alone reads the checkpoint; every rank builds the model on the meta device, shards
 it, then receives its shards from rank 0 (`set_model_state_dict(..., broadcast_from_rank0=True)`).
-Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from rank 0 too.
+Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from rank 0 too. With LoRA
+(adapters are injected after loading) every rank loads the base weights and rank 0's are broadcast.
 
 Checkpoints: `sharded/` is a `torch.distributed.checkpoint` folder (every rank writes its shards of
 the model and optimizer state); it can be read back by any number of processes, which reshards.
@@ -93,6 +94,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         from vlrft.models.loading import DTYPES, load_policy
 
+        if source.adapters:  # adapters are created per rank after loading; `_shard` broadcasts rank 0's
+            return load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
+                               trust_remote_code=source.trust_remote_code, device=self.device)
         dtype = DTYPES.get(source.dtype, torch.float32)
         config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
         with torch.device("meta"):
@@ -114,6 +118,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full, buffers = self._pending.pop(id(hf_model))
+        # Allocate this rank's shards (uninitialised) first: loading then copies each broadcast tensor's
+        # slice into them, so a rank never holds more than its shards plus one full tensor.
+        hf_model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
         set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers are not sharded and non-persistent ones (rotary inv_freq) are not in the state dict.
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -137,12 +144,31 @@ class FSDP2Strategy(ProcessGroupStrategy):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.options.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
+        pending = id(hf_model) in self._pending
+        if not pending:
+            self._broadcast_from_rank0(root)
         for unit in shard_units(root):
             fully_shard(unit, **options)
         fully_shard(root, **options)
-        if id(hf_model) in self._pending:
+        if pending:
             self._materialise(hf_model)
         return root
+
+    def _broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Make every rank's (whole, not yet sharded) weights rank 0's, as DDP does when it wraps.
+
+        Parameters created after loading (LoRA adapters, a critic's value head) are initialised
+        from each rank's own random state.
+        """
+        on_cpu = dist.get_backend() != "nccl"
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.is_meta:
+                    continue
+                staged = tensor.detach().to("cpu") if on_cpu and tensor.device.type != "cpu" else tensor.detach()
+                dist.broadcast(staged, src=0)
+                if staged is not tensor:
+                    tensor.copy_(staged)
 
     def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
                           ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -180,6 +206,23 @@ class FSDP2Strategy(ProcessGroupStrategy):
             for unit in units:
                 unit.reshard()
                 unit.set_reshard_after_forward(self.options.reshard_after_forward)
+
+    def check_vision_mix(self, images_per_prompt, videos_per_prompt) -> None:
+        """Every micro-batch on every rank must run the vision blocks equally often: all-gathers are collectives.
+
+        That holds when every prompt of the step has an image (a video) or none has; a mix would make
+        one rank's vision all-gather meet another rank's decoder all-gather, a hang. One all-reduce per step.
+        """
+        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
+                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
+        seen = self.all_reduce(flags, "max")
+        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
+            if some > 0 and none > 0:
+                from vlrft.errors import UserError
+
+                raise UserError(f"train.strategy=fsdp2 needs every prompt of a step to have {kind} or none to "
+                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
+                                f"without {kind}, or train.strategy=ddp")
 
     # ------------------------------------------------------------------ gradients
 

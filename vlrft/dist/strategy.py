@@ -78,6 +78,9 @@ class ModelSource:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    # Modules are added after loading (LoRA adapters): a sharding strategy then loads real weights on
+    # every rank (and broadcasts rank 0's) instead of filling a meta-device model from rank 0.
+    adapters: bool = False
 
 
 class Strategy:
@@ -136,6 +139,9 @@ class Strategy:
     def generation(self, model: nn.Module) -> Iterator[None]:
         """Context in which `model`'s parameters are whole on this rank, so it can generate locally."""
         yield
+
+    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
+        """Refuse a step whose forwards would call the vision tower on some ranks only (sharded strategies)."""
 
     # ------------------------------------------------------------------ gradients
 

@@ -117,8 +117,11 @@ def load_trainer_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def load_rank_rng(checkpoint: Path, rank: int) -> None:
+def load_rank_rng(checkpoint: Path, rank: int, required: bool = True) -> None:
+    """This rank's saved random state; a rank the checkpoint did not have keeps its seeded state unless `required`."""
     path = checkpoint / "rng" / f"rank{rank}.pt"
+    if not path.is_file() and not required:
+        return
     if not path.is_file():
         raise UserError(f"checkpoint '{checkpoint}' has no RNG state for rank {rank}; resume with the same number "
                         "of processes it was saved with")

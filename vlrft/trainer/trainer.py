@@ -8,6 +8,7 @@ engine, metrics reduced over ranks, then evaluation and checkpoints when due.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from collections import defaultdict
@@ -119,7 +120,8 @@ class Trainer:
         cfg = self.cfg.model
         lora = cfg.lora.rank > 0
         weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
-        model = self.strategy.load_model(self._source(weights, "float32"), trainable=True)
+        source = dataclasses.replace(self._source(weights, "float32"), adapters=lora)
+        model = self.strategy.load_model(source, trainable=True)
         if cfg.freeze_vision_tower:
             freeze_vision(model)
         if lora:
@@ -221,9 +223,13 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
         self.engine.wake()
         collected = collect(self, step)
         self.engine.sleep()
+        self.strategy.check_vision_mix([len(i) for i in collected.prompts.images],
+                                       [len(v) for v in collected.prompts.videos])
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
@@ -366,7 +372,9 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])
-        ckpt.load_rank_rng(folder, self.strategy.rank)  # last: nothing after this consumes randomness
+        # last: nothing after this consumes randomness. A rank the checkpoint did not have (resumed on
+        # more processes) keeps its seeded stream.
+        ckpt.load_rank_rng(folder, self.strategy.rank, required=not self.strategy.reshards_checkpoints)
 
 
 def _readable_prompt(text: str) -> str:

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Host memory while loading the policy under DDP vs FSDP2, per rank (CPU, gloo, 2 processes).
+
+    PYTHONPATH=. python bench/bench_fsdp2_loading.py [--hidden 1024] [--layers 12] [--nproc 2]
+
+Builds a random Qwen2-VL-shaped model (tiny vocabulary, real layer shapes) once, then for each
+strategy launches `torchrun` and reports each rank's peak RSS above its RSS after imports, after
+loading and preparing the policy for training (optimizer created, no step taken). Under DDP every
+rank reads the whole checkpoint; under FSDP2 rank 0 reads it and the others build on the meta
+device and receive only their shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(strategy_name: str, model_dir: str, out: str) -> None:
+    import resource
+
+    import torch
+
+    from vlrft.dist.strategy import ModelSource, make_strategy
+
+    strategy = make_strategy(strategy_name)
+    # Import what loading imports first, so the figure is memory for weights, not for code.
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401
+    from transformers import AutoModelForImageTextToText  # noqa: F401
+    from torch.distributed.fsdp import fully_shard  # noqa: F401
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = strategy.load_model(ModelSource(model_dir), trainable=True)
+    wrapped, optimizer = strategy.prepare_trainable(model, lambda params: torch.optim.AdamW(params, lr=1e-5))
+    params = sum(p.numel() for p in model.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in wrapped.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = strategy.all_gather_object({"rank": strategy.rank, "peak_mib_above_imports": (peak - before) / 1024,
+                                       "local_params": local, "params": params})
+    if strategy.is_main:
+        Path(out).write_text(json.dumps(rows))
+    strategy.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    from vlrft.models.tiny import TinySpec, build_tiny_vlm
+
+    folder = Path(tempfile.mkdtemp())
+    spec = TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=4,
+                    intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden_size=512, vision_heads=8)
+    model_dir = build_tiny_vlm(folder / "model", spec)
+    size_mib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+    print(f"checkpoint: {size_mib:.0f} MiB (float32)")
+    for name in ("ddp", "fsdp2"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = folder / f"{name}.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                        "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", name,
+                        str(model_dir), str(out)], env=env, check=True, capture_output=True)
+        for row in sorted(json.loads(out.read_text()), key=lambda r: r["rank"]):
+            print(f"{name:6s} rank {row['rank']}: peak RSS +{row['peak_mib_above_imports']:.0f} MiB, "
+                  f"holds {row['local_params'] / 1e6:.1f} M of {row['params'] / 1e6:.1f} M parameters")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:5])
+    else:
+        main()
