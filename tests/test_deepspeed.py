@@ -218,6 +218,44 @@ def test_zero3_trains_with_the_hf_engine_and_evaluates(setup, zero):
 
 
 @torchrun_test
+def test_zero3_trains_critic_reference_and_lora_like_one_process_and_refuses_mixed_steps(setup):
+    """PPO (critic + ZeRO-3 reference) and LoRA under ZeRO-3 equal one process; a step mixing image and
+    text-only prompts is refused with one clear error on every rank instead of hanging."""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    folder = setup["folder"]
+    mixed = folder / "mixed.jsonl"
+    rows = (folder / "data" / "train.jsonl").read_text().splitlines()
+    text_only = [json.dumps({"id": f"text-{i}", "prompt": "Name a color.", "answer": "red"}) for i in range(8)]
+    images = [json.dumps({**json.loads(r), "images": [str(folder / "data" / json.loads(r)["images"][0])]})
+              for r in rows[:8]]
+    mixed.write_text("\n".join(x for pair in zip(images, text_only) for x in pair) + "\n")
+    ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
+    lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo), run_args(setup, "LORA", *lora),
+                                   run_args(setup, "MIX", f"data.train_files=[{mixed}]", "data.shuffle=false")])
+    assert "train.strategy=deepspeed needs every prompt of a step to have images or none" in results[2]["error"]
+    for name, overrides in (("PPO", ppo), ("LORA", lora)):
+        cfg = load_config(setup["config"], [f"train.output_dir={folder / (name + '-single')}", "train.strategy=single",
+                                            *overrides])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+            history = Trainer(cfg).fit()
+        ours = results[0 if name == "PPO" else 1]["history"][0]
+        assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
+        if name == "PPO":  # the critic was a ZeRO-3 engine and trained too; the reference gave the same KL
+            assert ours["critic/value_loss"] == pytest.approx(history[0]["critic/value_loss"], rel=1e-4)
+            assert ours["actor/kl_ref"] == pytest.approx(history[0]["actor/kl_ref"], rel=1e-4, abs=1e-7)
+        file = "adapter_model.safetensors" if name == "LORA" else "model.safetensors"
+        ours_saved = load_file(folder / name / "checkpoints" / "step_1" / "model" / file)
+        single_saved = load_file(folder / (name + "-single") / "checkpoints" / "step_1" / "model" / file)
+        assert_close(ours_saved, single_saved, atol=1e-5 if name == "PPO" else 1e-4)
+
+
+@torchrun_test
 def test_a_zero3_checkpoint_resumes_bitwise_on_2_ranks(setup, zero):
     resume = setup["folder"] / "Z3" / "checkpoints" / "step_1"
     history = run_plan(setup["folder"], 2, [run_args(setup, "R2", f"train.resume={resume}")])[0]["history"]

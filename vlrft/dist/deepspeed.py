@@ -107,8 +107,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ models
 
     def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
-        """ZeRO-3 (and every reference model): built inside `zero.Init`, so each rank keeps only its shard."""
-        if trainable and not self.sharded_weights:
+        """ZeRO-3 (and every reference model): built inside `zero.Init`, so each rank keeps only its shard.
+
+        A model that gets LoRA adapters after loading is loaded whole (PEFT wraps plain layers); the
+        engine partitions it at `prepare_trainable`.
+        """
+        if (trainable and not self.sharded_weights) or source.adapters:
             return super().load_model(source, trainable=trainable)
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -201,6 +205,23 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 yield
             finally:
                 _add_hooks(offload)
+
+    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
+        """Every rank must run the vision tower in the same micro-batches: ZeRO-3 gathers each layer's
+        weights collectively, and ZeRO-2 reduces gradients in buckets that must match across ranks.
+
+        That holds when every prompt of the step has an image (a video) or none has. One all-reduce per step.
+        """
+        if self.world_size == 1:
+            return
+        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
+                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
+        seen = self.all_reduce(flags, "max")
+        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
+            if some > 0 and none > 0:
+                raise UserError(f"train.strategy=deepspeed needs every prompt of a step to have {kind} or none to "
+                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
+                                f"without {kind}, or train.strategy=ddp")
 
     # ------------------------------------------------------------------ gradients
 
