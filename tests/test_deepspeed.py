@@ -115,17 +115,19 @@ def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def zero(setup):
     """One torchrun launch: Z3 (3 steps, micro-batch 4, weight sync after), Z3B (1 step, micro-batch 1),
-    Z3H (the real hf engine generating from the gathered ZeRO-3 policy), Z2 (ZeRO-2, as Z3)."""
+    Z3H (the real hf engine generating from the gathered ZeRO-3 policy), Z3L (loaded, not trained, then
+    a weight sync), Z2 (ZeRO-2, as Z3)."""
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "Z3", sync_out=str(setup["folder"] / "sync.pt")),
         run_args(setup, "Z3B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
         run_args(setup, "Z3H", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_completions_per_rank=2",
                  scripted=False),
+        run_args(setup, "Z3L", "train.total_steps=0", sync_out=str(setup["folder"] / "sync_loaded.pt")),
         run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
     return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z3H": results[2]["history"],
-            "Z2": results[3]["history"], "seconds": time.perf_counter() - start}
+            "Z2": results[4]["history"], "seconds": time.perf_counter() - start}
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +194,21 @@ def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup
 
 
 @torchrun_test
+def test_weight_sync_right_after_a_zero3_load_sends_exactly_the_single_process_state_dict(setup, zero):
+    """zero.Init loading and the bucketed gather lose nothing: bitwise the weights one process loads."""
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.weights import PolicyWeights
+
+    sent = torch.load(setup["folder"] / "sync_loaded.pt")
+    assert sent["duplicates"] == []
+    expected = {name: t for bucket in PolicyWeights(load_policy(setup["model"]), torch.float32).buckets(1 << 30, "cpu")
+                for name, t in bucket}
+    assert "lm_head.weight" not in expected and "lm_head.weight" not in sent["received"]  # tied: sent once
+    assert sorted(sent["received"]) == sorted(expected)
+    assert all(torch.equal(sent["received"][k], expected[k]) for k in expected)
+
+
+@torchrun_test
 def test_zero3_trains_with_the_hf_engine_and_evaluates(setup, zero):
     steps = [h for h in zero["Z3H"] if h["step"] > 0]
     assert [h["step"] for h in steps] == [1, 2]
@@ -200,6 +217,44 @@ def test_zero3_trains_with_the_hf_engine_and_evaluates(setup, zero):
     initial = load_file(Path(setup["model"]) / "model.safetensors")
     trained = weights(setup, "Z3H", 2)
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+
+
+@torchrun_test
+def test_zero3_trains_critic_reference_and_lora_like_one_process_and_refuses_mixed_steps(setup):
+    """PPO (critic + ZeRO-3 reference) and LoRA under ZeRO-3 equal one process; a step mixing image and
+    text-only prompts is refused with one clear error on every rank instead of hanging."""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.trainer import Trainer
+
+    folder = setup["folder"]
+    mixed = folder / "mixed.jsonl"
+    rows = (folder / "data" / "train.jsonl").read_text().splitlines()
+    text_only = [json.dumps({"id": f"text-{i}", "prompt": "Name a color.", "answer": "red"}) for i in range(8)]
+    images = [json.dumps({**json.loads(r), "images": [str(folder / "data" / json.loads(r)["images"][0])]})
+              for r in rows[:8]]
+    mixed.write_text("\n".join(x for pair in zip(images, text_only) for x in pair) + "\n")
+    ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
+    lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo), run_args(setup, "LORA", *lora),
+                                   run_args(setup, "MIX", f"data.train_files=[{mixed}]", "data.shuffle=false")])
+    assert "train.strategy=deepspeed needs every prompt of a step to have images or none" in results[2]["error"]
+    for name, overrides in (("PPO", ppo), ("LORA", lora)):
+        cfg = load_config(setup["config"], [f"train.output_dir={folder / (name + '-single')}", "train.strategy=single",
+                                            *overrides])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+            history = Trainer(cfg).fit()
+        ours = results[0 if name == "PPO" else 1]["history"][0]
+        assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
+        if name == "PPO":  # the critic was a ZeRO-3 engine and trained too; the reference gave the same KL
+            assert ours["critic/value_loss"] == pytest.approx(history[0]["critic/value_loss"], rel=1e-4)
+            assert ours["actor/kl_ref"] == pytest.approx(history[0]["actor/kl_ref"], rel=1e-4, abs=1e-7)
+        file = "adapter_model.safetensors" if name == "LORA" else "model.safetensors"
+        ours_saved = load_file(folder / name / "checkpoints" / "step_1" / "model" / file)
+        single_saved = load_file(folder / (name + "-single") / "checkpoints" / "step_1" / "model" / file)
+        assert_close(ours_saved, single_saved, atol=1e-5 if name == "PPO" else 1e-4)
 
 
 @torchrun_test

@@ -107,8 +107,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ models
 
     def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
-        """ZeRO-3 (and every reference model): built inside `zero.Init`, so each rank keeps only its shard."""
-        if trainable and not self.sharded_weights:
+        """ZeRO-3 (and every reference model): built inside `zero.Init`, so each rank keeps only its shard.
+
+        A model that gets LoRA adapters after loading is loaded whole (PEFT wraps plain layers); the
+        engine partitions it at `prepare_trainable`.
+        """
+        if (trainable and not self.sharded_weights) or source.adapters:
             return super().load_model(source, trainable=trainable)
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -202,6 +206,23 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             finally:
                 _add_hooks(offload)
 
+    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
+        """Every rank must run the vision tower in the same micro-batches: ZeRO-3 gathers each layer's
+        weights collectively, and ZeRO-2 reduces gradients in buckets that must match across ranks.
+
+        That holds when every prompt of the step has an image (a video) or none has. One all-reduce per step.
+        """
+        if self.world_size == 1:
+            return
+        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
+                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
+        seen = self.all_reduce(flags, "max")
+        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
+            if some > 0 and none > 0:
+                raise UserError(f"train.strategy=deepspeed needs every prompt of a step to have {kind} or none to "
+                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
+                                f"without {kind}, or train.strategy=ddp")
+
     # ------------------------------------------------------------------ gradients
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
@@ -215,8 +236,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def clip_and_step(self, parts: Sequence[TrainedModel], max_norm: float, nonfinite_local: bool) -> StepResult:
         """Every engine steps (clipping to `gradient_clipping` over all shards) or all skip.
 
-        A non-finite loss on any rank forces DeepSpeed's overflow path on every engine; a non-finite
-        gradient norm takes that path by itself (the norm is global, so on every rank).
+        A non-finite loss on any rank forces DeepSpeed's overflow path on every engine. A non-finite
+        gradient norm (the norm is global, so the same on every rank) makes that engine take the
+        path by itself, and the engines after it are then forced to skip too; only an engine that
+        already stepped before it (the policy, when just the critic's gradients are non-finite while
+        every loss was finite) is not undone.
         """
         if abs((max_norm if max_norm > 0 else 0.0) - (self.max_grad_norm if self.max_grad_norm > 0 else 0.0)) > 1e-12:
             raise ValueError(f"DeepSpeed clips to train.max_grad_norm={self.max_grad_norm} (set at initialize); "
@@ -230,6 +254,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             with _forced_overflow(engine.optimizer) if force_skip else contextlib.nullcontext():
                 engine.step()
             applied.append(bool(engine.was_step_applied()))
+            force_skip = force_skip or not applied[-1]
             norm = engine.get_global_grad_norm()
             norms.append(float(norm) if norm is not None else math.nan)
         skipped = not all(applied)
@@ -270,9 +295,11 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             with self.ds.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=None):
                 if self.is_main:
                     prefix = f"{module_name}." if module_name else ""
-                    for key, tensor in module.state_dict().items():
-                        if "." not in key:  # this module's own parameters and buffers
-                            out[prefix + key] = tensor.detach().cpu().clone()
+                    own = [*module.named_parameters(recurse=False),
+                           *((name, b) for name, b in module.named_buffers(recurse=False)
+                             if name not in module._non_persistent_buffers_set)]
+                    for key, tensor in own:
+                        out[prefix + key] = tensor.detach().cpu().clone()
         if not self.is_main:
             return None
         for name in tied_weight_names(hf_model):

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Host memory while loading the policy under DeepSpeed ZeRO-2 vs ZeRO-3, per rank (CPU, gloo, 2 processes).
+
+    PYTHONPATH=. python bench/bench_deepspeed_loading.py [--hidden 1024] [--layers 12] [--nproc 2]
+
+Builds a random Qwen2-VL-shaped model once, then for each ZeRO stage launches `torchrun` and
+reports each rank's peak RSS above its RSS after imports, after loading the policy and after creating
+its DeepSpeed engine (optimizer created, no step taken), and how many parameters the rank holds.
+ZeRO-2 loads a whole copy on every rank; ZeRO-3 builds the model inside `deepspeed.zero.Init`
+(rank 0 reads the checkpoint, every rank keeps its partition). Same model and figures as
+bench/bench_fsdp2_loading.py, so the two can be read side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(stage: str, model_dir: str, out: str) -> None:
+    import resource
+
+    import torch
+
+    from vlrft.config import load_config
+    from vlrft.dist.strategy import ModelSource, make_strategy
+
+    cfg = load_config(None, ["train.strategy=deepspeed", f"train.deepspeed.zero_stage={stage}"], validate=False)
+    strategy = make_strategy("deepspeed", cfg)
+    # Import what loading imports first, so the figure is memory for weights, not for code.
+    import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401
+    from transformers import AutoModelForImageTextToText  # noqa: F401
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    model = strategy.load_model(ModelSource(model_dir), trainable=True)
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    engine, _ = strategy.prepare_trainable(model, lambda params: torch.optim.AdamW(params, lr=1e-5))
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    local = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() for p in model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rows = strategy.all_gather_object({"rank": strategy.rank, "peak_mib_above_imports": (peak - before) / 1024,
+                                       "load_peak_mib_above_imports": (loaded - before) / 1024,
+                                       "local_params": local, "params": params})
+    if strategy.is_main:
+        Path(out).write_text(json.dumps(rows))
+    strategy.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    from vlrft.models.tiny import TinySpec, build_tiny_vlm
+
+    folder = Path(tempfile.mkdtemp())
+    spec = TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=4,
+                    intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden_size=512, vision_heads=8)
+    model_dir = build_tiny_vlm(folder / "model", spec)
+    size_mib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
+    print(f"checkpoint: {size_mib:.0f} MiB (float32)")
+    for stage in ("2", "3"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        out = folder / f"zero{stage}.json"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+                        "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", stage,
+                        str(model_dir), str(out)], env=env, check=True, capture_output=True)
+        for row in sorted(json.loads(out.read_text()), key=lambda r: r["rank"]):
+            print(f"ZeRO-{stage} rank {row['rank']}: peak RSS +{row['load_peak_mib_above_imports']:.0f} MiB after "
+                  f"loading, +{row['peak_mib_above_imports']:.0f} MiB with the engine, "
+                  f"holds {row['local_params'] / 1e6:.1f} M of {row['params'] / 1e6:.1f} M parameters")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(*sys.argv[2:5])
+    else:
+        main()
