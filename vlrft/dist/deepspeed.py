@@ -61,6 +61,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     name = "deepspeed"
     reshards_checkpoints = True
+    balances_vision_calls = True  # ZeRO-3 gathers vision blocks per call; ZeRO-2 buckets gradients in call order
 
     def __init__(self, info: RankInfo | None = None, cfg: Any = None):
         self.ds = import_deepspeed()

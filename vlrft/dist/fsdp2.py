@@ -16,8 +16,10 @@ the model and optimizer state); it can be read back by any number of processes, 
 `model/` is the policy gathered into Hugging Face format for `from_pretrained`.
 
 Every rank must run the same forwards: a unit's all-gather is a collective. The trainer's
-micro-batch counts are equal on every rank; generation (hf engine) gathers the whole policy first
-(`generation`) so ranks can decode different lengths independently.
+micro-batch counts are equal on every rank; a micro-batch without images runs the vision blocks on
+a dummy image when another rank's has images (`vlrft.models.vision_balance`); generation (hf
+engine) gathers the whole policy first (`generation`) so ranks can decode different lengths
+independently.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     name = "fsdp2"
     reshards_checkpoints = True
+    balances_vision_calls = True  # a rank without images runs the vision blocks on a dummy (their all-gathers)
 
     def __init__(self, info: RankInfo | None = None, cfg=None):
         super().__init__(info)
@@ -206,23 +209,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
             for unit in units:
                 unit.reshard()
                 unit.set_reshard_after_forward(self.options.reshard_after_forward)
-
-    def check_vision_mix(self, images_per_prompt, videos_per_prompt) -> None:
-        """Every micro-batch on every rank must run the vision blocks equally often: all-gathers are collectives.
-
-        That holds when every prompt of the step has an image (a video) or none has; a mix would make
-        one rank's vision all-gather meet another rank's decoder all-gather, a hang. One all-reduce per step.
-        """
-        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
-                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
-        seen = self.all_reduce(flags, "max")
-        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
-            if some > 0 and none > 0:
-                from vlrft.errors import UserError
-
-                raise UserError(f"train.strategy=fsdp2 needs every prompt of a step to have {kind} or none to "
-                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
-                                f"without {kind}, or train.strategy=ddp")
 
     # ------------------------------------------------------------------ gradients
 

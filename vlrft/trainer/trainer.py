@@ -99,6 +99,7 @@ class Trainer:
         self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
             self._build_critic()
         self.scheduler = self._build_scheduler()
+        self.strategy.balance_vision_calls([self.actor, self.ref, self.critic])  # sharded: no rank skips the tower
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
@@ -271,8 +272,6 @@ class Trainer:
         self.engine.wake()
         collected = collect(self, step)
         self.engine.sleep()
-        self.strategy.check_vision_mix([len(i) for i in collected.prompts.images],
-                                       [len(v) for v in collected.prompts.videos])
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
