@@ -75,16 +75,19 @@ def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def sharded(setup):
-    """One torchrun launch: A (3 steps, micro-batch 4, weight sync after), B (1 step, micro-batch 1), C (hf engine)."""
+    """One torchrun launch: A (3 steps, micro-batch 4, weight sync after), B (1 step, micro-batch 1), C (hf engine),
+    O (A with offloading during rollout)."""
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "A", sync_out=str(setup["folder"] / "sync.pt")),
         run_args(setup, "B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
         run_args(setup, "C", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_completions_per_rank=2",
                  scripted=False),
+        # as A, with the shards and optimizer state copied to host memory and back around every rollout
+        run_args(setup, "O", "rollout.engine=vllm", "train.fsdp.offload_during_rollout=true", new_strategy=True),
     ])
     return {"A": results[0]["history"], "B": results[1]["history"], "C": results[2]["history"],
-            "seconds": time.perf_counter() - start}
+            "O": results[3]["history"], "seconds": time.perf_counter() - start}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,14 @@ def test_fsdp2_weights_equal_the_single_process_run_after_1_and_3_steps(setup, s
         # the gradient norm is the global one (over both ranks' shards), as in one process
         assert ours["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
         assert ours["reward/mean"] == pytest.approx(theirs["reward/mean"], rel=1e-6)
+
+
+def test_offloading_during_rollout_trains_bitwise_like_without(setup, sharded):
+    for step in (1, 2, 3):
+        ours, plain = weights(setup, "O", step), weights(setup, "A", step)
+        assert sorted(ours) == sorted(plain)
+        assert all(torch.equal(ours[k], plain[k]) for k in ours), step
+    assert [h["actor/grad_norm"] for h in sharded["O"]] == [h["actor/grad_norm"] for h in sharded["A"]]
 
 
 def test_fsdp2_micro_batch_1_and_4_give_the_same_weights(setup, sharded):

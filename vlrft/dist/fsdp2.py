@@ -85,6 +85,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
         self._pending: dict[int, tuple[dict, dict]] = {}
         self._generating = 0
+        self.offload_during_rollout = _offload_during_rollout(self.options, cfg, self.device)
+        self._offloaded = None
 
     # ------------------------------------------------------------------ loading
 
@@ -210,6 +212,28 @@ class FSDP2Strategy(ProcessGroupStrategy):
                 unit.reshard()
                 unit.set_reshard_after_forward(self.options.reshard_after_forward)
 
+    # ------------------------------------------------------------------ memory during rollout
+
+    def offload_to_cpu(self, parts, frozen) -> None:
+        """This rank's shards, gradients and optimizer state (and the frozen models' shards) to host memory.
+
+        With `train.fsdp.cpu_offload` they live there already; only the CUDA cache is emptied.
+        """
+        from vlrft.dist.offload import RolloutOffload
+
+        if self.options.cpu_offload:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        self._offloaded = RolloutOffload([p.module for p in parts], [p.optimizer for p in parts],
+                                         [m for m in frozen if m is not None], self.device)
+        self._offloaded.to_host()
+
+    def reload_to_device(self, parts, frozen) -> None:
+        if self._offloaded is not None:
+            self._offloaded.to_device()
+            self._offloaded = None
+
     # ------------------------------------------------------------------ gradients
 
     def no_sync(self, module: nn.Module):
@@ -250,6 +274,14 @@ class FSDP2Strategy(ProcessGroupStrategy):
         for name, part in parts.items():
             set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optimizer"])
+
+
+def _offload_during_rollout(options, cfg, device: torch.device) -> bool:
+    """train.fsdp.offload_during_rollout, resolved: null means on with CUDA and an engine with its own weights."""
+    if options.offload_during_rollout is not None:
+        return bool(options.offload_during_rollout)
+    engine = cfg.rollout.engine if cfg is not None else "hf"
+    return device.type == "cuda" and engine in ("vllm", "sglang")
 
 
 @contextlib.contextmanager

@@ -160,6 +160,30 @@ class Strategy:
         """The visual kinds (images, videos) some rank encodes in this forward (every rank calls this)."""
         return kinds
 
+    # ------------------------------------------------------------------ memory during rollout
+
+    # Whether `offloaded_for_rollout` moves the trainer's state to host memory (train.fsdp.offload_during_rollout).
+    offload_during_rollout = False
+
+    def offload_to_cpu(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]) -> None:
+        """Move the trained parts' parameters, gradients and optimizer state, and the frozen models, to host memory."""
+
+    def reload_to_device(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]) -> None:
+        """Undo `offload_to_cpu`: everything back on the device it was on."""
+
+    @contextlib.contextmanager
+    def offloaded_for_rollout(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]
+                              ) -> Iterator[None]:
+        """Context around the engine's wake/generate/sleep: the trainer's state in host memory when enabled."""
+        if not self.offload_during_rollout:
+            yield
+            return
+        self.offload_to_cpu(parts, frozen)
+        try:
+            yield
+        finally:
+            self.reload_to_device(parts, frozen)
+
     # ------------------------------------------------------------------ gradients
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:

@@ -267,11 +267,13 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
-        self.engine.wake()
-        collected = collect(self, step)
-        self.engine.sleep()
+        # fsdp2 with vLLM/SGLang: the trainer's state waits in host memory while the engine is awake
+        with self.strategy.offloaded_for_rollout(self.trained_parts(), [self.ref]):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
+            self.engine.wake()
+            collected = collect(self, step)
+            self.engine.sleep()
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
