@@ -200,13 +200,18 @@ def test_fsdp2_trains_mixed_image_and_text_only_prompts_like_one_process(setup):
     image and a text-only prompt); micro-batch 4 gives each prompt its own, so in step 2 rank 0
     encodes an image in its first micro-batch and rank 1 in its second. The reference model (KL)
     runs its no-grad forwards the same way. Weights equal the single-process run after each step.
+    One more run samples with the hf engine (generation on the gathered policy) and trains a step.
     """
     folder = setup["folder"]
     mixed = mixed_prompts(folder)
     common = [f"data.train_files=[{mixed}]", "data.shuffle=false", "train.total_steps=2", "algorithm.kl_coef=0.1"]
     start = time.perf_counter()
     results = run_plan(folder, 2, [run_args(setup, "MIX8", *common, "train.micro_batch_completions_per_rank=8"),
-                                   run_args(setup, "MIX4", *common)])
+                                   run_args(setup, "MIX4", *common),
+                                   # the hf engine generates with the gathered policy: rank 1 skips the tower there
+                                   run_args(setup, "MIXHF", *common, "train.total_steps=1", scripted=False)])
+    hf = results.pop()["history"]
+    assert hf[-1]["step"] == 1 and hf[-1]["completions/mean_length"] > 0 and hf[-1]["actor/grad_norm"] > 0
     seconds = time.perf_counter() - start
     single = single_run(setup, "MIX-single", *common)
     initial = load_file(Path(setup["model"]) / "model.safetensors")
