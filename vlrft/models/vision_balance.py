@@ -7,10 +7,10 @@ in the vision block's all-gather. So before a forward that encodes prompts, the 
 which visual kinds (images, videos) some rank encodes in this forward; a rank without that kind
 runs the tower once on the smallest input the model accepts (one image of one merged token,
 `spatial_merge_size`² patches) at the point where real images are encoded, and adds
-`0 * sum(output)` to the language model's input embeddings. The term adds exactly nothing to values and gradients (the tower's gradient from it is
-zero, and the gradients of the ranks that encoded real images are summed with those zeros), but
-the tower's blocks now run, forward and backward, on every rank the same number of times, in the
-same order relative to the other modules.
+`0 * sum(output)` to the language model's input embeddings. The term adds exactly nothing to
+values and gradients (the tower's gradient from it is zero, and the gradients of the ranks that
+encoded real images are summed with those zeros), but the tower's blocks now run, forward and
+backward, on every rank the same number of times, in the same order relative to the other modules.
 
 When no rank has a kind in a forward, nobody runs the tower for it, so a text-only run costs
 nothing and gradients stay exactly those of one process (an unused tower keeps `grad=None`).
