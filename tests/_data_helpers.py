@@ -51,3 +51,20 @@ def write_png_bomb(path: Path, width: int, height: int) -> Path:
     data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))  # CRC over "IHDR" + its 13 data bytes
     path.write_bytes(bytes(data))
     return path
+
+
+def mixed_prompts(folder: Path) -> Path:
+    """`folder/mixed.jsonl`: image prompts (from `folder/data/train.jsonl`) and text-only prompts in the order
+    I I T T  I T T I. With 4 prompts per step over 2 ranks (contiguous shares, no shuffling):
+
+    step 1: rank 0 gets two image prompts, rank 1 two text-only prompts;
+    step 2: each rank one image and one text-only prompt, in opposite order.
+    """
+    import json
+
+    rows = [json.loads(r) for r in (folder / "data" / "train.jsonl").read_text().splitlines()]
+    image = iter({**r, "images": [str(folder / "data" / r["images"][0])]} for r in rows)
+    text = iter({"id": f"text-{i}", "prompt": "Name a color.", "answer": "red"} for i in range(8))
+    path = folder / "mixed.jsonl"
+    path.write_text("".join(json.dumps(next(image if kind == "I" else text)) + "\n" for kind in "IITTITTI"))
+    return path

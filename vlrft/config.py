@@ -334,6 +334,10 @@ class FSDPConfig:
     reshard_after_forward: bool = option(True, "free gathered layers after forward (less memory, one more "
                                          "all-gather in backward)")
     mixed_precision: bool = option(True, "on GPUs: compute in model.dtype, reduce gradients in float32")
+    offload_during_rollout: bool | None = option(
+        None, "move this rank's parameter shards, gradients and optimizer state (and the reference's shards) to "
+        "host memory while the rollout engine is awake, and back after it sleeps; null = on with CUDA and "
+        "rollout.engine vllm/sglang. Not with the hf engine (it generates with these weights)")
 
 
 @dataclass
@@ -518,6 +522,9 @@ class Config:
         if t.strategy == "single" and world > 1:
             _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
         self.reward.validate()
+        if t.fsdp.offload_during_rollout and r.engine == "hf":
+            _fail("train.fsdp.offload_during_rollout", True, "false or null with rollout.engine=hf (the hf engine "
+                  "generates with the trainer's weights, which must stay on the GPU)")
         if t.deepspeed.zero_stage not in (2, 3):
             _fail("train.deepspeed.zero_stage", t.deepspeed.zero_stage, "2 or 3")
         if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:

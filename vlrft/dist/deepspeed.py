@@ -62,6 +62,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     name = "deepspeed"
     reshards_checkpoints = True
+    balances_vision_calls = True  # ZeRO-3 gathers vision blocks per call; ZeRO-2 buckets gradients in call order
 
     def __init__(self, info: RankInfo | None = None, cfg: Any = None):
         self.ds = import_deepspeed()
@@ -205,25 +206,6 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
                 yield
             finally:
                 _add_hooks(offload)
-
-    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
-        """Every rank must run the vision tower in the same micro-batches: ZeRO-3 gathers each layer's
-        weights collectively, and ZeRO-2 reduces gradients in buckets that must match across ranks.
-
-        That holds when every prompt of the step has an image (a video) or none has. One all-reduce per step.
-        """
-        if self.world_size == 1:
-            return
-        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
-                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
-        seen = self.all_reduce(flags, "max")
-        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
-            if some > 0 and none > 0:
-                raise UserError(f"train.strategy=deepspeed needs every prompt of a step to have {kind} or none to "
-                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
-                                f"without {kind}, or train.strategy=ddp")
-
-    # ------------------------------------------------------------------ gradients
 
     def backward(self, loss: torch.Tensor, module: nn.Module) -> None:
         # scale_wrt_gas=False: the trainer's loss already averages over the whole mini-batch.

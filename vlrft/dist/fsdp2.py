@@ -16,8 +16,10 @@ the model and optimizer state); it can be read back by any number of processes, 
 `model/` is the policy gathered into Hugging Face format for `from_pretrained`.
 
 Every rank must run the same forwards: a unit's all-gather is a collective. The trainer's
-micro-batch counts are equal on every rank; generation (hf engine) gathers the whole policy first
-(`generation`) so ranks can decode different lengths independently.
+micro-batch counts are equal on every rank; a micro-batch without images runs the vision blocks on
+a dummy image when another rank's has images (`vlrft.models.vision_balance`); generation (hf
+engine) gathers the whole policy first (`generation`) so ranks can decode different lengths
+independently.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     name = "fsdp2"
     reshards_checkpoints = True
+    balances_vision_calls = True  # a rank without images runs the vision blocks on a dummy (their all-gathers)
 
     def __init__(self, info: RankInfo | None = None, cfg=None):
         super().__init__(info)
@@ -82,6 +85,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
         self._pending: dict[int, tuple[dict, dict]] = {}
         self._generating = 0
+        self.offload_during_rollout = _offload_during_rollout(self.options, cfg, self.device)
+        self._offloaded = None
 
     # ------------------------------------------------------------------ loading
 
@@ -207,22 +212,27 @@ class FSDP2Strategy(ProcessGroupStrategy):
                 unit.reshard()
                 unit.set_reshard_after_forward(self.options.reshard_after_forward)
 
-    def check_vision_mix(self, images_per_prompt, videos_per_prompt) -> None:
-        """Every micro-batch on every rank must run the vision blocks equally often: all-gathers are collectives.
+    # ------------------------------------------------------------------ memory during rollout
 
-        That holds when every prompt of the step has an image (a video) or none has; a mix would make
-        one rank's vision all-gather meet another rank's decoder all-gather, a hang. One all-reduce per step.
+    def offload_to_cpu(self, parts, frozen) -> None:
+        """This rank's shards, gradients and optimizer state (and the frozen models' shards) to host memory.
+
+        With `train.fsdp.cpu_offload` they live there already; only the CUDA cache is emptied.
         """
-        flags = torch.tensor([float(any(n > 0 for n in images_per_prompt)), float(any(n == 0 for n in images_per_prompt)),
-                              float(any(n > 0 for n in videos_per_prompt)), float(any(n == 0 for n in videos_per_prompt))])
-        seen = self.all_reduce(flags, "max")
-        for kind, (some, none) in (("images", seen[:2]), ("videos", seen[2:])):
-            if some > 0 and none > 0:
-                from vlrft.errors import UserError
+        from vlrft.dist.offload import RolloutOffload
 
-                raise UserError(f"train.strategy=fsdp2 needs every prompt of a step to have {kind} or none to "
-                                f"have them (this step mixes both); use separate datasets/runs for prompts with and "
-                                f"without {kind}, or train.strategy=ddp")
+        if self.options.cpu_offload:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
+        self._offloaded = RolloutOffload([p.module for p in parts], [p.optimizer for p in parts],
+                                         [m for m in frozen if m is not None], self.device)
+        self._offloaded.to_host()
+
+    def reload_to_device(self, parts, frozen) -> None:
+        if self._offloaded is not None:
+            self._offloaded.to_device()
+            self._offloaded = None
 
     # ------------------------------------------------------------------ gradients
 
@@ -264,6 +274,14 @@ class FSDP2Strategy(ProcessGroupStrategy):
         for name, part in parts.items():
             set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optimizer"])
+
+
+def _offload_during_rollout(options, cfg, device: torch.device) -> bool:
+    """train.fsdp.offload_during_rollout, resolved: null means on with CUDA and an engine with its own weights."""
+    if options.offload_during_rollout is not None:
+        return bool(options.offload_during_rollout)
+    engine = cfg.rollout.engine if cfg is not None else "hf"
+    return device.type == "cuda" and engine in ("vllm", "sglang")
 
 
 @contextlib.contextmanager

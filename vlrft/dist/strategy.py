@@ -140,8 +140,49 @@ class Strategy:
         """Context in which `model`'s parameters are whole on this rank, so it can generate locally."""
         yield
 
-    def check_vision_mix(self, images_per_prompt: Sequence[int], videos_per_prompt: Sequence[int]) -> None:
-        """Refuse a step whose forwards would call the vision tower on some ranks only (sharded strategies)."""
+    # Sharding strategies gather a block's weights from all ranks when it runs (a collective), so every rank must
+    # run the vision tower equally often: ranks agree per forward, and one without images runs it on a dummy.
+    balances_vision_calls = False
+
+    def balance_vision_calls(self, models: Sequence[nn.Module | None]) -> None:
+        """Make the ActorVLs inside `models` (policy, reference, critic) agree on vision calls across ranks.
+
+        Only for strategies with `balances_vision_calls`; see `vlrft.models.vision_balance`.
+        """
+        if not self.balances_vision_calls:
+            return
+        for model in models:
+            for module in model.modules() if model is not None else ():
+                if hasattr(module, "agree_on_visual_kinds"):
+                    module.agree_on_visual_kinds = self.agree_on_visual_kinds
+
+    def agree_on_visual_kinds(self, kinds):
+        """The visual kinds (images, videos) some rank encodes in this forward (every rank calls this)."""
+        return kinds
+
+    # ------------------------------------------------------------------ memory during rollout
+
+    # Whether `offloaded_for_rollout` moves the trainer's state to host memory (train.fsdp.offload_during_rollout).
+    offload_during_rollout = False
+
+    def offload_to_cpu(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]) -> None:
+        """Move the trained parts' parameters, gradients and optimizer state, and the frozen models, to host memory."""
+
+    def reload_to_device(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]) -> None:
+        """Undo `offload_to_cpu`: everything back on the device it was on."""
+
+    @contextlib.contextmanager
+    def offloaded_for_rollout(self, parts: Sequence[TrainedModel], frozen: Sequence[nn.Module | None]
+                              ) -> Iterator[None]:
+        """Context around the engine's wake/generate/sleep: the trainer's state in host memory when enabled."""
+        if not self.offload_during_rollout:
+            yield
+            return
+        self.offload_to_cpu(parts, frozen)
+        try:
+            yield
+        finally:
+            self.reload_to_device(parts, frozen)
 
     # ------------------------------------------------------------------ gradients
 
@@ -259,6 +300,14 @@ class ProcessGroupStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier(group=self._cpu_group)
+
+    def agree_on_visual_kinds(self, kinds):
+        """An all-reduce (max) of two flags over the CPU group: no device synchronisation in the forward."""
+        from vlrft.models.vision_balance import VisualKinds
+
+        flags = torch.tensor([float(kinds.images), float(kinds.videos)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return VisualKinds(bool(flags[0] > 0), bool(flags[1] > 0))
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -19,6 +19,7 @@ from vlrft.models.logprobs import token_logprobs
 from vlrft.batch import SequenceBatch
 from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
+from vlrft.models.vision_balance import AgreeOnKinds, balanced_vision_calls
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -86,10 +87,14 @@ class VisionInputs:
         backbone, _ = split_head(model)
         self.shared = "mm_encoder_outputs" in inspect.signature(backbone.forward).parameters
 
-    def __call__(self, visual: VisualBatch, row_prompt: tuple[int, ...]) -> dict:
+    def encodes_before_backbone(self, visual: VisualBatch) -> bool:
+        """Whether `__call__` runs the vision tower itself (shared features), not the backbone (repeated pixels)."""
         extra_rows = any(SLICING_RULES.get(k, None) is None or SLICING_RULES[k].layout in (Layout.IMAGE_ROWS,
                          Layout.VIDEO_ROWS) for k in visual.extra)
-        if not self.shared or extra_rows:
+        return self.shared and not extra_rows
+
+    def __call__(self, visual: VisualBatch, row_prompt: tuple[int, ...]) -> dict:
+        if not self.encodes_before_backbone(visual):
             return visual.select(list(row_prompt)).model_inputs()  # generic path: pixels repeated per row
         base = base_of(self.model)
         kwargs: dict = {}
@@ -135,6 +140,15 @@ class ActorVL(nn.Module):
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
         self.share_prompts = supports_prompt_sharing(model)
+        # Set by sharding strategies: ranks agree per forward on the visual kinds to encode, so every rank runs
+        # the vision tower equally often (`vlrft.models.vision_balance`). None: each rank encodes what it has.
+        self.agree_on_visual_kinds: AgreeOnKinds | None = None
+
+    def _encoding_prompts(self, batch: SequenceBatch, encoded_before_backbone: bool = False):
+        """Context for the one backbone forward that encodes the prompts (and their images) of a micro-batch."""
+        backbone, _ = split_head(self.model)
+        return balanced_vision_calls(self.model, backbone, batch.visual, self.agree_on_visual_kinds,
+                                     batch.input_ids.device, encoded_before_backbone=encoded_before_backbone)
 
     def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Final-layer hidden states [B, P + C, H] of the rows, each row computed in full."""
@@ -142,10 +156,12 @@ class ActorVL(nn.Module):
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                       mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
         if batch.has_completion_images:  # multi-turn: each row's prompt images, then its tool images
+            # (not balanced across ranks: multi-turn with tool images under fsdp2/ZeRO-3 is untested)
             kwargs.update(batch.row_visual().model_inputs())
-        else:
+            return backbone(**kwargs).last_hidden_state
+        with self._encoding_prompts(batch, self._vision.encodes_before_backbone(batch.visual)):
             kwargs.update(self._vision(batch.visual, batch.row_prompt))
-        return backbone(**kwargs).last_hidden_state
+            return backbone(**kwargs).last_hidden_state
 
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
@@ -186,8 +202,9 @@ class ActorVL(nn.Module):
             completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         recorded = recording_cache()
         with cache_through_checkpointing(backbone):
-            prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
-                                  past_key_values=recorded, use_cache=True, **visual)
+            with self._encoding_prompts(batch):
+                prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
+                                      position_ids=positions, past_key_values=recorded, use_cache=True, **visual)
             completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
                                       position_ids=completion_positions, past_key_values=prefix_cache(recorded, rows),
                                       use_cache=True, mm_token_type_ids=completion_mm, **completion_visual)

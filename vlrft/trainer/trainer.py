@@ -99,6 +99,7 @@ class Trainer:
         self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
             self._build_critic()
         self.scheduler = self._build_scheduler()
+        self.strategy.balance_vision_calls([self.actor, self.ref, self.critic])  # sharded: no rank skips the tower
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
@@ -266,13 +267,13 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
-        self.engine.wake()
-        collected = collect(self, step)
-        self.engine.sleep()
-        self.strategy.check_vision_mix([len(i) for i in collected.prompts.images],
-                                       [len(v) for v in collected.prompts.videos])
+        # fsdp2 with vLLM/SGLang: the trainer's state waits in host memory while the engine is awake
+        with self.strategy.offloaded_for_rollout(self.trained_parts(), [self.ref]):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
+            self.engine.wake()
+            collected = collect(self, step)
+            self.engine.sleep()
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)

@@ -1,0 +1,81 @@
+"""A forward without images that runs the vision tower on a dummy (for sharded ranks) changes nothing.
+
+Under FSDP2/ZeRO a rank without images must still run the vision blocks (their weight all-gathers
+are collectives); `vlrft.models.vision_balance` does so and adds `0 * output`. These tests check,
+in one process, that the tower really runs and that values and gradients are exactly those of the
+forward that skipped it (the tower's own gradient is zero, so summing it with other ranks' is exact).
+"""
+
+import pytest
+import torch
+
+from vlrft.batch import build_sequences
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.models.actor import ActorVL, vision_module
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.vision_balance import VisualKinds
+from vlrft.tokens import TokenSpec
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir(request.param)
+    processor = load_processor(folder)
+    root = tmp_path_factory.mktemp("img")
+    Image.new("RGB", (56, 84), (200, 40, 40)).save(root / "a.png")
+    samples = [Sample(id="image", prompt="<image>Color?", images=[str(root / "a.png")]), Sample(id="text", prompt="Hi")]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
+    completions = [[11, 12, 13], [14, 15], [16], [17, 18]]  # two completions per prompt
+    return folder, batch, completions
+
+
+def run(actor: ActorVL, seqs, agree):
+    """(logprobs, gradients by name, how many times the vision tower ran) of one forward/backward."""
+    calls = []
+    hook = vision_module(actor.model).register_forward_hook(lambda *args: calls.append(1))
+    actor.agree_on_visual_kinds = agree
+    actor.model.zero_grad(set_to_none=True)
+    out = actor.logprobs(seqs)
+    (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+    hook.remove()
+    grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
+    return out.logprobs.detach(), grads, len(calls)
+
+
+@pytest.mark.parametrize("rows", [[2], [2, 3], [0, 2, 3]], ids=["text-row", "text-group-shared", "image-and-text"])
+def test_dummy_vision_calls_run_the_tower_and_change_no_value_or_gradient(mixed_batch, rows):
+    folder, batch, completions = mixed_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1], tokens.pad_id, rows)
+    has_images = seqs.visual.num_images > 0
+
+    plain_lp, plain_grads, plain_calls = run(actor, seqs, None)
+    # another rank encodes images and videos in this forward: this one runs the tower for what it lacks
+    lp, grads, calls = run(actor, seqs, lambda ours: VisualKinds(images=True, videos=True))
+
+    assert plain_calls == int(has_images) and calls == 2  # image (real or dummy) + video (dummy)
+    assert torch.equal(lp, plain_lp)
+    tower = {n for n, _ in model.named_parameters() if ".visual." in f".{n}"}
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+    # a tower that only ran the dummy got exactly zero gradients (others ranks' real ones add to them)
+    dummy_only = set(grads) - set(plain_grads)
+    assert dummy_only == (set() if has_images else {n for n in tower if model.get_parameter(n).requires_grad})
+    assert all(not grads[n].any() for n in dummy_only)
+
+
+def test_no_balancing_when_no_rank_has_images(mixed_batch):
+    folder, batch, completions = mixed_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1], tokens.pad_id, [2, 3])
+    seen = []
+    _, grads, calls = run(actor, seqs, lambda ours: seen.append(ours) or ours)
+    assert seen == [VisualKinds(False, False)] and calls == 0  # asked once, nobody has images: the tower is skipped
+    assert not any(".visual." in f".{n}" for n in grads)
