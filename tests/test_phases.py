@@ -1,6 +1,6 @@
 """Each phase of a training step runs from its explicit dependencies, with no `Trainer`.
 
-The phases (`collect`, `make_experience`, `update`, `evaluate`) take small frozen dataclasses that
+The phases (`make_engine`, `collect`, `make_experience`, `update`, `evaluate`) take small frozen dataclasses that
 name what they need, so a tool or test can run one alone. Here they run in step order on a real
 tiny Qwen2-VL, the HF rollout engine and a real reward function, in one process.
 """
@@ -18,7 +18,7 @@ from vlrft.dist.strategy import ModelSource, TrainedModel, make_strategy
 from vlrft.models.actor import ActorVL
 from vlrft.models.loading import load_processor
 from vlrft.rewards import RewardSet
-from vlrft.rollout.base import SamplingParams
+from vlrft.rollout import EngineDeps, SamplingParams, make_engine
 from vlrft.rollout.hf import HFEngine
 from vlrft.tokens import TokenSpec
 from vlrft.trainer.collect import CollectDeps, collect
@@ -53,8 +53,10 @@ def test_each_phase_runs_from_explicit_dependencies_without_a_trainer(tiny_vlm_d
     actor = ActorVL(model, int(model.config.image_token_id), int(model.config.video_token_id),
                     suppressed_ids=tokens.suppressed_ids)  # the engine never samples them either
     policy, optimizer = strategy.prepare_trainable(actor, lambda params: make_optimizer(params, cfg.train))
-    engine = HFEngine(lambda: actor.model, processor, tokens, max_batch_prompts=2)
     encoder = PromptEncoder(processor, cfg.data)
+    engine = make_engine(cfg, EngineDeps(actor=actor, processor=processor, tokens=tokens, strategy=strategy,
+                                         prompts_per_rank=2, encoder=encoder))
+    assert isinstance(engine, HFEngine)  # rollout.engine=hf, the default
     rewards = RewardSet.from_config(cfg.reward)
     samples = read_samples(shapes["train"])
     batching = Batching(pad_id=tokens.pad_id, device=strategy.device, micro_batch=1)

@@ -28,7 +28,7 @@ from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.base import EngineDeps, SamplingParams
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
@@ -109,7 +109,9 @@ class Trainer:
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.engine = make_engine(cfg, self)
+        self.engine = make_engine(cfg, EngineDeps(actor=self.actor, processor=self.processor, tokens=self.tokens,
+                                                  strategy=self.strategy, prompts_per_rank=self.prompts_per_rank,
+                                                  encoder=self.encoder))
         self.kl_controller = make_kl_controller(cfg.algorithm)
         self.reward_moments = RunningMoments()
         single_update = (cfg.train.ppo_epochs == 1
