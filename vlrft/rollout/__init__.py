@@ -38,4 +38,5 @@ def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
     raise ValueError(f"unknown rollout engine {name!r}; expected one of {', '.join(ENGINES)}")
 
 
-__all__ = ["ENGINES", "EngineDeps", "FINISH_LENGTH", "FINISH_STOP", "RolloutEngine", "Rollouts", "SamplingParams", "make_engine"]
+__all__ = ["ENGINES", "EngineDeps", "FINISH_LENGTH", "FINISH_STOP", "RolloutEngine", "Rollouts", "SamplingParams",
+           "make_engine"]

@@ -102,7 +102,8 @@ class Trainer:
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
-        self.mini_batch_per_rank = (cfg.train.global_mini_batch_completions or cfg.rollout.global_batch_completions) // world
+        self.mini_batch_per_rank = (cfg.train.global_mini_batch_completions
+                                    or cfg.rollout.global_batch_completions) // world
         self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
                                                                 cfg.train.seed, cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
@@ -309,15 +310,15 @@ class Trainer:
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
-        # 1. Rollouts and rewards: the engine samples each prompt's group; refills keep every group usable.
         self.engine.wake()
-        collected = collect(self._collect_deps(), step)
+        collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
         self.engine.sleep()
         # All ranks must agree on image/video presence, or the vision tower's collectives would diverge.
         self.strategy.check_vision_mix([len(i) for i in collected.prompts.images],
                                        [len(v) for v in collected.prompts.videos])
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
-        if self.cfg.algorithm.normalize_rewards:  # 2. Running reward normalisation, over all ranks.
+        # 2. Running reward normalisation (optional), its moments over all ranks.
+        if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
             collected.rewards = self.reward_moments.normalize(collected.rewards)
         # 3. Experience: old/ref logprobs and values under the weights that sampled, then advantages.
@@ -327,6 +328,7 @@ class Trainer:
             loss_stats, skipped = update(self._update_deps(step), collected, experience)
         # 5. The engine samples the next step from the new weights.
         self.engine.update_weights(self.actor)
+        # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
