@@ -375,31 +375,28 @@ def empty_encoder(tiny_processor):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_evaluation_calls_generate_equally_often_on_every_rank(rank, empty_encoder):
-    from vlrft.trainer.evaluate import evaluate
+    from vlrft.trainer.evaluate import EvalDeps, evaluate
 
-    cfg = Config()
-    cfg.train.eval_batch_prompts = 2
     engine = CountingEngine()
-    trainer = SimpleNamespace(cfg=cfg, eval_samples=list(range(5)),  # rank 0 gets 3 samples, rank 1 gets 2
-                              strategy=SimpleNamespace(rank=rank, world_size=2), encoder=empty_encoder, engine=engine,
-                              accuracy_key="acc", sum_reduce=lambda t: t)
-    metrics = evaluate(trainer, step=0)
+    deps = EvalDeps(samples=list(range(5)), rank=rank, world_size=2,  # rank 0 gets 3 samples, rank 1 gets 2
+                    encoder=empty_encoder, engine=engine, sampling=SamplingParams(), batch_prompts=2,
+                    rewards=None, accuracy_key="acc", reduce=lambda t: t)
+    metrics = evaluate(deps, step=0)
     assert len(engine.batch_sizes) == 2  # ceil(3 / 2) on both ranks, although rank 1's share fits one batch
     assert metrics["eval/skipped"] == (3.0 if rank == 0 else 2.0)
 
 
 def test_collect_generates_even_when_a_rounds_batch_is_empty(empty_encoder):
-    from vlrft.trainer.collect import collect
+    from vlrft.trainer.collect import CollectDeps, collect
 
     cfg = Config()
     engine = CountingEngine()
-    trainer = SimpleNamespace(cfg=cfg, prompts_per_rank=1, encoder=empty_encoder, engine=engine,
-                              sampler=SimpleNamespace(next_indices=lambda: [0]), train_samples=["s"],
-                              rewards=SimpleNamespace(keys=[]),
-                              strategy=SimpleNamespace(all_reduce=lambda t, op: t),
-                              timer=lambda name: __import__("contextlib").nullcontext(), sampling=SamplingParams())
+    deps = CollectDeps(algo=cfg.algorithm, rollout=cfg.rollout, prompts_per_rank=1, samples=["s"],
+                       sampler=SimpleNamespace(next_indices=lambda: [0]), encoder=empty_encoder, engine=engine,
+                       sampling=SamplingParams(), rewards=SimpleNamespace(keys=[]),
+                       strategy=SimpleNamespace(all_reduce=lambda t, op: t))
     with pytest.raises(Exception, match="could not collect 1 usable prompts"):
-        collect(trainer, step=1)
+        collect(deps, step=1)
     # Every round called the engine (a tensor-parallel peer with prompts would otherwise wait forever).
     from vlrft.trainer.collect import MAX_ROUNDS_FOR_SKIPS
 

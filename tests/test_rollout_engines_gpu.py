@@ -61,7 +61,7 @@ def setup(request, tiny_vlm_dir, tmp_path_factory):
     require_engine(request.param)
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy, load_processor
-    from vlrft.rollout import make_engine
+    from vlrft.rollout import EngineDeps, make_engine
 
     folder = tiny_vlm_dir("qwen2_vl", **SPEC)
     cfg = Config()
@@ -77,8 +77,8 @@ def setup(request, tiny_vlm_dir, tmp_path_factory):
         model.lm_head.weight.mul_(LOGIT_SCALE)
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
-    trainer = SimpleNamespace(  # the attributes from_trainer reads off vlrft.trainer.Trainer
-        actor=actor, processor=processor, tokens=tokens, prompts_per_rank=2, cfg=cfg,
+    trainer = EngineDeps(  # what make_engine builds an engine around
+        actor=actor, processor=processor, tokens=tokens, prompts_per_rank=2,
         strategy=SimpleNamespace(rank=0, world_size=1, device=torch.device("cuda", 0)))
     engine = make_engine(cfg, trainer)
     batch = PromptEncoder(processor, cfg.data).encode([

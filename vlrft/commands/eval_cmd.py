@@ -14,14 +14,13 @@ def run(args: argparse.Namespace) -> int:
     from vlrft.config import load_config
     from vlrft.errors import UserError
     from vlrft.trainer import Trainer
-    from vlrft.trainer.evaluate import evaluate
 
     cfg = load_config(args.config, args.overrides, validate=False)
     if not cfg.data.eval_files:
         raise UserError("config: data.eval_files is empty; list the held-out files to evaluate on")
     trainer = Trainer(cfg, evaluate_only=True)
     try:
-        metrics = evaluate(trainer, trainer.step_count)
+        metrics = trainer.evaluate(trainer.step_count)
     finally:
         trainer.strategy.close()
     if trainer.strategy.is_main:

@@ -269,12 +269,12 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
     seq_len = d.max_prompt_length + r.max_new_tokens
     patches = d.max_pixels // (shape.vision.patch_size ** 2)
-    images = t.micro_batch_size * images_per_prompt
-    acts = activation_bytes(shape, t.micro_batch_size, seq_len, images, patches, m.gradient_checkpointing, hi)
+    images = t.micro_batch_completions_per_rank * images_per_prompt
+    acts = activation_bytes(shape, t.micro_batch_completions_per_rank, seq_len, images, patches, m.gradient_checkpointing, hi)
     comps.append(Component("activations", acts, train,
-                           f"micro-batch {t.micro_batch_size} x {seq_len} tokens, {images} image(s) of {patches} "
+                           f"micro-batch {t.micro_batch_completions_per_rank} x {seq_len} tokens, {images} image(s) of {patches} "
                            f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
-    comps.append(Component("logits", logits_bytes(shape, t.micro_batch_size, r.max_new_tokens), train,
+    comps.append(Component("logits", logits_bytes(shape, t.micro_batch_completions_per_rank, r.max_new_tokens), train,
                            f"LM-head chunk of {LOGITS_CHUNK_TOKENS} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None
     if r.engine == "hf":
@@ -340,7 +340,7 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if not strategy.offload_optimizer and strategy.name in ("fsdp2", "deepspeed"):
         key = "train.fsdp.cpu_offload: true" if strategy.name == "fsdp2" else "train.deepspeed.offload_optimizer: true"
         add(f"offload to the CPU ({key})", trial(s=dataclasses.replace(strategy, offload_optimizer=True)))
-    mb = cfg.train.micro_batch_size
+    mb = cfg.train.micro_batch_completions_per_rank
     while mb > 1:
         mb //= 2
         p = trial(c=_with(cfg, "train", micro_batch_completions_per_rank=mb))

@@ -9,7 +9,7 @@ logprobs and why it finished. Completions of one prompt are contiguous: completi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from vlrft.tokens import TokenSpec  # noqa: F401  the token ids every engine is built with (vlrft.tokens)
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from vlrft.config import RolloutConfig
-    from vlrft.data import PromptBatch
+    from vlrft.data import PromptBatch, PromptEncoder
 
 FINISH_STOP = "stop"  # an EOS / stop token or stop string ended the completion
 FINISH_LENGTH = "length"  # max_new_tokens reached: the completion is truncated
@@ -134,3 +134,15 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None:
         """Take back what `sleep` released, before the next `generate`."""
+
+
+@dataclass(frozen=True)
+class EngineDeps:
+    """What `vlrft.rollout.make_engine` builds an engine around on this rank."""
+
+    actor: torch.nn.Module  # the unwrapped policy (`ActorVL`): the engine samples from its weights
+    processor: Any  # the model's processor (tokenizer, image processor)
+    tokens: TokenSpec  # pad/eos/stop and suppressed token ids
+    strategy: Any  # vlrft.dist Strategy: rank, world_size, device; `generation(actor)` makes weights whole
+    prompts_per_rank: int  # prompts per step on this rank (the HF engine's batch)
+    encoder: PromptEncoder | None = None  # multi-turn (`rollout.tools`) describes the tools in its prompts

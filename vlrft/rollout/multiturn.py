@@ -190,18 +190,18 @@ class MultiTurnEngine:
         self.observations = ObservationTemplate(processor, image_bounds)
 
     @classmethod
-    def from_trainer(cls, cfg, trainer, engine) -> "MultiTurnEngine":
-        """Around `engine`; also tells the trainer's prompt encoder to describe the tools in the prompt."""
+    def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
+        """Around `engine`; also tells the prompt encoder to describe the tools in the prompt."""
         from vlrft.registry import load_reference
 
         tools = ToolSet.from_config(cfg.rollout)
-        install_tool_prompt(trainer.encoder, tools.schemas)
+        install_tool_prompt(deps.encoder, tools.schemas)
         parser = cfg.rollout.tool_parser
         parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
-        return cls(engine, trainer.processor, trainer.tokens, tools, max_turns=cfg.rollout.max_turns,
+        return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
-                   image_bounds=getattr(trainer.encoder, "_image_bounds", None),
-                   merge_size=trainer.encoder.merge_size, parse_call=parse_call)
+                   image_bounds=getattr(deps.encoder, "_image_bounds", None),
+                   merge_size=deps.encoder.merge_size, parse_call=parse_call)
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:

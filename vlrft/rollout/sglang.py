@@ -205,23 +205,23 @@ class SGLangEngine(ColocatedEngine):
     """SGLang rollouts colocated with the trainer; see the module docstring."""
 
     @classmethod
-    def from_trainer(cls, cfg, trainer) -> "SGLangEngine":
+    def from_deps(cls, cfg, deps) -> "SGLangEngine":
         sgl = require("sglang", "rollout.engine=sglang", extra="sglang")
-        strategy = trainer.strategy
+        strategy = deps.strategy
         layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
         comm = GroupComm(layout)
         backend = None
         if layout.is_leader:
             device = torch.device(strategy.device)
             gpu_id = device.index if device.index is not None else 0
-            pixels = pixel_bounds(trainer.processor, cfg.data)
-            backend = SGLangBackend(sgl.Engine(**sglang_engine_kwargs(cfg, layout, gpu_id, pixels)), trainer.tokens)
-        actor = trainer.actor
+            pixels = pixel_bounds(deps.processor, cfg.data)
+            backend = SGLangBackend(sgl.Engine(**sglang_engine_kwargs(cfg, layout, gpu_id, pixels)), deps.tokens)
+        actor = deps.actor
         engine = cls(
             backend=backend,
             build_requests=sglang_requests,
-            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=trainer.processor.tokenizer,
-            tokens=trainer.tokens,
+            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=deps.processor.tokenizer,
+            tokens=deps.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
                                   sleep_between_steps=cfg.rollout.sleep_between_steps,
                                   bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered,

@@ -171,9 +171,9 @@ class VLLMEngine(ColocatedEngine):
     """vLLM rollouts colocated with the trainer; see the module docstring."""
 
     @classmethod
-    def from_trainer(cls, cfg, trainer) -> "VLLMEngine":
+    def from_deps(cls, cfg, deps) -> "VLLMEngine":
         vllm = require("vllm", "rollout.engine=vllm", extra="vllm")
-        strategy = trainer.strategy
+        strategy = deps.strategy
         layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
         # Under torchrun the process group exists: vLLM joins it (external launcher) instead of making its own.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -185,13 +185,13 @@ class VLLMEngine(ColocatedEngine):
                             "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
         supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
         llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
-                                            pixel_bounds(trainer.processor, cfg.data)))
-        actor = trainer.actor
+                                            pixel_bounds(deps.processor, cfg.data)))
+        actor = deps.actor
         engine = cls(
-            backend=VLLMBackend(llm, trainer.tokens, owns_distributed=not distributed),
-            build_requests=lambda batch: vllm_requests(batch, trainer.tokens),
-            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=trainer.processor.tokenizer,
-            tokens=trainer.tokens,
+            backend=VLLMBackend(llm, deps.tokens, owns_distributed=not distributed),
+            build_requests=lambda batch: vllm_requests(batch, deps.tokens),
+            layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=deps.processor.tokenizer,
+            tokens=deps.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
                                   sleep_between_steps=cfg.rollout.sleep_between_steps,
                                   bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered,

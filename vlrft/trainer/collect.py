@@ -10,13 +10,20 @@ budget runs out, zero-variance groups fill the gap: they get zero advantage, nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from vlrft.algo import clip_rewards, overlong_penalty, zero_variance_groups
-from vlrft.data import PromptBatch
+from vlrft.config import AlgorithmConfig, RolloutConfig
+from vlrft.data import PromptBatch, PromptEncoder, PromptSampler
+from vlrft.dist.strategy import Strategy
 from vlrft.errors import UserError
-from vlrft.rollout.base import Rollouts
+from vlrft.rollout.base import RolloutEngine, Rollouts, SamplingParams
+from vlrft.trainer.experience import Timer, no_timer
+
+if TYPE_CHECKING:  # the reward package loads its built-ins (and their dependencies) when imported
+    from vlrft.rewards import RewardSet
 
 MAX_ROUNDS_FOR_SKIPS = 32  # rounds allowed to replace skipped prompts before giving up
 
@@ -37,15 +44,32 @@ class Collected:
     reward_errors: dict[str, int] = field(default_factory=dict)  # function key -> calls lost to an error (all rounds)
 
 
-def shape_rewards(total: torch.Tensor, rollouts: Rollouts, cfg) -> torch.Tensor:
+@dataclass(frozen=True)
+class CollectDeps:
+    """What `collect` needs: where prompts come from, the engine that answers them, the rewards that score them."""
+
+    algo: AlgorithmConfig  # dynamic sampling, refill rounds, reward shaping
+    rollout: RolloutConfig  # group size n, length limits for the overlong penalty
+    prompts_per_rank: int  # usable groups this rank must return
+    samples: list  # the training samples the sampler's indices point into
+    sampler: PromptSampler
+    encoder: PromptEncoder
+    engine: RolloutEngine
+    sampling: SamplingParams
+    rewards: RewardSet
+    strategy: Strategy  # all_reduce: every rank runs the same number of rounds
+    timer: Timer = no_timer
+
+
+def shape_rewards(total: torch.Tensor, rollouts: Rollouts, algo: AlgorithmConfig, rollout: RolloutConfig
+                  ) -> torch.Tensor:
     """Overlong penalty and clipping of the combined reward (running normalisation happens per step)."""
     rewards = total.clone()
-    if cfg.algorithm.overlong_buffer > 0:
+    if algo.overlong_buffer > 0:
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
-        limit = cfg.rollout.max_trajectory_tokens if cfg.rollout.tools else cfg.rollout.max_new_tokens  # multi-turn
-        rewards = rewards + overlong_penalty(lengths, limit, cfg.algorithm.overlong_buffer,
-                                             cfg.algorithm.overlong_penalty)
-    return clip_rewards(rewards, cfg.algorithm.reward_clip)
+        limit = rollout.max_trajectory_tokens if rollout.tools else rollout.max_new_tokens  # multi-turn
+        rewards = rewards + overlong_penalty(lengths, limit, algo.overlong_buffer, algo.overlong_penalty)
+    return clip_rewards(rewards, algo.reward_clip)
 
 
 def score(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int):
@@ -64,38 +88,38 @@ def score(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int):
     )
 
 
-def collect(trainer, step: int) -> Collected:
+def collect(deps: CollectDeps, step: int) -> Collected:
     """Generate and score until this rank has `prompts_per_rank` usable groups (see the module docstring)."""
-    cfg, n = trainer.cfg, trainer.cfg.rollout.n
-    need = trainer.prompts_per_rank
-    dynamic = cfg.algorithm.dynamic_sampling
+    n = deps.rollout.n
+    need = deps.prompts_per_rank
+    dynamic = deps.algo.dynamic_sampling
     kept: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
     spare: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
     have = groups_seen = zero_groups = skipped = rounds = 0
-    reward_errors = dict.fromkeys(trainer.rewards.keys, 0)
-    max_rounds = (1 + cfg.algorithm.max_refill_rounds) if dynamic else MAX_ROUNDS_FOR_SKIPS
+    reward_errors = dict.fromkeys(deps.rewards.keys, 0)
+    max_rounds = (1 + deps.algo.max_refill_rounds) if dynamic else MAX_ROUNDS_FOR_SKIPS
     while True:
         short = torch.tensor([float(have < need)])
-        if rounds >= max_rounds or trainer.strategy.all_reduce(short, "max").item() == 0:
+        if rounds >= max_rounds or deps.strategy.all_reduce(short, "max").item() == 0:
             break
         rounds += 1
-        indices = trainer.sampler.next_indices()
-        encoded = trainer.encoder.encode([trainer.train_samples[i] for i in indices])
+        indices = deps.sampler.next_indices()
+        encoded = deps.encoder.encode([deps.samples[i] for i in indices])
         skipped += len(encoded.skipped)
         batch = encoded.batch
-        with trainer.timer("time/generate"):
+        with deps.timer("time/generate"):
             # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
-            rollouts = trainer.engine.generate(batch, trainer.sampling)
+            rollouts = deps.engine.generate(batch, deps.sampling)
         if len(batch) == 0:
             continue
-        with trainer.timer("time/reward"):
-            result = score(trainer.rewards, batch, rollouts, step)
+        with deps.timer("time/reward"):
+            result = score(deps.rewards, batch, rollouts, step)
         for key in reward_errors:
             reward_errors[key] += int(result.stats[key].errors) if key in result.stats else 0
         total = result.total
         if hasattr(rollouts, "tool_rewards"):  # multi-turn: reward parts returned by tools (vlrft.rollout.multiturn)
             total = total + torch.tensor(rollouts.tool_rewards, dtype=total.dtype)
-        rewards = shape_rewards(total, rollouts, cfg)
+        rewards = shape_rewards(total, rollouts, deps.algo, deps.rollout)
         zero = zero_variance_groups(rewards, n)
         groups_seen += len(batch)
         zero_groups += int(zero.sum())

@@ -10,12 +10,36 @@ generates on an empty batch): ranks sharing a tensor-parallel engine must run it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from vlrft.algo import Stats
+from vlrft.data import PromptEncoder
 from vlrft.errors import UserError
-from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.base import RolloutEngine, SamplingParams
 from vlrft.trainer.collect import score
+from vlrft.trainer.experience import Reduce
+
+if TYPE_CHECKING:
+    from vlrft.rewards import RewardSet
+
+
+@dataclass(frozen=True)
+class EvalDeps:
+    """What `evaluate` needs: the held-out samples, how to answer them, and what counts as correct."""
+
+    samples: list  # the whole eval set; this rank evaluates samples[rank::world_size]
+    rank: int
+    world_size: int
+    encoder: PromptEncoder
+    engine: RolloutEngine
+    sampling: SamplingParams  # eval_n samples per prompt at eval_temperature
+    batch_prompts: int  # prompts per generate call (train.eval_batch_prompts)
+    rewards: RewardSet
+    accuracy_key: str  # the reward whose value > 0.5 marks a completion correct
+    reduce: Reduce  # sum over ranks
 
 
 def accuracy_reward_key(cfg, reward_set) -> str:
@@ -29,22 +53,20 @@ def accuracy_reward_key(cfg, reward_set) -> str:
     return keys[0] if keys else ""
 
 
-def evaluate(trainer, step: int) -> dict[str, float]:
-    cfg = trainer.cfg
-    rank, world = trainer.strategy.rank, trainer.strategy.world_size
-    samples = trainer.eval_samples[rank::world]
-    largest_share = -(-len(trainer.eval_samples) // world)  # rank 0's slice; the others are at most one shorter
-    sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
-    key = trainer.accuracy_key
+def evaluate(deps: EvalDeps, step: int) -> dict[str, float]:
+    """Accuracy, pass@k, mean reward and length over the eval set, exact over all ranks."""
+    samples = deps.samples[deps.rank::deps.world_size]
+    largest_share = -(-len(deps.samples) // deps.world_size)  # rank 0's slice; the others are at most one shorter
+    sampling, key = deps.sampling, deps.accuracy_key
     stats = Stats()
-    for start in range(0, largest_share, cfg.train.eval_batch_prompts):
-        encoded = trainer.encoder.encode(samples[start:start + cfg.train.eval_batch_prompts])
+    for start in range(0, largest_share, deps.batch_prompts):
+        encoded = deps.encoder.encode(samples[start:start + deps.batch_prompts])
         stats.add("eval/skipped", float(len(encoded.skipped)), 1.0)
         batch = encoded.batch
-        rollouts = trainer.engine.generate(batch, sampling)  # even on an empty batch: see the module docstring
+        rollouts = deps.engine.generate(batch, sampling)  # even on an empty batch: see the module docstring
         if len(batch) == 0:
             continue
-        result = score(trainer.rewards, batch, rollouts, step)
+        result = score(deps.rewards, batch, rollouts, step)
         correct = torch.nan_to_num(result.per_function.get(key, torch.full((len(rollouts),), float("nan"))),
                                    nan=0.0) > 0.5
         valid = ~torch.isnan(result.total)
@@ -61,7 +83,7 @@ def evaluate(trainer, step: int) -> dict[str, float]:
     stats.add("eval/skipped", 0.0, 0.0)
     if sampling.n > 1:
         stats.add(f"eval/pass@{sampling.n}", 0.0, 0.0)
-    reduced = stats.reduce(trainer.sum_reduce)
+    reduced = stats.reduce(deps.reduce)
     metrics = reduced.means()
     metrics["eval/skipped"] = float(reduced.sums["eval/skipped"])
     return metrics

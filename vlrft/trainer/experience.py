@@ -7,12 +7,49 @@ ratio is 1 by construction), no critic unless GAE is used.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vlrft.algo import compute_advantages, kl_reward_penalty
 from vlrft.batch import SequenceBatch, build_sequences
+from vlrft.config import AlgorithmConfig
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+Timer = Callable[[str], contextlib.AbstractContextManager]
+
+
+def no_timer(_name: str) -> contextlib.AbstractContextManager:
+    """A `Timer` that measures nothing (tests, tools that call a phase alone)."""
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How this rank turns collected rows into model inputs: padded, on its device, in micro-batches."""
+
+    pad_id: int  # the tokenizer's pad token
+    device: torch.device
+    micro_batch: int  # completions per forward pass (train.micro_batch_completions_per_rank)
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # mixed precision, if any
+
+
+@dataclass(frozen=True)
+class ExperienceDeps:
+    """What `make_experience` needs: the models whose logprobs/values it scores and the advantage settings."""
+
+    algo: AlgorithmConfig
+    group_size: int  # completions per prompt (rollout.n)
+    batching: Batching
+    temperature: float  # logprobs are taken at the sampling temperature
+    kl_coef: float  # the KL controller's current coefficient
+    old_policy: torch.nn.Module | None  # the actor, when old logprobs need their own pass (off-policy); else None
+    ref: torch.nn.Module | None = None  # reference policy (KL), None when the KL coefficient is 0
+    critic: torch.nn.Module | None = None  # value model (GAE)
+    reduce: Reduce | None = None  # sum over ranks, for group statistics (None: one process)
+    timer: Timer = no_timer
 
 
 @dataclass
@@ -43,23 +80,23 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
-def sequences_for(trainer, collected, rows: list[int]) -> SequenceBatch:
-    """Training rows `rows` of this step, on the trainer's device."""
+def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBatch:
+    """Training rows `rows` of this step, on this rank's device."""
     if hasattr(collected.rollouts, "sequences"):  # multi-turn trajectories (vlrft.rollout.multiturn)
-        return collected.rollouts.sequences(collected.prompts, rows, trainer.tokens.pad_id).to(trainer.device)
+        return collected.rollouts.sequences(collected.prompts, rows, batching.pad_id).to(batching.device)
     return build_sequences(collected.prompts.prompt_ids, collected.prompts.visual,
                            collected.rollouts.completion_ids, collected.rollouts.prompt_index,
-                           trainer.tokens.pad_id, rows).to(trainer.device)
+                           batching.pad_id, rows).to(batching.device)
 
 
 @torch.no_grad()
-def forward_pass(trainer, collected, model, width: int, fn) -> torch.Tensor:
+def forward_pass(batching: Batching, collected, model, width: int, fn) -> torch.Tensor:
     """Run `fn(model, seqs) -> [B, c]` over micro-batches of all rows, padded into one [N, width] tensor."""
     n_rows = len(collected.rollouts)
     out = torch.zeros((n_rows, width), dtype=torch.float32)
-    for rows in micro_batches(list(range(n_rows)), trainer.cfg.train.micro_batch_completions_per_rank):
-        seqs = sequences_for(trainer, collected, rows)
-        with trainer.autocast():
+    for rows in micro_batches(list(range(n_rows)), batching.micro_batch):
+        seqs = sequences_for(batching, collected, rows)
+        with batching.autocast():
             values = fn(model, seqs).float().cpu()
         out[rows, :values.shape[1]] = values
     return out
@@ -92,33 +129,33 @@ def score_advantages(algo, rewards: torch.Tensor, token_mask: torch.Tensor, grou
                               token_rewards=token_rewards, reduce=reduce)
 
 
-def make_experience(trainer, collected) -> Experience:
-    cfg = trainer.cfg
-    algo = cfg.algorithm
+def make_experience(deps: ExperienceDeps, collected) -> Experience:
+    """Masks, old/ref logprobs, values and advantages for this rank's collected rows."""
+    algo = deps.algo
     rollouts = collected.rollouts
     token_mask, mask = training_masks(rollouts.completion_ids, rollouts.truncated, algo.mask_truncated)
     if hasattr(rollouts, "sampled_mask"):  # multi-turn: tool outputs, images and templates never train
         sampled = padded(rollouts.sampled_mask, token_mask.shape[1])
         token_mask, mask = token_mask * sampled, mask * sampled
     width = token_mask.shape[1]
-    temperature = trainer.train_temperature
+    temperature = deps.temperature
     # Through __call__ (= logprobs): a sharded module gathers its root parameters in forward hooks.
     logprob_fn = lambda model, seqs: model(seqs, temperature).logprobs  # noqa: E731
 
-    with trainer.timer("time/logprobs"):
+    with deps.timer("time/logprobs"):
         old = None
-        if trainer.needs_old_logprobs:
-            old = forward_pass(trainer, collected, trainer.actor, width, logprob_fn)
+        if deps.old_policy is not None:
+            old = forward_pass(deps.batching, collected, deps.old_policy, width, logprob_fn)
         ref = None
-        if trainer.ref is not None:
-            ref = forward_pass(trainer, collected, trainer.ref, width, logprob_fn)
+        if deps.ref is not None:
+            ref = forward_pass(deps.batching, collected, deps.ref, width, logprob_fn)
         values = None
-        if trainer.critic is not None:
-            values = forward_pass(trainer, collected, trainer.critic, width, lambda m, s: m(s))
+        if deps.critic is not None:
+            values = forward_pass(deps.batching, collected, deps.critic, width, lambda m, s: m(s))
     engine = None if rollouts.logprobs is None else padded(rollouts.logprobs, width)
 
-    result = score_advantages(algo, collected.rewards, token_mask, cfg.rollout.n, old=old, ref=ref,
-                              kl_coef=trainer.kl_controller.value, values=values, reduce=trainer.sum_reduce)
+    result = score_advantages(algo, collected.rewards, token_mask, deps.group_size, old=old, ref=ref,
+                              kl_coef=deps.kl_coef, values=values, reduce=deps.reduce)
     return Experience(mask=mask * result.valid[:, None].float(), token_mask=token_mask, advantages=result.advantages,
                       returns=result.returns, old_logprobs=old, ref_logprobs=ref, engine_logprobs=engine,
                       values=values, valid=result.valid, advantage_stats=result.stats)

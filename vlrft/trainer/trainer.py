@@ -28,15 +28,15 @@ from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import SamplingParams
+from vlrft.rollout.base import EngineDeps, SamplingParams
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
-from vlrft.trainer.collect import Collected, collect
-from vlrft.trainer.evaluate import accuracy_reward_key, evaluate
-from vlrft.trainer.experience import Experience, make_experience
+from vlrft.trainer.collect import Collected, CollectDeps, collect
+from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
+from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
-from vlrft.trainer.update import update
+from vlrft.trainer.update import UpdateDeps, update
 
 
 def seed_everything(seed: int) -> None:
@@ -103,17 +103,21 @@ class Trainer:
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
-        self.mini_batch_per_rank = (cfg.train.mini_batch_size or cfg.rollout.batch_size) // world
+        self.mini_batch_per_rank = (cfg.train.global_mini_batch_completions
+                                    or cfg.rollout.global_batch_completions) // world
         self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
                                                                 cfg.train.seed, cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        self.engine = make_engine(cfg, self)
+        self.engine = make_engine(cfg, EngineDeps(actor=self.actor, processor=self.processor, tokens=self.tokens,
+                                                  strategy=self.strategy, prompts_per_rank=self.prompts_per_rank,
+                                                  encoder=self.encoder))
         self.kl_controller = make_kl_controller(cfg.algorithm)
         self.reward_moments = RunningMoments()
-        single_update = cfg.train.ppo_epochs == 1 and self.mini_batch_per_rank * world == cfg.rollout.batch_size
+        single_update = (cfg.train.ppo_epochs == 1
+                         and self.mini_batch_per_rank * world == cfg.rollout.global_batch_completions)
         kl_shaped = cfg.algorithm.kl_in == "reward" and self.ref is not None
         self.needs_old_logprobs = not single_update or kl_shaped or self.critic is not None
         self.logger: RunLogger | None = None
@@ -222,7 +226,8 @@ class Trainer:
         from transformers import get_scheduler
 
         cfg = self.cfg
-        updates_per_step = cfg.train.ppo_epochs * (cfg.rollout.batch_size // (cfg.train.mini_batch_size or cfg.rollout.batch_size))
+        total = cfg.rollout.global_batch_completions
+        updates_per_step = cfg.train.ppo_epochs * (total // (cfg.train.global_mini_batch_completions or total))
         return get_scheduler(cfg.train.lr_scheduler, self.optimizer,
                              num_warmup_steps=cfg.train.warmup_steps * updates_per_step,
                              num_training_steps=cfg.train.total_steps * updates_per_step)
@@ -260,10 +265,47 @@ class Trainer:
             else:
                 print(text, flush=True)
 
+    # ------------------------------------------------------------------ what each phase needs
+
+    def _batching(self) -> Batching:
+        return Batching(self.tokens.pad_id, self.device, self.cfg.train.micro_batch_completions_per_rank,
+                        self.autocast)
+
+    def _collect_deps(self) -> CollectDeps:
+        return CollectDeps(algo=self.cfg.algorithm, rollout=self.cfg.rollout, prompts_per_rank=self.prompts_per_rank,
+                           samples=self.train_samples, sampler=self.sampler, encoder=self.encoder, engine=self.engine,
+                           sampling=self.sampling, rewards=self.rewards, strategy=self.strategy, timer=self.timer)
+
+    def _experience_deps(self) -> ExperienceDeps:
+        return ExperienceDeps(algo=self.cfg.algorithm, group_size=self.cfg.rollout.n, batching=self._batching(),
+                              temperature=self.train_temperature, kl_coef=self.kl_controller.value,
+                              old_policy=self.actor if self.needs_old_logprobs else None, ref=self.ref,
+                              critic=self.critic, reduce=self.sum_reduce, timer=self.timer)
+
+    def _update_deps(self, step: int) -> UpdateDeps:
+        watched = [p for p in self.actor.parameters() if p.requires_grad]
+        if self.critic is not None:
+            watched += list(self.critic.parameters())
+        return UpdateDeps(algo=self.cfg.algorithm, strategy=self.strategy, batching=self._batching(),
+                          policy=self.wrapped, trained_parts=self.trained_parts(), watched_params=watched,
+                          ppo_epochs=self.cfg.train.ppo_epochs, mini_batch_per_rank=self.mini_batch_per_rank,
+                          max_grad_norm=self.cfg.train.max_grad_norm, max_new_tokens=self.cfg.rollout.max_new_tokens,
+                          temperature=self.train_temperature, kl_coef=self.kl_controller.value, step=step,
+                          lr=self.cfg.train.lr, critic=self.critic_wrapped, message=self.message)
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy/pass@k/reward at `step` (see `vlrft.trainer.evaluate`)."""
+        cfg = self.cfg
+        sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
+        return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
+                                 world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
+                                 sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts, rewards=self.rewards,
+                                 accuracy_key=self.accuracy_key, reduce=self.sum_reduce), step)
+
     # ------------------------------------------------------------------ one step
 
     def train_step(self) -> dict[str, float]:
-        """Collect, score, update, sync weights; returns this step's metrics (reduced over ranks)."""
+        """One step, top-down; returns this step's metrics (reduced over ranks)."""
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
@@ -272,16 +314,21 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
             self.engine.wake()
-            collected = collect(self, step)
+            collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
             self.engine.sleep()
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
+        # 2. Running reward normalisation (optional), its moments over all ranks.
         if self.cfg.algorithm.normalize_rewards:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
             collected.rewards = self.reward_moments.normalize(collected.rewards)
-        experience = make_experience(self, collected)
+        # 3. Experience: old/ref logprobs and values under the weights that sampled, then advantages.
+        experience = make_experience(self._experience_deps(), collected)
+        # 4. Update: PPO epochs over mini-batches; each optimizer step agrees across ranks.
         with self.timer("time/train"):
-            loss_stats, skipped = update(self, collected, experience)
+            loss_stats, skipped = update(self._update_deps(step), collected, experience)
+        # 5. The engine samples the next step from the new weights.
         self.engine.update_weights(self.actor)
+        # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
@@ -371,7 +418,7 @@ class Trainer:
         interrupt = InterruptGuard(cfg.train.save_on_interrupt).install()
         try:
             if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
-                metrics = evaluate(self, 0)
+                metrics = self.evaluate(0)
                 self._log(0, metrics)
                 history.append({"step": 0, **metrics})
             while self.step_count < cfg.train.total_steps:
@@ -379,7 +426,7 @@ class Trainer:
                 step = self.step_count
                 if self.eval_samples and cfg.train.eval_every and (step % cfg.train.eval_every == 0 or
                                                                    step == cfg.train.total_steps):
-                    metrics.update(evaluate(self, step))
+                    metrics.update(self.evaluate(step))
                 self._log(step, metrics)
                 history.append({"step": step, **metrics})
                 due = (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.total_steps

@@ -9,70 +9,94 @@ gradients are dropped, never applied.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss
+from vlrft.config import AlgorithmConfig
+from vlrft.dist.strategy import Strategy, TrainedModel
 from vlrft.errors import UserError
-from vlrft.trainer.experience import Experience, micro_batches, sequences_for
+from vlrft.trainer.experience import Batching, Experience, micro_batches, sequences_for
+
+
+@dataclass(frozen=True)
+class UpdateDeps:
+    """What one step's update needs: the models it trains, the strategy that syncs them, the loss settings."""
+
+    algo: AlgorithmConfig  # policy loss, value loss (clip, coefficient)
+    strategy: Strategy  # no_sync, backward, all_reduce, clip_and_step over ranks
+    batching: Batching
+    policy: torch.nn.Module  # the actor as the strategy wrapped it (DDP/FSDP/DeepSpeed): forward and backward
+    trained_parts: list[TrainedModel]  # what an optimizer step updates: the policy, then the critic
+    watched_params: list[torch.nn.Parameter]  # checked for NaN/inf after each optimizer step
+    ppo_epochs: int
+    mini_batch_per_rank: int  # completions per optimizer step on this rank
+    max_grad_norm: float
+    max_new_tokens: int  # the token-sum loss normaliser (`loss_agg_mode` seq-mean-token-sum-norm)
+    temperature: float  # logprobs are taken at the sampling temperature
+    kl_coef: float  # the KL controller's current coefficient (KL in the loss)
+    step: int  # the step being trained (1-based), for messages
+    lr: float  # train.lr, named in the error when the weights diverge
+    critic: torch.nn.Module | None = None  # the wrapped critic (PPO), else None
+    message: Callable[[str], None] = print
 
 
 def _slice(t: torch.Tensor | None, rows: list[int], width: int, device) -> torch.Tensor | None:
     return None if t is None else t[rows, :width].to(device)
 
 
-def update(trainer, collected, exp: Experience) -> tuple[Stats, int]:
-    """Run `train.ppo_epochs` passes; returns the loss statistics and how many optimizer steps were skipped."""
-    cfg = trainer.cfg
-    world = trainer.strategy.world_size
+def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
+    """Run `ppo_epochs` passes; returns the loss statistics and how many optimizer steps were skipped."""
+    strategy, batching, device = deps.strategy, deps.batching, deps.batching.device
+    world = strategy.world_size
     n_rows = len(collected.rollouts)
-    mini_size = trainer.mini_batch_per_rank
     stats = Stats()
     skipped = 0
-    for _epoch in range(cfg.train.ppo_epochs):
-        for start in range(0, n_rows, mini_size):
-            mini = list(range(start, min(start + mini_size, n_rows)))
-            den = loss_denominators(exp.mask[mini], reduce=trainer.sum_reduce)
+    for _epoch in range(deps.ppo_epochs):
+        for start in range(0, n_rows, deps.mini_batch_per_rank):
+            mini = list(range(start, min(start + deps.mini_batch_per_rank, n_rows)))
+            den = loss_denominators(exp.mask[mini], reduce=lambda t: strategy.all_reduce(t, "sum"))
             nonfinite = False
-            micro = micro_batches(mini, cfg.train.micro_batch_size)
+            micro = micro_batches(mini, batching.micro_batch)
             for i, rows in enumerate(micro):
-                seqs = sequences_for(trainer, collected, rows)
+                seqs = sequences_for(batching, collected, rows)
                 width = seqs.completion_width
-                sync = contextlib.nullcontext() if i == len(micro) - 1 else trainer.strategy.no_sync(trainer.wrapped)
+                sync = contextlib.nullcontext() if i == len(micro) - 1 else strategy.no_sync(deps.policy)
                 with sync:
-                    with trainer.autocast():
-                        out = trainer.wrapped(seqs, trainer.train_temperature)
-                    mask = _slice(exp.mask, rows, width, trainer.device)
-                    old = _slice(exp.old_logprobs, rows, width, trainer.device)
+                    with batching.autocast():
+                        out = deps.policy(seqs, deps.temperature)
+                    mask = _slice(exp.mask, rows, width, device)
+                    old = _slice(exp.old_logprobs, rows, width, device)
                     result = policy_loss(
-                        cfg.algorithm, out.logprobs, out.logprobs.detach() if old is None else old,
-                        _slice(exp.advantages, rows, width, trainer.device), mask, entropy=out.entropy,
-                        engine_logprobs=_slice(exp.engine_logprobs, rows, width, trainer.device),
-                        ref_logprobs=_slice(exp.ref_logprobs, rows, width, trainer.device),
-                        kl_coef=trainer.kl_controller.value, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
-                        max_tokens=cfg.rollout.max_new_tokens, world_size=world)
-                    trainer.strategy.backward(result.loss, trainer.wrapped)
+                        deps.algo, out.logprobs, out.logprobs.detach() if old is None else old,
+                        _slice(exp.advantages, rows, width, device), mask, entropy=out.entropy,
+                        engine_logprobs=_slice(exp.engine_logprobs, rows, width, device),
+                        ref_logprobs=_slice(exp.ref_logprobs, rows, width, device),
+                        kl_coef=deps.kl_coef, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
+                        max_tokens=deps.max_new_tokens, world_size=world)
+                    strategy.backward(result.loss, deps.policy)
                 nonfinite |= not bool(torch.isfinite(result.loss.detach()))
                 stats = stats.merge(result.stats)
-                if trainer.critic is not None:
-                    critic_stats, critic_bad = _critic_backward(trainer, seqs, rows, exp, den, i == len(micro) - 1)
+                if deps.critic is not None:
+                    critic_stats, critic_bad = _critic_backward(deps, seqs, rows, exp, den, i == len(micro) - 1)
                     stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
-            skipped += _optimizer_step(trainer, nonfinite, stats)
+            skipped += _optimizer_step(deps, nonfinite, stats)
     return stats, skipped
 
 
-def _critic_backward(trainer, seqs, rows, exp: Experience, den, last: bool) -> tuple[Stats, bool]:
+def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: bool) -> tuple[Stats, bool]:
     """Value-loss backward for one micro-batch; returns its stats and whether the loss was non-finite."""
-    width = seqs.completion_width
-    sync = contextlib.nullcontext() if last else trainer.strategy.no_sync(trainer.critic_wrapped)
+    width, device, strategy = seqs.completion_width, deps.batching.device, deps.strategy
+    sync = contextlib.nullcontext() if last else strategy.no_sync(deps.critic)
     with sync:
-        with trainer.autocast():
-            values = trainer.critic_wrapped(seqs)
-        result = value_loss(values.float(), _slice(exp.values, rows, width, trainer.device),
-                            _slice(exp.returns, rows, width, trainer.device), _slice(exp.mask, rows, width, trainer.device),
-                            trainer.cfg.algorithm.value_clip, num_tokens=den.num_tokens,
-                            world_size=trainer.strategy.world_size)
-        trainer.strategy.backward(result.loss * trainer.cfg.algorithm.value_coef, trainer.critic_wrapped)
+        with deps.batching.autocast():
+            values = deps.critic(seqs)
+        result = value_loss(values.float(), _slice(exp.values, rows, width, device),
+                            _slice(exp.returns, rows, width, device), _slice(exp.mask, rows, width, device),
+                            deps.algo.value_clip, num_tokens=den.num_tokens, world_size=strategy.world_size)
+        strategy.backward(result.loss * deps.algo.value_coef, deps.critic)
     return result.stats, not bool(torch.isfinite(result.loss.detach()))
 
 
@@ -91,23 +115,22 @@ def parameters_finite(params) -> bool:
     return not values or bool(torch.stack([torch.isfinite(v).all() for v in values]).all())
 
 
-def _stop_if_weights_diverged(trainer, params) -> None:
+def _stop_if_weights_diverged(deps: UpdateDeps) -> None:
     """A finite gradient can still step the weights to inf/NaN (e.g. a huge learning rate): stop, never save them."""
-    critic = list(trainer.critic.parameters()) if trainer.critic is not None else []
-    bad = torch.tensor([float(not parameters_finite(params) or not parameters_finite(critic))])
-    if trainer.strategy.all_reduce(bad, "max").item() > 0:
-        raise UserError(f"step {trainer.step_count + 1}: the optimizer step made the weights non-finite (NaN/inf); "
-                        f"nothing was saved from it. Lower train.lr (now {trainer.cfg.train.lr:g}) or "
+    bad = torch.tensor([float(not parameters_finite(deps.watched_params))])
+    if deps.strategy.all_reduce(bad, "max").item() > 0:
+        raise UserError(f"step {deps.step}: the optimizer step made the weights non-finite (NaN/inf); "
+                        f"nothing was saved from it. Lower train.lr (now {deps.lr:g}) or "
                         "train.max_grad_norm and resume from the last checkpoint (train.resume=auto)")
 
 
-def _optimizer_step(trainer, nonfinite: bool, stats: Stats) -> int:
+def _optimizer_step(deps: UpdateDeps, nonfinite: bool, stats: Stats) -> int:
     """Clip, agree across ranks, then step or skip (the strategy decides for all); returns 1 when skipped."""
-    result = trainer.strategy.clip_and_step(trainer.trained_parts(), trainer.cfg.train.max_grad_norm, nonfinite)
+    result = deps.strategy.clip_and_step(deps.trained_parts, deps.max_grad_norm, nonfinite)
     if result.skipped:
-        trainer.message(f"step {trainer.step_count + 1}: non-finite loss or gradient on some rank; "
-                        "this optimizer step is skipped on every rank (gradients dropped)")
+        deps.message(f"step {deps.step}: non-finite loss or gradient on some rank; "
+                     "this optimizer step is skipped on every rank (gradients dropped)")
     else:
         stats.add("actor/grad_norm", torch.tensor(result.grad_norms[0]))
-        _stop_if_weights_diverged(trainer, [p for p in trainer.actor.parameters() if p.requires_grad])
+        _stop_if_weights_diverged(deps)
     return int(result.skipped)
