@@ -130,10 +130,10 @@ def worker(config: str, result: str) -> int:
     steps = []
     for i in range(cfg.train.total_steps):
         metrics = trainer.train_step()
-        completion = metrics["completions/mean_length"] * cfg.rollout.batch_size  # all ranks
+        completion = metrics["completions/mean_length"] * cfg.rollout.global_batch_completions  # all ranks
         steps.append({"generate_s": metrics.get("time/generate", 0.0), "train_s": metrics.get("time/train", 0.0),
                       "completion_tokens": completion,
-                      "train_tokens": cfg.train.ppo_epochs * (completion + prompt_tokens * cfg.rollout.batch_size)})
+                      "train_tokens": cfg.train.ppo_epochs * (completion + prompt_tokens * cfg.rollout.global_batch_completions)})
     timed = steps[1:] or steps  # the first step warms up kernels and allocators
     gen_s, train_s = sum(s["generate_s"] for s in timed), sum(s["train_s"] for s in timed)
     train_tokens = sum(s["train_tokens"] for s in timed)
