@@ -186,3 +186,16 @@ def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path
     with pytest.raises(UserError, match=r"step 1: the optimizer step made the weights non-finite .*train.lr"):
         fit(config(out, tiny_vlm_dir(), shapes, "train.lr=1e39", "train.total_steps=1"))
     assert ckpt.list_checkpoints(out) == []
+
+
+def test_a_kill_during_the_last_prune_leaves_nothing_behind_after_resume(tmp_path, tiny_vlm_dir, shapes):
+    """Pruning renames a checkpoint to `.deleting-*` before removing it; a kill in between, with no later
+    save to finish the job (the run had reached its last step), must not leave that folder forever."""
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes))
+    root = out / "checkpoints"
+    half_deleted = root / ".deleting-step_1"
+    (half_deleted / "model").mkdir(parents=True)  # what the kill left: a renamed, partly removed checkpoint
+    trainer = Trainer(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
+    assert trainer.resume_from == root / "step_2"
+    assert not half_deleted.exists()

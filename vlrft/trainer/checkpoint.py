@@ -115,10 +115,15 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
             os.replace(tmp, final)
         for stale in lineage_checkpoints(output_dir, trainer_state.get("run_id"))[:-keep_last] if keep_last > 0 else []:
             _delete(stale)
-        for leftover in root.glob(".deleting-*"):  # deletions a crash cut short
-            shutil.rmtree(leftover, ignore_errors=True)
+        finish_interrupted_deletions(output_dir)
     strategy.barrier()
     return final
+
+
+def finish_interrupted_deletions(output_dir: str | Path) -> None:
+    """Remove checkpoints whose pruning a crash cut short (renamed `.deleting-*`, never resumed from)."""
+    for leftover in checkpoint_root(output_dir).glob(".deleting-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _delete(checkpoint: Path) -> None:

@@ -68,6 +68,8 @@ class Trainer:
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
         self.resume_from = None if evaluate_only else ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        if self.resume_from is not None and self.strategy.is_main:
+            ckpt.finish_interrupted_deletions(self.output_dir)  # a kill mid-prune when no later save comes
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
         self._stale_run_files = [] if evaluate_only else run_folder.check_output_dir(
             self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
