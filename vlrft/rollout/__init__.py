@@ -16,7 +16,8 @@ def make_engine(cfg, trainer) -> RolloutEngine:
         actor = trainer.actor
         return HFEngine(lambda: actor.model, trainer.processor, trainer.tokens,
                         max_batch_prompts=max(1, trainer.prompts_per_rank),
-                        whole_weights=lambda: trainer.strategy.generation(actor))
+                        whole_weights=lambda: trainer.strategy.generation(actor),
+                        compile_decode=cfg.rollout.compile_decode)
     if name == "vllm":
         from vlrft.rollout.vllm import VLLMEngine
 

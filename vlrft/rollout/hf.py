@@ -57,7 +57,8 @@ class HFEngine:
 
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
-                 whole_weights: Callable[[], ContextManager] | None = None):
+                 whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool = True,
+                 compile_decode: bool = False):
         self._get_model = get_model
         # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
         # them for the duration of a `generate` call, so ranks decode independently).
@@ -67,6 +68,9 @@ class HFEngine:
         self.max_batch_prompts = max_batch_prompts
         self.record_logprobs = record_logprobs
         self.share_prompts = share_prompts  # None: when the model supports it (vlrft.rollout.decode)
+        # Group decoder only: a preallocated KV cache, and a torch.compile'd decode step (eager if compiling fails).
+        self.static_cache = static_cache
+        self.compile_decode = compile_decode
 
     def generation_config(self, sampling: SamplingParams):
         from transformers import GenerationConfig
@@ -173,7 +177,8 @@ class HFEngine:
                                      pad_id=self.tokens.pad_id, stop_ids=stop_ids,
                                      image_token_id=self.tokens.image_token_id,
                                      video_token_id=self.tokens.video_token_id,
-                                     suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer)
+                                     suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer,
+                                     static_cache=self.static_cache, compile_step=self.compile_decode)
                 ids.extend(rows.ids)
                 logprobs.extend(rows.logprobs)
                 reasons.extend(rows.reasons)
