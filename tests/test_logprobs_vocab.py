@@ -70,3 +70,11 @@ def test_chunk_size_shrinks_with_the_vocabulary_so_logits_per_chunk_stay_bounded
         assert chunk_tokens_for(vocab) * vocab <= 1 << 24
         assert chunk_tokens_for(vocab) * vocab > (1 << 24) // 2
     assert chunk_tokens_for(10**9) == 1
+
+
+def test_without_gradients_the_lean_path_gives_the_same_values():
+    head, hidden, targets = _case(bias=True)
+    with torch.no_grad():
+        lp, ent = token_logprobs(hidden, head, targets, temperature=1.3, suppressed_ids=(2999,), max_chunk_elements=70 * 3000)
+        ref_lp, ref_ent = _full(hidden, head, targets, 1.3, (2999,))
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)

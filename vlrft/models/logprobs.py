@@ -38,14 +38,29 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _scaled_logits(hidden, weight, bias, inv_temperature, suppressed):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temperature
+    """Float32 logits / temperature with suppressed tokens at -inf (no autograd: scaled and filled in place)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
     if suppressed is not None:
         logits.index_fill_(-1, suppressed, float("-inf"))
     return logits
 
 
+def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed):
+    """`_chunk` without autograd, in place: about two [chunk, vocab] float32 tensors alive instead of five."""
+    z = _scaled_logits(hidden, weight, bias, inv_temperature, suppressed)
+    log_norm = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+    p = torch.softmax(z, dim=-1)
+    if suppressed is not None:
+        z.index_fill_(-1, suppressed, 0.0)  # p is 0 there; 0 * -inf would be nan
+    entropy = log_norm - p.mul_(z).sum(-1)
+    return logprobs, entropy, log_norm
+
+
 class _ChunkedHead(torch.autograd.Function):
-    """logprobs and entropy of every token, chunk by chunk, saving only the inputs for backward.
+    """logprobs and entropy of every token, chunk by chunk, saving only the inputs (and [N] norms) for backward.
 
     With z the scaled logits, p = softmax(z) and H the entropy: d logprob / dz = onehot(target) - p
     and dH / dz = -p * (log p + H) (0 where p is 0, i.e. suppressed tokens).
@@ -53,19 +68,16 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_temperature, suppressed, step):
-        logprobs, entropies = [], []
-        for start in range(0, hidden.shape[0], step):
-            lp, ent = _chunk(hidden[start:start + step], weight, bias, targets[start:start + step], inv_temperature,
-                             suppressed)
-            logprobs.append(lp)
-            entropies.append(ent)
-        ctx.save_for_backward(hidden, weight, bias, targets, suppressed)
+        parts = [_lean_chunk(hidden[start:start + step], weight, bias, targets[start:start + step], inv_temperature,
+                             suppressed) for start in range(0, hidden.shape[0], step)]
+        logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
+        ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
         ctx.inv_temperature, ctx.step = inv_temperature, step
-        return torch.cat(logprobs), torch.cat(entropies)
+        return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, suppressed = ctx.saved_tensors
+        hidden, weight, bias, targets, suppressed, log_norm, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight) if need_weight else None
@@ -73,17 +85,20 @@ class _ChunkedHead(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.step):
             end = min(start + ctx.step, hidden.shape[0])
             h = hidden[start:end]
-            z = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed)
-            log_p = torch.log_softmax(z, dim=-1)
+            log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed).sub_(log_norm[start:end, None])
             p = log_p.exp()
-            entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1, keepdim=True)
+            if suppressed is not None:
+                log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
             # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
-            grad_z = log_p.add_(entropy).masked_fill_(p == 0, 0.0).mul_(p).mul_(-grad_entropy[start:end, None])
+            grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
             grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
+            del p
             grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
             if suppressed is not None:
                 grad_z.index_fill_(-1, suppressed, 0.0)
-            grad_z = grad_z.mul_(ctx.inv_temperature).to(weight.dtype)
+            if ctx.inv_temperature != 1.0:
+                grad_z.mul_(ctx.inv_temperature)
+            grad_z = grad_z.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_z @ weight
             if grad_weight is not None:
@@ -113,9 +128,10 @@ def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torc
     suppressed = torch.tensor(suppressed_ids, dtype=torch.long, device=hidden.device) if suppressed_ids else None
     if torch.is_grad_enabled() and hidden.shape[0] * weight.shape[0] > max_chunk_elements:
         return _ChunkedHead.apply(hidden, weight, bias, targets, inv_t, suppressed, step)
+    compute = _chunk if torch.is_grad_enabled() else _lean_chunk  # small enough to keep for autograd, or no grad
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], step):
-        lp, ent = _chunk(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed)
+        lp, ent = compute(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed)[:2]
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs), torch.cat(entropies)
