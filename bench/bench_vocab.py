@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1, help="steps per subprocess; the fastest is reported")
     parser.add_argument("--methods", default="chunked,full")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds (chunked, full, chunked, full, ...); times as min/median/max")
     parser.add_argument("--json")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "VOCAB"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -97,16 +100,23 @@ def main() -> None:
     rows = []
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for vocab in [int(v) for v in args.vocabs.split(",")]:
-        for method in args.methods.split(","):
-            out = subprocess.run([sys.executable, __file__, "--worker", method, str(vocab), "--tokens", str(args.tokens),
-                                  "--hidden", str(args.hidden), "--repeats", str(args.repeats)],
-                                 capture_output=True, text=True, env=env, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            r = rows[-1]
+        runs: dict[str, list[dict]] = {m: [] for m in args.methods.split(",")}
+        for _ in range(args.rounds):
+            for method in runs:
+                out = subprocess.run([sys.executable, __file__, "--worker", method, str(vocab), "--tokens",
+                                      str(args.tokens), "--hidden", str(args.hidden), "--repeats", str(args.repeats)],
+                                     capture_output=True, text=True, env=env, check=True)
+                runs[method].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for method, results in runs.items():
+            r = dict(results[0], peak_mib=max(x["peak_mib"] for x in results),
+                     seconds_all=[x["seconds"] for x in results])
+            rows.append(r)
+            times = sorted(r["seconds_all"])
             print(f"vocab {r['vocab']:>7}  {r['method']:<8} chunk {r['chunk_tokens']:>5} tok  "
                   f"peak {r['peak_mib']:6.0f} MiB, beyond head grad ({r['head_grad_mib']:4.0f}) "
                   f"{r['peak_mib'] - r['head_grad_mib']:6.0f} MiB  (whole fp32 logits {r['full_logits_mib']:5.0f} MiB)  "
-                  f"step {r['seconds']:6.2f} s", flush=True)
+                  f"step {times[0]:6.2f}/{statistics.median(times):6.2f}/{times[-1]:6.2f} s (min/median/max)",
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     chunked = [r for r in rows if r["method"] == "chunked"]
