@@ -66,3 +66,14 @@ def test_compile_failure_falls_back_to_eager_decoding_with_a_warning(setup, monk
     with pytest.warns(RuntimeWarning, match="compile_decode"):
         got = _run(setup, sampling, compile_decode=True)
     _assert_same(got, expected)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
+    import warnings
+
+    sampling = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test compilation
+        compiled = _run(setup, sampling, compile_decode=True)
+    _assert_same(compiled, _run(setup, sampling, static_cache=False))
