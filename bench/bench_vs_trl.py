@@ -17,7 +17,17 @@ Completions are forced to the full length on both sides (`min_new_tokens = max_n
 EOS is masked during sampling), so both do the same amount of generation and training work
 (`--natural-length` turns this off; mean completion lengths are reported either way).
 
+Settings (`--settings`, each its own model/data folder, run one after the other): `default` (one
+112 px image, group 4, 64 tokens), `text` (text-only prompts, group 8), `images3` (three images per
+prompt), `long` (256-token completions), `natural` (EOS may end completions). For each, the ratio
+vlrft / TRL is printed per interleaved pair (each run's median step) as min/median/max, in wall
+clock and CPU time, and so is the FLOP floor: the matmul FLOPs one step cannot avoid, counted from
+the model's layer shapes (`step_flops`: each prompt once, every completion token, forward+backward,
+a reference forward when beta > 0; attention scores left out), divided by the float32 matmul rate
+measured in the same run at the same thread count, and each framework's distance to it.
+
     PYTHONPATH=. python bench/bench_vs_trl.py --out bench_vs_trl.json
+    PYTHONPATH=. python bench/bench_vs_trl.py --settings text images3 default long natural --repeats 3 --betas 0
     PYTHONPATH=. python bench/bench_vs_trl.py --steps 8 --repeats 3 --hidden-size 256 --betas 0 0.04
     py-spy record --subprocesses -o vlrft.svg -- python bench/bench_vs_trl.py --only vlrft --repeats 1 --betas 0.04
 
@@ -66,6 +76,7 @@ class BenchSpec:
     vision_depth: int = 2
     vision_hidden_size: int = 128
     image_size: int = 112  # pixels per side; 112x112 -> 64 patches -> 16 image tokens
+    images_per_prompt: int = 1  # 0: text-only prompts; 3: the same image three times per prompt
 
     @property
     def model_dir(self) -> Path:
@@ -131,6 +142,13 @@ def build_assets(spec: BenchSpec) -> None:
     prompts = spec.total_steps * spec.batch_size // spec.group_size
     make_shapes(spec.data_dir, ShapesSpec(tasks=("color",), image_size=spec.image_size, train_size=max(64, 2 * prompts),
                                           test_size=0, seed=spec.seed))
+    if spec.images_per_prompt != 1:  # text-only or several images: the same rows, k image placeholders each
+        path, k = spec.data_dir / "train.jsonl", spec.images_per_prompt
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            text = row["prompt"].replace("<image>", "")
+            row["prompt"], row["images"] = "<image>" * k + text, row["images"][:1] * k
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def trl_rows(spec: BenchSpec) -> list[dict]:
@@ -140,10 +158,11 @@ def trl_rows(spec: BenchSpec) -> list[dict]:
     rows = []
     for line in (spec.data_dir / "train.jsonl").read_text().splitlines():
         row = json.loads(line)
-        text = row["prompt"].removeprefix("<image>")
-        image = Image.open(spec.data_dir / row["images"][0]).convert("RGB")
-        rows.append({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
-                     "image": image, "answer": row["answer"]})
+        text = row["prompt"].replace("<image>", "")
+        images = [Image.open(spec.data_dir / name).convert("RGB") for name in row["images"]]
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        rows.append({"prompt": [{"role": "user", "content": content}], "answer": row["answer"],
+                     **({"images": images} if images else {})})
     return rows
 
 
@@ -161,7 +180,7 @@ def check_same_prompt(spec: BenchSpec) -> int:
     encoder = PromptEncoder(processor, DataConfig(min_pixels=pixels, max_pixels=pixels))
     ours = encoder.encode([sample]).batch.prompt_ids[0]
     row = trl_rows(spec)[0]
-    messages = prepare_multimodal_messages(row["prompt"], images=[row["image"]])
+    messages = prepare_multimodal_messages(row["prompt"], images=row.get("images", []))
     theirs = processor.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
                                            return_dict=True)["input_ids"][0]
     if list(ours) != list(theirs):
@@ -342,13 +361,91 @@ def compare(beta: float, runs: list[RunResult]) -> Comparison:
                       pooled("vlrft", "len"), pooled("trl", "len"), runs)
 
 
+SETTINGS = {  # name -> BenchSpec fields over the command line's
+    "default": {},
+    "text": {"images_per_prompt": 0, "group_size": 8},
+    "images3": {"images_per_prompt": 3},
+    "long": {"completion_length": 256},
+    "natural": {"natural_length": True},
+}
+
+
+def pair_ratios(runs: list[RunResult], key: str) -> list[float]:
+    """vlrft / TRL for each interleaved pair (run i of each), from each run's median step."""
+    ours = [getattr(r, key) for r in runs if r.framework == "vlrft"]
+    theirs = [getattr(r, key) for r in runs if r.framework == "trl"]
+    return [a / b for a, b in zip(ours, theirs)]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}/{statistics.median(values):.2f}/{max(values):.2f}" if values else "-"
+
+
+def matmul_rate(threads: int, size: int = 512, repeats: int = 5) -> float:
+    """Best FLOP/s of a [size, size] x [size, 4 size] float32 matmul on this machine, now (same threads as the runs)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    a, b = torch.randn(size, size), torch.randn(size, 4 * size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        best = min(best, (time.perf_counter() - start) / 5)
+    torch.set_num_threads(previous)
+    return 2 * size * size * 4 * size / best
+
+
+def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None = None) -> float:
+    """Matmul FLOPs one GRPO step cannot avoid, from the model's layer shapes (attention scores left out).
+
+    Generation: each prompt (vision tower included) once, then every completion token one forward.
+    `completion_length`: the mean measured one with natural lengths (default: the forced length).
+    Training: forward + backward (3x a forward) over each prompt once and every completion token; with
+    beta > 0 one more forward for the reference model. The LM head only for completion tokens.
+    """
+    config = json.loads((spec.model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    vision = config["vision_config"]
+    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = h // heads
+    layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * inter  # q, o, k, v, gate/up/down weights
+    text_params, head = layers * layer, h * text["vocab_size"]
+    vh = vision.get("embed_dim", vision.get("hidden_size"))
+    vmlp = int(vision.get("mlp_ratio", 4) * vh) if "mlp_ratio" in vision else vision.get("intermediate_size", 4 * vh)
+    vision_params = vision["depth"] * (4 * vh * vh + 2 * vh * vmlp)
+    patches = spec.images_per_prompt * (spec.image_size // 14) ** 2
+    prompts = spec.batch_size // spec.group_size
+    completion_tokens = spec.batch_size * (completion_length or spec.completion_length)
+    forward = 2 * (text_params * (prompts * prompt_len + completion_tokens) + head * completion_tokens
+                   + vision_params * prompts * patches)
+    passes = 1 + 3 + (1 if spec.beta > 0 else 0)  # generation, train forward+backward, reference
+    return forward * passes
+
+
+def print_floor(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison], rate: float,
+                length: float | None) -> None:
+    floor = step_flops(spec, prompt_len, length) / rate
+    print(f"FLOP floor: {step_flops(spec, prompt_len, length) / 1e9:.2f} GFLOP/step at {rate / 1e9:.1f} GFLOP/s (matmul, "
+          f"measured in this run) = {floor:.3f} s/step")
+    for c in comparisons:
+        print(f"  beta={c.beta:g}: vlrft {c.vlrft_median_step_s / floor:.2f}x the floor (CPU time "
+              f"{c.vlrft_median_step_cpu_s / floor:.2f}x), TRL {c.trl_median_step_s / floor:.2f}x "
+              f"(CPU time {c.trl_median_step_cpu_s / floor:.2f}x)")
+
+
 def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison]) -> None:
     import trl
     import transformers
 
     print(f"\nvlrft vs TRL {trl.__version__} (transformers {transformers.__version__}), CPU, "
           f"{spec.threads or 'default'} threads; tiny Qwen2-VL hidden={spec.hidden_size} layers={spec.num_layers}, "
-          f"prompt {prompt_len} tokens ({(spec.image_size // 28) ** 2} image tokens), group={spec.group_size}, "
+          f"prompt {prompt_len} tokens ({spec.images_per_prompt} x {(spec.image_size // 28) ** 2} image tokens), "
+          f"group={spec.group_size}, {'natural lengths' if spec.natural_length else 'forced lengths'}, "
           f"{spec.batch_size} completions/step x {spec.completion_length} tokens, micro-batch {spec.micro_batch_size}; "
           f"median over {spec.steps} steps x runs (after {spec.warmup_steps} warm-up steps per run)")
     header = (f"{'beta':>5} | {'wall s/step vlrft':>17} {'TRL':>6} {'ratio':>6} | {'CPU s/step vlrft':>16} {'TRL':>6} "
@@ -366,6 +463,9 @@ def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison])
             print(f"  beta={c.beta:g} {r.framework:>5}: wall [{', '.join(f'{t:.2f}' for t in r.step_times_s)}] "
                   f"cpu [{', '.join(f'{t:.2f}' for t in r.step_cpu_s)}] setup {r.setup_s:.1f}s "
                   f"RSS before/peak {r.rss_before_training_mib:.0f}/{r.peak_rss_mib:.0f} MiB {phases}")
+    for c in comparisons:
+        print(f"  beta={c.beta:g} per interleaved pair, min/median/max: wall {_spread(pair_ratios(c.runs, 'median_step_s'))}"
+              f"  CPU {_spread(pair_ratios(c.runs, 'median_step_cpu_s'))}")
     for name, key in (("wall-clock", "time_ratio"), ("CPU-time", "cpu_ratio")):
         met = all(getattr(c, key) <= 0.67 for c in comparisons)
         print(f"goal vlrft <= 0.67x TRL ({name} per step): {'met' if met else 'NOT met'}")
@@ -378,7 +478,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workdir", help="model, data and run outputs (default: a temporary folder)")
     p.add_argument("--steps", type=int, default=d.steps, help="measured optimizer steps per run")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--repeats", type=int, default=2, help="runs per framework and beta, interleaved")
+    p.add_argument("--repeats", type=int, default=3, help="runs per framework and beta, interleaved (pairs)")
     p.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="completions per optimizer step")
@@ -393,6 +493,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vision-depth", type=int, default=d.vision_depth)
     p.add_argument("--vision-hidden-size", type=int, default=d.vision_hidden_size)
     p.add_argument("--image-size", type=int, default=d.image_size)
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["default"],
+                   help="text: text-only prompts, group 8; images3: 3 images per prompt; long: 256-token "
+                        "completions; natural: EOS may end completions; each over the other options")
+    p.add_argument("--images-per-prompt", type=int, default=d.images_per_prompt)
     p.add_argument("--only", choices=FRAMEWORKS, help="run one framework only (e.g. for profiling)")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -407,17 +511,32 @@ def main() -> None:
         return
     if args.batch_size % args.group_size or args.batch_size % args.micro_batch_size:
         raise SystemExit("--batch-size must be a multiple of --group-size and of --micro-batch-size")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")
-    base = BenchSpec(workdir=workdir, group_size=args.group_size, batch_size=args.batch_size,
-                     micro_batch_size=args.micro_batch_size, completion_length=args.completion_length,
-                     natural_length=args.natural_length, warmup_steps=args.warmup_steps, steps=args.steps, lr=args.lr,
-                     threads=args.threads, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                     intermediate_size=args.intermediate_size, vision_depth=args.vision_depth,
-                     vision_hidden_size=args.vision_hidden_size, image_size=args.image_size)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    results = {}
+    for setting in args.settings:
+        results[setting] = run_setting(args, setting, root / setting)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+
+
+def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
+    options = dict(group_size=args.group_size, batch_size=args.batch_size,
+                   micro_batch_size=args.micro_batch_size, completion_length=args.completion_length,
+                   natural_length=args.natural_length, warmup_steps=args.warmup_steps, steps=args.steps, lr=args.lr,
+                   threads=args.threads, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                   intermediate_size=args.intermediate_size, vision_depth=args.vision_depth,
+                   vision_hidden_size=args.vision_hidden_size, image_size=args.image_size,
+                   images_per_prompt=args.images_per_prompt)
+    options.update(SETTINGS[setting])
+    base = BenchSpec(workdir=str(workdir), **options)
+    if base.batch_size % base.group_size or base.batch_size % base.micro_batch_size:
+        raise SystemExit(f"{setting}: batch size must be a multiple of the group size and of the micro-batch size")
+    print(f"\n=== setting {setting}: {SETTINGS[setting] or 'the command line options'}", flush=True)
     build_assets(base)
-    prompt_len = check_same_prompt(base)
+    prompt_len = check_same_prompt(base) if not args.only else len(_vlrft_prompt_ids(base))
     frameworks = [args.only] if args.only else list(FRAMEWORKS)
-    comparisons = []
+    comparisons, all_runs = [], []
     for beta in args.betas:
         spec = BenchSpec(**{**asdict(base), "beta": beta})
         runs = []
@@ -428,14 +547,33 @@ def main() -> None:
                       f"median {result.median_step_s:.3f} s/step, "
                       f"peak RSS {result.peak_rss_mib:.0f} MiB", flush=True)
                 runs.append(result)
+        all_runs.extend(runs)
         if len(frameworks) == 2:
             comparisons.append(compare(beta, runs))
+    rate = matmul_rate(base.threads)
+    length = statistics.mean(r.mean_completion_length for r in all_runs) if base.natural_length else None
+    floor = step_flops(base, prompt_len, length) / rate
     if comparisons:
         print_table(base, prompt_len, comparisons)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"spec": asdict(base), "prompt_length": prompt_len,
-                                              "comparisons": [asdict(c) for c in comparisons]}, indent=2))
-        print(f"wrote {args.out}")
+        print_floor(base, prompt_len, comparisons, rate, length)
+    else:
+        for r in all_runs:
+            print(f"{r.framework} beta={r.beta:g}: {r.median_step_s:.3f} s/step = {r.median_step_s / floor:.2f}x the "
+                  f"FLOP floor ({floor:.3f} s at {rate / 1e9:.1f} GFLOP/s)")
+    return {"spec": asdict(base), "prompt_length": prompt_len, "matmul_flops_per_s": rate,
+            "floor_s_per_step": floor,
+            "comparisons": [asdict(c) for c in comparisons], "runs": [asdict(r) for r in all_runs]}
+
+
+def _vlrft_prompt_ids(spec: BenchSpec) -> list[int]:
+    from vlrft.config import DataConfig
+    from vlrft.data import PromptEncoder, read_samples
+    from vlrft.models.loading import load_processor
+
+    processor = load_processor(str(spec.model_dir))
+    sample = read_samples(str(spec.data_dir / "train.jsonl"), "native", None, "error")[0]
+    pixels = spec.image_size ** 2
+    return list(PromptEncoder(processor, DataConfig(min_pixels=pixels, max_pixels=pixels)).encode([sample]).batch.prompt_ids[0])
 
 
 if __name__ == "__main__":

@@ -1,18 +1,28 @@
 """Per-token logprobs and entropy from hidden states, a chunk of tokens at a time.
 
-Only completion tokens go through the LM head, and never all at once: each chunk's logits live
-only inside the chunk (recomputed in backward under activation checkpointing when they would be
-large), so a 150k-token vocabulary never materialises a [batch, length, vocab] float32 tensor.
+Only completion tokens go through the LM head, and never all at once: a chunk holds at most
+`max_chunk_elements` logits (so with a 152k-row head a chunk is ~110 tokens, with a 1k-row head
+1024 tokens). When gradients are needed and the logits would not fit in one chunk, `_ChunkedHead`
+keeps nothing per chunk: backward recomputes each chunk's logits, forms their gradient in closed
+form and accumulates the head's weight gradient in place (one [vocab, hidden] buffer, as any
+training step has, instead of one per chunk). Peak memory is therefore a few chunks of logits
+plus the head's own gradient, whatever the number of tokens; a [tokens, vocab] float32 tensor
+never exists whole, in forward or backward.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-# Above this many logits per chunk (float32 elements) the chunk is checkpointed: its logits are
-# recomputed in backward instead of being kept for it.
-CHECKPOINT_ABOVE_ELEMENTS = 1 << 24
+# Float32 logits one chunk may hold (64 MiB): the chunk's token count is derived from it and the vocabulary.
+LOGITS_CHUNK_ELEMENTS = 1 << 24
+# Above this many logits in total, gradients go through `_ChunkedHead` (recomputed per chunk in backward).
+CHECKPOINT_ABOVE_ELEMENTS = LOGITS_CHUNK_ELEMENTS
+
+
+def chunk_tokens_for(vocab_size: int, chunk_tokens: int = 1024, max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
+    """Tokens per LM-head chunk: `chunk_tokens`, fewer when the vocabulary would exceed the element budget."""
+    return max(1, min(chunk_tokens, max_chunk_elements // max(vocab_size, 1)))
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
@@ -27,27 +37,101 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return logprobs, entropy
 
 
+def _scaled_logits(hidden, weight, bias, inv_temperature, suppressed):
+    """Float32 logits / temperature with suppressed tokens at -inf (no autograd: scaled and filled in place)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    if suppressed is not None:
+        logits.index_fill_(-1, suppressed, float("-inf"))
+    return logits
+
+
+def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed):
+    """`_chunk` without autograd, in place: about two [chunk, vocab] float32 tensors alive instead of five."""
+    z = _scaled_logits(hidden, weight, bias, inv_temperature, suppressed)
+    log_norm = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(-1, targets[:, None]).squeeze(-1) - log_norm
+    p = torch.softmax(z, dim=-1)
+    if suppressed is not None:
+        z.index_fill_(-1, suppressed, 0.0)  # p is 0 there; 0 * -inf would be nan
+    entropy = log_norm - p.mul_(z).sum(-1)
+    return logprobs, entropy, log_norm
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """logprobs and entropy of every token, chunk by chunk, saving only the inputs (and [N] norms) for backward.
+
+    With z the scaled logits, p = softmax(z) and H the entropy: d logprob / dz = onehot(target) - p
+    and dH / dz = -p * (log p + H) (0 where p is 0, i.e. suppressed tokens).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, inv_temperature, suppressed, step):
+        parts = [_lean_chunk(hidden[start:start + step], weight, bias, targets[start:start + step], inv_temperature,
+                             suppressed) for start in range(0, hidden.shape[0], step)]
+        logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
+        ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
+        ctx.inv_temperature, ctx.step = inv_temperature, step
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, suppressed, log_norm, entropy = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.step):
+            end = min(start + ctx.step, hidden.shape[0])
+            h = hidden[start:end]
+            log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed).sub_(log_norm[start:end, None])
+            p = log_p.exp()
+            if suppressed is not None:
+                log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
+            # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
+            grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+            grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
+            del p
+            grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
+            if suppressed is not None:
+                grad_z.index_fill_(-1, suppressed, 0.0)
+            if ctx.inv_temperature != 1.0:
+                grad_z.mul_(ctx.inv_temperature)
+            grad_z = grad_z.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias.add_(grad_z.sum(0))
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
 def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_tokens: int = 1024, suppressed_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_tokens: int = 1024, suppressed_ids: tuple[int, ...] = (),
+                   max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """logprob of `targets` [N] under softmax(lm_head(hidden [N, H]) / temperature), and the entropy, both [N].
 
-    `suppressed_ids` (tokens no engine may sample, e.g. vision placeholders) get probability zero,
-    so the trainer's distribution is the one the rollouts were sampled from.
+    `chunk_tokens` caps the tokens per chunk and `max_chunk_elements` the logits per chunk (the
+    smaller wins). `suppressed_ids` (tokens no engine may sample, e.g. vision placeholders) get
+    probability zero, so the trainer's distribution is the one the rollouts were sampled from.
     """
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
-    use_ckpt = torch.is_grad_enabled() and chunk_tokens * weight.shape[0] > CHECKPOINT_ABOVE_ELEMENTS
+    step = chunk_tokens_for(weight.shape[0], chunk_tokens, max_chunk_elements)
+    # Keeping every chunk's logits for backward would cost tokens x vocab floats: above one chunk's
+    # budget, backward recomputes them instead (_ChunkedHead).
     suppressed = torch.tensor(suppressed_ids, dtype=torch.long, device=hidden.device) if suppressed_ids else None
+    if torch.is_grad_enabled() and hidden.shape[0] * weight.shape[0] > max_chunk_elements:
+        return _ChunkedHead.apply(hidden, weight, bias, targets, inv_t, suppressed, step)
+    compute = _chunk if torch.is_grad_enabled() else _lean_chunk  # small enough to keep for autograd, or no grad
     logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
-        if use_ckpt:
-            lp, ent = checkpoint(_chunk, h, weight, bias, t, inv_t, suppressed, use_reentrant=False)
-        else:
-            lp, ent = _chunk(h, weight, bias, t, inv_t, suppressed)
+    for start in range(0, hidden.shape[0], step):
+        lp, ent = compute(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed)[:2]
         logprobs.append(lp)
         entropies.append(ent)
     return torch.cat(logprobs), torch.cat(entropies)

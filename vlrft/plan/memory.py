@@ -32,6 +32,7 @@ from vlrft.plan.architecture import ModelShape
 GiB = 1 << 30
 CUDA_RESERVE = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
 LOGITS_CHUNK_TOKENS = 1024  # ActorVL's default chunk_tokens
+LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so large vocabularies get fewer tokens
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
@@ -167,9 +168,14 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, images: 
     return text + vision
 
 
+def chunk_tokens(shape: ModelShape) -> int:
+    """Tokens per LM-head chunk, as vlrft.models.logprobs.chunk_tokens_for picks them."""
+    return max(1, min(LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_ELEMENTS // max(shape.text.vocab_size, 1)))
+
+
 def logits_bytes(shape: ModelShape, micro_batch: int, completion_len: int) -> int:
-    """The LM-head chunk alive at once: at most LOGITS_CHUNK_TOKENS completion tokens times the vocabulary."""
-    tokens = min(LOGITS_CHUNK_TOKENS, micro_batch * completion_len)
+    """The LM-head chunk alive at once: its completion tokens (capped by the element budget) times the vocabulary."""
+    tokens = min(chunk_tokens(shape), micro_batch * completion_len)
     return tokens * shape.text.vocab_size * LOGITS_BYTES_PER_ELEMENT
 
 
@@ -275,7 +281,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                            f"micro-batch {t.micro_batch_completions_per_rank} x {seq_len} tokens, {images} image(s) of {patches} "
                            f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
     comps.append(Component("logits", logits_bytes(shape, t.micro_batch_completions_per_rank, r.max_new_tokens), train,
-                           f"LM-head chunk of {LOGITS_CHUNK_TOKENS} tokens x {shape.text.vocab_size} vocabulary"))
+                           f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None
     if r.engine == "hf":
         rows = (cfg.prompts_per_step // world) * r.n

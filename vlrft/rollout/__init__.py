@@ -26,7 +26,8 @@ def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
         actor = deps.actor
         return HFEngine(lambda: actor.model, deps.processor, deps.tokens,
                         max_batch_prompts=max(1, deps.prompts_per_rank),
-                        whole_weights=lambda: deps.strategy.generation(actor))
+                        whole_weights=lambda: deps.strategy.generation(actor),
+                        compile_decode=cfg.rollout.compile_decode)
     if name == "vllm":
         from vlrft.rollout.vllm import VLLMEngine
 

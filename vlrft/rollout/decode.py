@@ -62,26 +62,97 @@ def sampling_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...
     return processors
 
 
+def _select_rows(cache, index: torch.Tensor) -> None:
+    """Keep only `index` rows of a KV cache (static layers have no batch_select_indices of their own)."""
+    from transformers import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        cache.batch_select_indices(index)
+        return
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+            layer.batch_size = len(index)
+
+
+class _DecodeStep:
+    """One decode step of the backbone, optionally `torch.compile`d; falls back to eager if compiling fails."""
+
+    def __init__(self, backbone, compile_step: bool):
+        self.backbone = backbone
+        self.compiled = None
+        if compile_step:
+            try:
+                self.compiled = torch.compile(self._eager, dynamic=True)
+            except Exception as error:  # noqa: BLE001 - no compiler / unsupported platform: decode eagerly
+                _warn_compile(error)
+
+    def _eager(self, tokens, attention, position, mm, cache):
+        out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position, past_key_values=cache,
+                            use_cache=True, mm_token_type_ids=mm)
+        return out.last_hidden_state[:, -1]
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - e.g. inductor without a C++ compiler
+                _warn_compile(error)
+                self.compiled = None
+        return self._eager(*args)
+
+
+def _warn_compile(error: Exception) -> None:
+    import warnings
+
+    warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+                  "decoding eagerly", RuntimeWarning, stacklevel=3)
+
+
 @torch.no_grad()
 def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
-                  suppressed_ids: tuple[int, ...] = (), tokenizer=None) -> DecodedRows:
-    """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt."""
+                  suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool = True,
+                  compile_step: bool = False) -> DecodedRows:
+    """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt.
+
+    With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
+    for prompt + max_new_tokens positions and written in place each step (rows that stop are
+    dropped by one index_select); `compile_step` compiles the per-token backbone call.
+    """
     backbone, head = split_head(model)
     device = head.weight.device
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_id))
+    prompt_len, max_new = ids.shape[1], sampling.max_new_tokens
     mm = mm_token_type_ids(ids, image_token_id, video_token_id)
     positions = prompt_positions(backbone, ids, mask, mm, visual_inputs)
+    cache = None
+    if static_cache:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)
     out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions, use_cache=True,
-                   **visual_inputs)
+                   past_key_values=cache, **visual_inputs)
     n = sampling.n
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
     cache = out.past_key_values
-    cache.batch_select_indices(rows)
+    _select_rows(cache, rows)
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position; each new token adds 1 on all axes
-    attention = mask[rows]
-    history = ids[rows]  # prompt + generated ids: what repetition penalty and stop strings look at
+    total = len(rows)
+    # Buffers for every position the group can reach, written in place: the attention mask (with a
+    # static cache the model attends over all of them, future ones masked), the history (prompt +
+    # generated ids: what repetition penalty and stop strings look at), and the outputs.
+    attention = torch.zeros(total, prompt_len + max_new, dtype=mask.dtype, device=device)
+    attention[:, :prompt_len] = mask[rows]
+    history = torch.full((total, prompt_len + max_new), pad_id, dtype=ids.dtype, device=device)
+    history[:, :prompt_len] = ids[rows]
+    mm_step = torch.zeros(total, 1, dtype=mm.dtype, device=device)
+    out_ids = torch.full((total, max_new), pad_id, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros(total, max_new, dtype=torch.float32, device=device)
+    lengths = torch.zeros(total, dtype=torch.long, device=device)
+    stopped = torch.zeros(total, dtype=torch.bool, device=device)
     processors = sampling_processors(sampling, suppressed_ids, device)
     stop_strings = None
     if sampling.stop:
@@ -89,14 +160,12 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
 
         stop_strings = StopStringCriteria(tokenizer, list(sampling.stop))
     stop_tensor = torch.tensor(sorted(stop_ids), device=device)
+    step_fn = _DecodeStep(backbone, compile_step)
 
-    total = len(rows)
-    generated: list[list[int]] = [[] for _ in range(total)]
-    logprobs: list[list[float]] = [[] for _ in range(total)]
-    reasons = [FINISH_LENGTH] * total
     alive = torch.arange(total, device=device)  # original row of each running row
-    for step in range(sampling.max_new_tokens):
-        scores = processors(history, head(hidden).float())
+    for step in range(max_new):
+        seen = history[:, :prompt_len + step]
+        scores = processors(seen, head(hidden).float())
         if step < sampling.min_new_tokens:  # too early to stop
             scores = scores.index_fill(1, stop_tensor, float("-inf"))
         if sampling.greedy:
@@ -104,26 +173,29 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
         else:
             tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         token_logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        history = torch.cat([history, tokens[:, None]], dim=1)
+        history[:, prompt_len + step] = tokens
+        out_ids[alive, step] = tokens
+        out_logprobs[alive, step] = token_logprobs
+        lengths[alive] = step + 1
         finished = torch.isin(tokens, stop_tensor)
         if stop_strings is not None:
-            finished |= stop_strings(history, scores).to(device)
-        for row, token, lp in zip(alive.tolist(), tokens.tolist(), token_logprobs.tolist()):
-            generated[row].append(token)
-            logprobs[row].append(lp)
-        for row in alive[finished].tolist():
-            reasons[row] = FINISH_STOP
+            finished |= stop_strings(history[:, :prompt_len + step + 1], scores).to(device)
+        stopped[alive[finished]] = True
         keep = ~finished
-        if step == sampling.max_new_tokens - 1 or not bool(keep.any()):
+        if step == max_new - 1 or not bool(keep.any()):
             break
         if not bool(keep.all()):  # drop the rows that stopped from every later step
             index = keep.nonzero().squeeze(1)
             alive, tokens, position, history = alive[index], tokens[index], position[:, index], history[index]
-            attention = attention[index]
-            cache.batch_select_indices(index)
-        position = position + 1  # as vlrft.models.positions.positions_after places them
-        attention = torch.cat([attention, attention.new_ones(len(alive), 1)], dim=1)
-        out = backbone(input_ids=tokens[:, None], attention_mask=attention, position_ids=position[:, :, None],
-                       past_key_values=cache, use_cache=True, mm_token_type_ids=torch.zeros_like(tokens[:, None]))
-        hidden = out.last_hidden_state[:, -1]
-    return DecodedRows(generated, logprobs, reasons)
+            attention, mm_step = attention[index], mm_step[: len(index)]
+            _select_rows(cache, index)
+        position += 1  # as vlrft.models.positions.positions_after places them
+        attention[:, prompt_len + step] = 1
+        # a static cache attends over every preallocated position; a dynamic one holds exactly those so far
+        step_mask = attention if static_cache else attention[:, :prompt_len + step + 1]
+        hidden = step_fn(tokens[:, None], step_mask, position[:, :, None], mm_step, cache)
+    ids_out, lp_out = out_ids.tolist(), out_logprobs.tolist()
+    lengths_out, stopped_out = lengths.tolist(), stopped.tolist()
+    return DecodedRows([row[:k] for row, k in zip(ids_out, lengths_out)],
+                       [row[:k] for row, k in zip(lp_out, lengths_out)],
+                       [FINISH_STOP if s else FINISH_LENGTH for s in stopped_out])

@@ -57,7 +57,8 @@ class HFEngine:
 
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
-                 whole_weights: Callable[[], ContextManager] | None = None):
+                 whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool | None = None,
+                 compile_decode: bool = False):
         self._get_model = get_model
         # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
         # them for the duration of a `generate` call, so ranks decode independently).
@@ -67,6 +68,10 @@ class HFEngine:
         self.max_batch_prompts = max_batch_prompts
         self.record_logprobs = record_logprobs
         self.share_prompts = share_prompts  # None: when the model supports it (vlrft.rollout.decode)
+        # Group decoder only: a preallocated KV cache (None: when compiling or on CUDA; on CPU eager it measured
+        # no faster than the dynamic cache, bench/bench_decode.py), and a torch.compile'd decode step.
+        self.static_cache = static_cache
+        self.compile_decode = compile_decode
 
     def generation_config(self, sampling: SamplingParams):
         from transformers import GenerationConfig
@@ -173,7 +178,8 @@ class HFEngine:
                                      pad_id=self.tokens.pad_id, stop_ids=stop_ids,
                                      image_token_id=self.tokens.image_token_id,
                                      video_token_id=self.tokens.video_token_id,
-                                     suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer)
+                                     suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer,
+                                     static_cache=self._static_cache(device), compile_step=self.compile_decode)
                 ids.extend(rows.ids)
                 logprobs.extend(rows.logprobs)
                 reasons.extend(rows.reasons)
@@ -182,6 +188,11 @@ class HFEngine:
         texts = self.processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollouts(n=sampling.n, completion_ids=ids, finish_reasons=reasons,
                         logprobs=logprobs if self.record_logprobs else None, texts=texts)
+
+    def _static_cache(self, device: torch.device) -> bool:
+        if self.static_cache is not None:
+            return self.static_cache
+        return self.compile_decode or device.type == "cuda"
 
     def _cut_at_stop_string(self, ids: list[int], sampling: SamplingParams, reason: str) -> tuple[list[int], str]:
         """Cut after the first token whose prefix text contains a stop string (generate pads past it)."""

@@ -1,0 +1,80 @@
+"""Chunked LM-head logprobs with large vocabularies: same values and gradients, no whole [tokens, vocab] tensor."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vlrft.models.logprobs import chunk_tokens_for, token_logprobs
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements any op's output had (forward, recompute and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _full(hidden, head, targets, temperature, suppressed=()):
+    logits = head(hidden).float() / temperature
+    if suppressed:
+        logits = logits.index_fill(-1, torch.tensor(suppressed), float("-inf"))
+    logp = torch.log_softmax(logits, dim=-1)
+    probs = logp.exp()
+    entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(-1)
+    return logp.gather(1, targets[:, None]).squeeze(1), entropy
+
+
+def _case(tokens=300, vocab=3000, width=32, bias=False):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(width, vocab, bias=bias)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    targets = torch.randint(0, vocab - 2, (tokens,))
+    return head, hidden, targets
+
+
+def test_budgeted_chunks_equal_the_full_log_softmax_in_values_and_gradients():
+    head, hidden, targets = _case(bias=True)
+    budget = 64 * 3000  # 64 tokens per chunk, recomputed in backward (300 x 3000 logits exceed one chunk)
+    lp, ent = token_logprobs(hidden, head, targets, temperature=0.7, suppressed_ids=(2998, 2999),
+                             max_chunk_elements=budget)
+    ref_lp, ref_ent = _full(hidden, head, targets, 0.7, (2998, 2999))
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)
+    weights = torch.randn(len(targets))
+    loss, ref_loss = (lp * weights).sum() + ent.mean(), (ref_lp * weights).sum() + ref_ent.mean()
+    grads = torch.autograd.grad(loss, (hidden, head.weight, head.bias))
+    expected = torch.autograd.grad(ref_loss, (hidden, head.weight, head.bias))
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_no_op_makes_a_tokens_by_vocab_tensor_in_forward_or_backward():
+    head, hidden, targets = _case(tokens=400, vocab=5000)
+    budget = 50 * 5000
+    with _LargestTensor() as probe:
+        lp, ent = token_logprobs(hidden, head, targets, max_chunk_elements=budget)
+        (lp.sum() + ent.sum()).backward()
+    assert probe.largest <= max(budget, head.weight.numel())  # one chunk of logits, or the head's own gradient
+    assert probe.largest < 400 * 5000 // 4
+
+
+def test_chunk_size_shrinks_with_the_vocabulary_so_logits_per_chunk_stay_bounded():
+    assert chunk_tokens_for(1024) == 1024  # small heads keep the old 1024-token chunks
+    for vocab in (32_000, 152_064, 262_144):
+        assert chunk_tokens_for(vocab) * vocab <= 1 << 24
+        assert chunk_tokens_for(vocab) * vocab > (1 << 24) // 2
+    assert chunk_tokens_for(10**9) == 1
+
+
+def test_without_gradients_the_lean_path_gives_the_same_values():
+    head, hidden, targets = _case(bias=True)
+    with torch.no_grad():
+        lp, ent = token_logprobs(hidden, head, targets, temperature=1.3, suppressed_ids=(2999,), max_chunk_elements=70 * 3000)
+        ref_lp, ref_ent = _full(hidden, head, targets, 1.3, (2999,))
+    assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)

@@ -1,0 +1,79 @@
+"""The group decoder's preallocated (static) KV cache and optional compiled step give the same rollouts."""
+
+import pytest
+import torch
+
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from vlrft.rollout.hf import HFEngine
+from vlrft.tokens import TokenSpec
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir("qwen2_5_vl")
+    processor = load_processor(folder)
+    model = load_policy(folder).eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    root = tmp_path_factory.mktemp("imgs")
+    Image.new("RGB", (56, 56), (220, 30, 30)).save(root / "red.png")
+    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")]),
+               Sample(id="b", prompt="Say something rather longer than the others."),
+               Sample(id="c", prompt="Hi")]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=3136)).encode(samples).batch
+    return processor, model, tokens, batch
+
+
+def _run(setup, sampling, **engine_options):
+    processor, model, tokens, batch = setup
+    torch.manual_seed(0)
+    return HFEngine(lambda: model, processor, tokens, share_prompts=True, **engine_options).generate(batch, sampling)
+
+
+def _assert_same(a, b):
+    assert a.completion_ids == b.completion_ids
+    assert a.finish_reasons == b.finish_reasons
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+
+
+def test_static_cache_greedy_ids_and_logprobs_equal_the_dynamic_cache(setup):
+    sampling = SamplingParams(n=1, max_new_tokens=10, temperature=0.0)
+    _assert_same(_run(setup, sampling, static_cache=True), _run(setup, sampling, static_cache=False))
+
+
+def test_static_cache_sampling_with_rows_stopping_early_equals_the_dynamic_cache(setup):
+    # Many stop ids so that some rows stop early (the static cache then drops their rows) and others run to length.
+    sampling = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, stop_token_ids=list(range(40, 140)))
+    static = _run(setup, sampling, static_cache=True)
+    _assert_same(static, _run(setup, sampling, static_cache=False))
+    assert {FINISH_STOP, FINISH_LENGTH} <= set(static.finish_reasons)
+    assert len({len(ids) for ids in static.completion_ids}) > 2
+
+
+def test_compile_failure_falls_back_to_eager_decoding_with_a_warning(setup, monkeypatch):
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
+    expected = _run(setup, sampling)
+
+    def broken_compile(*args, **kwargs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(RuntimeWarning, match="compile_decode"):
+        got = _run(setup, sampling, compile_decode=True)
+    _assert_same(got, expected)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
+    import warnings
+
+    sampling = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test compilation
+        compiled = _run(setup, sampling, compile_decode=True)
+    _assert_same(compiled, _run(setup, sampling, static_cache=False))
