@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, RankLayout
-from vlrft.rollout.hf import TokenSpec
+from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import EngineError
 from vlrft.rollout.sglang import SGLangBackend
 
@@ -76,4 +76,5 @@ def worker(rank: int, out_dir: str, model_dir: str, fail_update: str) -> None:
     except EngineError as exc:
         result["error"] = str(exc)
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # neither rank tears gloo down while the other may still be using it (seen: SIGABRT under load)
     dist.destroy_process_group()
