@@ -112,7 +112,17 @@ def shapes(tmp_path_factory):
     return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
 
 
-def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_result(tmp_path, tiny_vlm_dir, shapes):
+@pytest.fixture
+def one_thread():
+    """The runs in this process use one thread, as the killed subprocesses do (OMP_NUM_THREADS=1): float results
+    depend on the thread count, and bitwise comparisons need the same one everywhere."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_result(tmp_path, tiny_vlm_dir, shapes, one_thread):
     model = Path(tiny_vlm_dir())
     cache = tmp_path / "cache"
     straight = tmp_path / "straight"  # the uninterrupted reference, in this process

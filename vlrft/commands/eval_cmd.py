@@ -21,8 +21,10 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg, evaluate_only=True)
     try:
         metrics = trainer.evaluate(trainer.step_count)
-    finally:
-        trainer.strategy.close()
+    except BaseException:
+        trainer.strategy.close(after_error=True)
+        raise
+    trainer.strategy.close()
     if trainer.strategy.is_main:
         print(json.dumps(metrics, indent=1, sort_keys=True))
     return 0

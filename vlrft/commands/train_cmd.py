@@ -16,8 +16,10 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
     try:
         history = trainer.fit()
-    finally:
-        trainer.strategy.close()
+    except BaseException:
+        trainer.strategy.close(after_error=True)
+        raise
+    trainer.strategy.close()
     if trainer.strategy.is_main and history:
         last = history[-1]
         evals = [h for h in history if "eval/accuracy" in h]

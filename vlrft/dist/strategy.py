@@ -268,8 +268,8 @@ class Strategy:
     def barrier(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def close(self, after_error: bool = False) -> None:
+        """End the process group; `after_error`: this rank failed, so it must not wait for its peers."""
 
 
 class ProcessGroupStrategy(Strategy):
@@ -309,8 +309,13 @@ class ProcessGroupStrategy(Strategy):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._cpu_group)
         return VisualKinds(bool(flags[0] > 0), bool(flags[1] > 0))
 
-    def close(self) -> None:
+    def close(self, after_error: bool = False) -> None:
         if dist.is_initialized():
+            # After a clean run, meet first: a rank that tears gloo down while a peer still uses it aborts the
+            # peer at exit ("terminate called without an active exception", seen in CI). A failed rank does not
+            # wait: its peers may be stuck in another collective, and torchrun ends them when this one exits.
+            if not after_error:
+                self.barrier()
             dist.destroy_process_group()
 
 
