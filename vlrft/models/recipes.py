@@ -57,14 +57,19 @@ def supervised_warm_start(model_dir: Path, samples: list, settings: WarmStart, d
             batch = encoder.encode(picked).batch
             targets = [processor.tokenizer(s.answer, add_special_tokens=False).input_ids + [end_of_turn] for s in picked]
             seqs = build_sequences(batch.prompt_ids, batch.visual, targets, list(range(len(picked))), tokens.pad_id)
-            out = actor.logprobs(seqs)
-            loss = -(out.logprobs * seqs.completion_mask).sum() / seqs.completion_mask.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(supervised_step(actor, optimizer, seqs))
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"warm_start/first_loss": losses[0], "warm_start/last_loss": losses[-1]}
+
+
+def supervised_step(actor, optimizer: torch.optim.Optimizer, seqs) -> float:
+    """One warm-start step: mean negative log-likelihood of the completion tokens; returns the loss."""
+    out = actor.logprobs(seqs)
+    loss = -(out.logprobs * seqs.completion_mask).sum() / seqs.completion_mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
 
 
 def build_shapes_demo(out_dir: Path) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlrft.models.recipes import WarmStart
+from vlrft.models.recipes import WarmStart, supervised_step
 
 
 def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cfg) -> dict[str, float]:
@@ -68,12 +68,7 @@ def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cf
                                         tool_stats=[ToolStats() for _ in range(n)], texts=[""] * n,
                                         observation_images=[[] for _ in range(n)], **rows)
             seqs = trajectories.sequences(batch, list(range(n)), tokens.pad_id)
-            out = actor.logprobs(seqs)
-            loss = -(out.logprobs * seqs.completion_mask).sum() / seqs.completion_mask.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(supervised_step(actor, optimizer, seqs))
     model.save_pretrained(model_dir, safe_serialization=True)
     return {"warm_start/first_loss": losses[0], "warm_start/last_loss": losses[-1]}
 
