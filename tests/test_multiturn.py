@@ -326,3 +326,24 @@ def test_a_template_that_renders_tools_gets_the_schemas_through_tools(tiny_vlm_d
     assert encoder.tools == schemas and encoder.tool_prompt is None
     ids = encoder.encode([Sample(id="x", prompt="Hello?")]).batch.prompt_ids[0]
     assert processor.tokenizer.decode(ids).startswith("<|im_start|>system\nTOOLS: zoom<|im_end|>")
+
+
+def test_describe_tools_false_keeps_the_schemas_out_of_every_prompt(tiny_vlm_dir):
+    """`rollout.describe_tools: false` (the zoom demo's one-word calls): the prompt is the question alone, not
+    hundreds of tokens of JSON schema; true (the default) puts the schemas in the system text."""
+    from types import SimpleNamespace
+
+    from vlrft.config import load_config
+
+    processor = load_processor(tiny_vlm_dir("qwen2_vl"))
+    lengths = {}
+    for describe in (True, False):
+        cfg = load_config(None, ["rollout.tools=[{name: zoom}]", f"rollout.describe_tools={str(describe).lower()}"])
+        encoder = PromptEncoder(processor, DATA)
+        deps = SimpleNamespace(encoder=encoder, processor=processor, tokens=None)
+        MultiTurnEngine.from_deps(cfg, deps, engine=None)
+        ids = encoder.encode([Sample(id="x", prompt="Hello?")]).batch.prompt_ids[0]
+        text = processor.tokenizer.decode(ids)
+        assert ('"name": "zoom"' in text) is describe
+        lengths[describe] = len(ids)
+    assert lengths[False] < lengths[True] / 5

@@ -172,6 +172,9 @@ class RolloutConfig:
     tool_parser: str = option("qwen", "multi-turn: how a turn's tool call is found: 'qwen' (<tool_call>{\"name\": ..., "
                               "\"arguments\": {...}}</tool_call>) or 'module:function' / 'path.py:function' mapping "
                               "the turn's text to a vlrft.tools.ToolCall, MalformedCall or None (no call)")
+    describe_tools: bool = option(True, "multi-turn: describe the tools (their JSON schemas) in every prompt, through "
+                                  "the chat template's tools; false when the data's prompts already say how to call "
+                                  "them (the schemas cost hundreds of prompt tokens)")
 
     def validate_tools(self) -> None:
         """Multi-turn limits and that every tool name resolves (at load time, not mid-run)."""

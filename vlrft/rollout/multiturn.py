@@ -191,11 +191,12 @@ class MultiTurnEngine:
 
     @classmethod
     def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
-        """Around `engine`; also tells the prompt encoder to describe the tools in the prompt."""
+        """Around `engine`; also tells the prompt encoder to describe the tools in the prompt (`rollout.describe_tools`)."""
         from vlrft.registry import load_reference
 
         tools = ToolSet.from_config(cfg.rollout)
-        install_tool_prompt(deps.encoder, tools.schemas)
+        if cfg.rollout.describe_tools:
+            install_tool_prompt(deps.encoder, tools.schemas)
         parser = cfg.rollout.tool_parser
         parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
         return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,

@@ -26,10 +26,10 @@ def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cf
     from vlrft.data.processor import _pixel_bounds
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy, load_processor
-    from vlrft.rollout.multiturn import ObservationTemplate, Trajectories, install_tool_prompt
+    from vlrft.rollout.multiturn import ObservationTemplate, Trajectories
     from vlrft.tokens import TokenSpec
     from vlrft.tools import ToolCall, ToolContext, ToolStats
-    from vlrft.tools.builtin import ZOOM_PARAMETERS, zoom
+    from vlrft.tools.builtin import zoom
     from vlrft.tools.toolset import as_output
 
     processor = load_processor(model_dir)
@@ -37,8 +37,8 @@ def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cf
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
     encoder = PromptEncoder(processor, data_cfg)
-    install_tool_prompt(encoder, [{"type": "function", "function": {"name": "zoom", "description": "Zoom into a "
-                                   "region of the image", "parameters": ZOOM_PARAMETERS}}])
+    # No tool schemas in the prompt (configs/zoom_demo.yaml: rollout.describe_tools=false): the tiny model calls the
+    # tool with the word "zoom", and the schemas would make every prompt ~700 tokens instead of ~30.
     observations = ObservationTemplate(processor, _pixel_bounds(processor.image_processor, data_cfg))
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     words = lambda text: processor.tokenizer(text, add_special_tokens=False).input_ids + [end]  # noqa: E731
