@@ -21,6 +21,7 @@ placed on their placeholders, with positions from the model's M-RoPE rule over t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -220,6 +221,13 @@ class MultiTurnEngine:
                                                                            self.max_trajectory_tokens))
 
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Trajectories:
+        # Engines whose weights are made whole per call (the hf engine on a sharded policy: a collective) keep them
+        # whole for every turn: ranks whose trajectories end sooner call the engine fewer times.
+        holding = getattr(self.engine, "holding_weights", None)
+        with holding() if holding is not None else contextlib.nullcontext():
+            return self._generate(batch, sampling)
+
+    def _generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Trajectories:
         turn_sampling = self.turn_sampling(sampling)
         rows = [_Row(prompt=i // sampling.n) for i in range(len(batch) * sampling.n)]
         for row in rows:
