@@ -178,7 +178,8 @@ class MultiTurnEngine:
 
     def __init__(self, engine, processor, tokens: "TokenSpec", tools: ToolSet, *, max_turns: int,
                  max_trajectory_tokens: int, image_bounds=None, merge_size: int = 2,
-                 parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call):
+                 parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call,
+                 any_rank_going: Callable[[bool], bool] | None = None):
         self.engine = engine
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -189,6 +190,10 @@ class MultiTurnEngine:
         self.merge_size = merge_size
         self.parse_call = parse_call
         self.observations = ObservationTemplate(processor, image_bounds)
+        # Several ranks: whether any rank still has a trajectory going (an all-reduce). Every rank then calls the
+        # engine for each turn, on an empty batch when its own trajectories are done: ranks sharing an engine
+        # (tensor-parallel vLLM/SGLang groups) run each call together. None: this rank decides alone.
+        self.any_rank_going = any_rank_going
 
     @classmethod
     def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
@@ -199,10 +204,14 @@ class MultiTurnEngine:
         install_tool_prompt(deps.encoder, tools.schemas)
         parser = cfg.rollout.tool_parser
         parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
+        strategy = deps.strategy
+        any_rank_going = None
+        if strategy is not None and strategy.world_size > 1:
+            any_rank_going = lambda going: strategy.all_reduce(torch.tensor([float(going)]), "max").item() > 0  # noqa: E731
         return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
                    image_bounds=getattr(deps.encoder, "_image_bounds", None),
-                   merge_size=deps.encoder.merge_size, parse_call=parse_call)
+                   merge_size=deps.encoder.merge_size, parse_call=parse_call, any_rank_going=any_rank_going)
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:
@@ -236,13 +245,17 @@ class MultiTurnEngine:
         self._take_turn(rows, list(range(len(rows))), first)
         for _ in range(self.max_turns - 1):
             pending = self._run_tools(rows, batch)
-            if not pending:
+            going = bool(pending) if self.any_rank_going is None else self.any_rank_going(bool(pending))
+            if not going:
                 break
+            later = dataclasses.replace(turn_sampling, n=1)
+            if not pending:  # another rank's trajectories go on: call the engine with it, on nothing
+                self.engine.generate(batch.select([]), later)
+                continue
             budget = max(self.max_trajectory_tokens - len(rows[r].ids) for r in pending)
             context = self._context_batch(batch, rows, pending)
-            out = self.engine.generate(context, dataclasses.replace(turn_sampling, n=1,
-                                                                    max_new_tokens=min(turn_sampling.max_new_tokens,
-                                                                                       budget)))
+            out = self.engine.generate(context, dataclasses.replace(later, max_new_tokens=min(later.max_new_tokens,
+                                                                                              budget)))
             self._take_turn(rows, pending, out)
         return self._finish(rows, sampling.n)
 
