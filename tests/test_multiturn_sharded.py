@@ -69,11 +69,19 @@ def _weights(setup, run: str, step: int):
     return load_file(setup["folder"] / run / "checkpoints" / f"step_{step}" / "model" / "model.safetensors")
 
 
+PPO = ["algorithm.advantage=gae", "train.total_steps=1"]  # a critic: its forward encodes every image in one pass
+
+
 @pytest.fixture(scope="module")
 def single(setup) -> list[dict]:
     """The run in this process (strategy single: nothing balanced), with the same scripted multi-turn rollouts;
     its history (its checkpoints are in MT-single)."""
     return _single(setup, "MT-single")
+
+
+@pytest.fixture(scope="module")
+def single_ppo(setup) -> list[dict]:
+    return _single(setup, "MTPPO-single", *PPO)
 
 
 def _single(setup, name: str, *overrides: str) -> list[dict]:
@@ -89,16 +97,19 @@ def _single(setup, name: str, *overrides: str) -> list[dict]:
         return Trainer(cfg).fit()
 
 
-def test_ranks_with_and_without_tool_images_train_like_one_process(setup, single):
+def test_ranks_with_and_without_tool_images_train_like_one_process(setup, single, single_ppo):
     """FSDP2: a rank whose trajectories got no tool image runs the tower on a dummy (experience and update passes);
-    weights, gradient norms and KL equal the single-process run; the hf engine's turns do not hang either."""
+    weights, gradient norms and KL equal the single-process run, also with a critic (PPO); the hf engine's turns
+    do not hang either."""
     folder = setup["folder"]
     start = time.perf_counter()
     results = run_plan(folder, 2, [_run(setup, "MT4"),
                                    _run(setup, "MT8", "train.micro_batch_completions_per_rank=8"),
+                                   _run(setup, "MTPPO", *PPO),
                                    _run(setup, "MTHF", "train.total_steps=1", scripted=False)])
     seconds = time.perf_counter() - start
     hf = results.pop()["history"]
+    _assert_same_ppo(setup, "MTPPO", results.pop()["history"], single_ppo)
     assert hf[-1]["step"] == 1 and hf[-1]["tools/calls"] > 0 and hf[-1]["actor/grad_norm"] > 0
     assert all(h["tools/images_returned"] > 0 for h in single)
     initial = load_file(Path(setup["model"]) / "model.safetensors")
@@ -113,6 +124,12 @@ def test_ranks_with_and_without_tool_images_train_like_one_process(setup, single
     assert seconds < 240, seconds  # finished (a hang would hit the torchrun timeout)
 
 
+def _assert_same_ppo(setup, run: str, ours: list[dict], theirs: list[dict]) -> None:
+    assert_close(_weights(setup, run, 1), _weights(setup, "MTPPO-single", 1))
+    _assert_same_history(ours, theirs)
+    assert ours[0]["critic/value_loss"] == pytest.approx(theirs[0]["critic/value_loss"], rel=1e-4)
+
+
 def _assert_same_history(ours: list[dict], theirs: list[dict]) -> None:
     assert len(ours) == len(theirs)
     for mine, one in zip(ours, theirs):
@@ -122,14 +139,16 @@ def _assert_same_history(ours: list[dict], theirs: list[dict]) -> None:
 
 
 @test_deepspeed.needs_deepspeed
-def test_zero3_ranks_with_and_without_tool_images_train_like_one_process(setup, single):
-    """DeepSpeed ZeRO-3 (policy and reference), the same trajectories: weights equal one process; the hf engine's
-    turns (generation from the gathered ZeRO-3 policy) do not hang."""
+def test_zero3_ranks_with_and_without_tool_images_train_like_one_process(setup, single, single_ppo):
+    """DeepSpeed ZeRO-3 (policy, reference, critic), the same trajectories: weights equal one process; the hf
+    engine's turns (generation from the gathered ZeRO-3 policy) do not hang."""
     folder = setup["folder"]
     # one step: rank 0's rows all got tool images, rank 1's none (the FSDP2 test also runs step 2, mixed)
     zero3 = ["train.strategy=deepspeed", "train.total_steps=1"]
     results = test_deepspeed.run_plan(folder, 2, [_run(setup, "MTZ3", *zero3),
-                                                  _run(setup, "MTZ3H", *zero3, scripted=False)])
+                                                  _run(setup, "MTZ3H", *zero3, scripted=False),
+                                                  _run(setup, "MTZ3PPO", *zero3, *PPO)])
+    _assert_same_ppo(setup, "MTZ3PPO", results[2]["history"], single_ppo)
     hf = results[1]["history"]
     assert hf[-1]["step"] == 1 and hf[-1]["tools/calls"] > 0 and hf[-1]["actor/grad_norm"] > 0
     assert_close(_weights(setup, "MTZ3", 1), _weights(setup, "MT-single", 1))

@@ -145,12 +145,10 @@ class ActorVL(nn.Module):
         # the vision tower equally often (`vlrft.models.vision_balance`). None: each rank encodes what it has.
         self.agree_on_visual_kinds: AgreeOnKinds | None = None
 
-    def _lacking_kinds(self, ours: VisualKinds) -> VisualKinds | None:
-        """The visual kinds other ranks encode in this forward and this one does not (one all-reduce, which every
-        rank makes once per forward); None when this strategy needs no balancing."""
-        if self.agree_on_visual_kinds is None:
-            return None
-        return ours.lacking(self.agree_on_visual_kinds(ours))
+    def _agreed_kinds(self, ours: VisualKinds) -> VisualKinds | None:
+        """The visual kinds some rank encodes in this forward (one all-reduce, which every rank makes once per
+        forward); None when this strategy needs no balancing."""
+        return None if self.agree_on_visual_kinds is None else self.agree_on_visual_kinds(ours)
 
     def _dummy_calls(self, lacking: VisualKinds | None, device: torch.device, *, later: bool = False,
                      encoded_before_backbone: bool = False):
@@ -166,15 +164,20 @@ class ActorVL(nn.Module):
         backbone, _ = split_head(self.model)
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                       mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
-        if batch.has_completion_images:  # multi-turn: each row's prompt images, then its tool images, in one pass
+        device = batch.input_ids.device
+        anyone = self._agreed_kinds(VisualKinds.of(batch.visual, batch.completion_visual))
+        if batch.has_completion_images or (anyone is not None and anyone.later_pass):
+            # Multi-turn: each row's prompt images, then its tool images, encoded inside the backbone in one pass.
+            # Sharded, every rank does it this way when any rank's rows have tool images, so all of them run the
+            # tower at the same point (ZeRO-3 follows the order of module calls).
             visual = batch.row_visual()
-            with self._dummy_calls(self._lacking_kinds(VisualKinds.of(visual)), batch.input_ids.device):
+            lacking = None if anyone is None else VisualKinds.of(visual).lacking(anyone.merged())
+            with self._dummy_calls(lacking, device):
                 kwargs.update(visual.model_inputs())
                 return backbone(**kwargs).last_hidden_state
-        # One pass encodes every image of a row here (another rank's rows may have tool images: same pass, same kinds).
         early = self._vision.encodes_before_backbone(batch.visual)
-        with self._dummy_calls(self._lacking_kinds(VisualKinds.of(batch.visual)), batch.input_ids.device,
-                               encoded_before_backbone=early):
+        lacking = None if anyone is None else VisualKinds.of(batch.visual).lacking(anyone)
+        with self._dummy_calls(lacking, device, encoded_before_backbone=early):
             kwargs.update(self._vision(batch.visual, batch.row_prompt))
             return backbone(**kwargs).last_hidden_state
 
@@ -216,7 +219,9 @@ class ActorVL(nn.Module):
         else:
             completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         # Sharded: the ranks agree on both passes' vision calls at once (the continuation pass encodes tool images).
-        lacking = self._lacking_kinds(VisualKinds.of(batch.visual, batch.completion_visual))
+        ours = VisualKinds.of(batch.visual, batch.completion_visual)
+        anyone = self._agreed_kinds(ours)
+        lacking = None if anyone is None else ours.lacking(anyone)
         recorded = recording_cache()
         with cache_through_checkpointing(backbone):
             with self._dummy_calls(lacking, ids.device):

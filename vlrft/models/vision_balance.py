@@ -57,6 +57,10 @@ class VisualKinds:
         """The kinds `anyone` (some rank) encodes and this forward does not: those the tower runs on a dummy for."""
         return VisualKinds(*(a and not o for a, o in zip(dataclasses.astuple(anyone), dataclasses.astuple(self))))
 
+    def merged(self) -> "VisualKinds":
+        """The kinds of one pass that encodes the prompts' images and the tools' together."""
+        return VisualKinds(self.images or self.later_images, self.videos or self.later_videos)
+
     @property
     def first_pass(self) -> bool:
         return self.images or self.videos
