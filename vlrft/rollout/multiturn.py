@@ -204,14 +204,11 @@ class MultiTurnEngine:
         install_tool_prompt(deps.encoder, tools.schemas)
         parser = cfg.rollout.tool_parser
         parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
-        strategy = deps.strategy
-        any_rank_going = None
-        if strategy is not None and strategy.world_size > 1:
-            any_rank_going = lambda going: strategy.all_reduce(torch.tensor([float(going)]), "max").item() > 0  # noqa: E731
         return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
                    image_bounds=getattr(deps.encoder, "_image_bounds", None),
-                   merge_size=deps.encoder.merge_size, parse_call=parse_call, any_rank_going=any_rank_going)
+                   merge_size=deps.encoder.merge_size, parse_call=parse_call,
+                   any_rank_going=_any_rank_going(deps.strategy))
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:
@@ -348,6 +345,17 @@ class MultiTurnEngine:
             observation_images=[row.tool_images for row in rows],
             turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
             tool_stats=[row.stats for row in rows])
+
+
+def _any_rank_going(strategy) -> Callable[[bool], bool] | None:
+    """With several ranks: whether any rank's trajectories go on (a max all-reduce); None for one process."""
+    if strategy is None or strategy.world_size <= 1:
+        return None
+
+    def any_rank_going(going: bool) -> bool:
+        return strategy.all_reduce(torch.tensor([float(going)]), "max").item() > 0
+
+    return any_rank_going
 
 
 def install_tool_prompt(encoder, schemas: list[dict]) -> None:
