@@ -61,8 +61,18 @@ class RecordingEngine:
             self.received[name] = tensor.detach().cpu().clone()
 
 
+def scripted_engine(cfg, deps):
+    """A `ScriptedEngine`, inside the multi-turn engine when the config lists tools (the tools run for real)."""
+    engine = ScriptedEngine(deps)
+    if cfg.rollout.tools:
+        from vlrft.rollout.multiturn import MultiTurnEngine
+
+        return MultiTurnEngine.from_deps(cfg, deps, engine)
+    return engine
+
+
 def use_scripted_engine() -> None:
     """Make `Trainer` build a `ScriptedEngine` instead of the configured one (this process only)."""
     import vlrft.trainer.trainer as trainer_module
 
-    trainer_module.make_engine = lambda cfg, trainer: ScriptedEngine(trainer)
+    trainer_module.make_engine = scripted_engine

@@ -40,7 +40,7 @@ def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
     plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
     out = plan.with_suffix(".out.json")
     plan.write_text(json.dumps({"out": str(out), "runs": runs}))
-    proc = torchrun(nproc, str(plan))
+    proc = torchrun(nproc, str(plan), timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

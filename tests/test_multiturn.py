@@ -347,3 +347,26 @@ def test_describe_tools_false_keeps_the_schemas_out_of_every_prompt(tiny_vlm_dir
         assert ('"name": "zoom"' in text) is describe
         lengths[describe] = len(ids)
     assert lengths[False] < lengths[True] / 5
+
+
+def test_a_rank_whose_trajectories_ended_keeps_calling_the_engine_while_another_goes_on(setup):
+    """Ranks sharing an engine (tensor-parallel vLLM/SGLang, a gathered policy) call it together: a rank whose
+    trajectories are done calls it on an empty batch for as long as any rank's go on, then all stop together."""
+    processor, model, tokens, batch, _, _ = setup
+    tools = ToolSet([Tool("look", lambda call, ctx: ToolOutput(text="ok", done=True), "d",
+                          {"type": "object", "properties": {}})])
+    for others_going, expected_calls in ((True, 4), (False, 1)):
+        recorder = RecordingEngine(HFEngine(lambda: model, processor, tokens))
+        asked = []
+
+        def any_rank_going(going, others=others_going):
+            asked.append(going)
+            return going or others
+
+        engine = MultiTurnEngine(recorder, processor, tokens, tools, max_turns=4, max_trajectory_tokens=400,
+                                 merge_size=2, parse_call=lambda text: ToolCall("look", {}),
+                                 any_rank_going=any_rank_going)
+        out = engine.generate(batch.select([1, 3]), SamplingParams(n=2, max_new_tokens=4))
+        assert out.turns == [1, 1, 1, 1]  # this rank's trajectories all ended after their first turn
+        assert len(recorder.calls) == expected_calls and asked[0] is False
+        assert all(len(b) == 0 and len(o) == 0 for b, o in recorder.calls[1:])  # the lockstep calls: empty

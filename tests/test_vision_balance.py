@@ -79,3 +79,57 @@ def test_no_balancing_when_no_rank_has_images(mixed_batch):
     _, grads, calls = run(actor, seqs, lambda ours: seen.append(ours) or ours)
     assert seen == [VisualKinds(False, False)] and calls == 0  # asked once, nobody has images: the tower is skipped
     assert not any(".visual." in f".{n}" for n in grads)
+
+
+def _multiturn_rows(folder, batch, rows: list[int], tool_image_rows: set[int]):
+    """Training rows whose completions are trajectories: a turn, an observation (with a tool image for the rows in
+    `tool_image_rows`, text only for the others), another turn (as `Trajectories.sequences` builds them)."""
+    import dataclasses
+
+    from PIL import Image
+
+    from vlrft.rollout.multiturn import ObservationTemplate
+    from vlrft.tools import ToolOutput
+    from vlrft.vision import VisualBatch
+
+    processor = load_processor(folder)
+    observations = ObservationTemplate(processor)
+    merge = batch.visual.merge_size
+    completions, visuals = [], []
+    for r in range(4):
+        turn = [11 + r, 12]
+        images = [Image.new("RGB", (56, 56), (30, 160, 60 + 40 * r))] if r in tool_image_rows else []
+        ids, visual, _ = observations.encode(ToolOutput(text="seen", images=images), turn, merge)
+        completions.append(turn + ids + [13, 14 + r])
+        visuals.append(visual if images else VisualBatch.empty(1, merge))
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1],
+                           TokenSpec.from_model(processor, load_policy(folder).config).pad_id, rows)
+    extra = VisualBatch.concat([visuals[r] for r in rows])
+    return dataclasses.replace(seqs, completion_visual=extra if extra.num_images else None)
+
+
+@pytest.mark.parametrize("rows,tool_rows", [([0, 1], set()), ([2, 3], set()), ([0, 1], {1}), ([0, 1, 2, 3], {0, 3}),
+                                           ([1, 2], {2}), ([1, 2], set())],
+                         ids=["image-prompt-no-tool-image", "text-only", "tool-image", "mixed", "one-pass-tool-image",
+                              "one-pass-no-tool-image"])
+def test_dummy_calls_for_tool_images_change_no_value_or_gradient(mixed_batch, rows, tool_rows):
+    """Multi-turn: another rank's rows got tool images (the continuation pass encodes them); this rank's rows got
+    none or some. The tower runs once per pass whatever this rank has; values and gradients stay bitwise."""
+    folder, batch, _ = mixed_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = _multiturn_rows(folder, batch, rows, tool_rows)
+    plain_lp, plain_grads, plain_calls = run(actor, seqs, None)
+    seen = []
+    everyone = VisualKinds(images=True, later_images=True)
+    lp, grads, calls = run(actor, seqs, lambda ours: seen.append(ours) or everyone)
+    assert len(seen) == 1 and seen[0].later_images == bool(tool_rows)  # one agreement per forward, both passes
+    if seqs.visual.num_samples < len(seqs):  # shared prompts: a prompt pass, then a continuation pass
+        assert plain_calls == int(seqs.visual.num_images > 0) + int(bool(tool_rows)) and calls == 2
+    else:  # one row per prompt: one pass encodes every image of a row (as on every rank in that forward)
+        assert plain_calls == int(seqs.visual.num_images > 0 or bool(tool_rows)) and calls == 1
+    assert torch.equal(lp, plain_lp)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+    assert all(not grads[n].any() for n in set(grads) - set(plain_grads))

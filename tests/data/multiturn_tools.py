@@ -18,3 +18,13 @@ def look(call, context):
     if context.turn == 2 and int(context.sample.id) % 3 == 1:
         return ToolOutput(text="enough", reward=1.0, done=True)
     return "nothing more to see"
+
+
+def zoom_for_zoom_ids(call, context):
+    """Sharded-training tests: samples whose id starts with "zoom" get the zoomed image on their first call and a text
+    answer after; the others end their trajectory at once (one turn, no tool image)."""
+    if not str(context.sample.id).startswith("zoom"):
+        return ToolOutput(text="", done=True)
+    if context.turn == 1:
+        return zoom(ToolCall("zoom", {"region": "center"}), context)
+    return "nothing more to see"

@@ -17,9 +17,10 @@ the model and optimizer state); it can be read back by any number of processes, 
 
 Every rank must run the same forwards: a unit's all-gather is a collective. The trainer's
 micro-batch counts are equal on every rank; a micro-batch without images runs the vision blocks on
-a dummy image when another rank's has images (`vlrft.models.vision_balance`); generation (hf
-engine) gathers the whole policy first (`generation`) so ranks can decode different lengths
-independently.
+a dummy image when another rank's has images (`vlrft.models.vision_balance`; in multi-turn
+training also the continuation pass that encodes tool images); generation (hf engine) gathers the
+whole policy first (`generation`) so ranks can decode different lengths independently, once for
+all the turns of a multi-turn rollout (ranks' trajectories take different numbers of turns).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ which is all-reduced before anyone steps.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -305,9 +306,9 @@ class ProcessGroupStrategy(Strategy):
         """An all-reduce (max) of two flags over the CPU group: no device synchronisation in the forward."""
         from vlrft.models.vision_balance import VisualKinds
 
-        flags = torch.tensor([float(kinds.images), float(kinds.videos)])
+        flags = torch.tensor([float(flag) for flag in dataclasses.astuple(kinds)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._cpu_group)
-        return VisualKinds(bool(flags[0] > 0), bool(flags[1] > 0))
+        return VisualKinds(*(bool(flag > 0) for flag in flags))
 
     def close(self, after_error: bool = False) -> None:
         if dist.is_initialized():

@@ -8,6 +8,7 @@ the LM head sees only completion positions, a chunk at a time (`vlrft.models.log
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -19,7 +20,7 @@ from vlrft.models.logprobs import token_logprobs
 from vlrft.batch import SequenceBatch
 from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
-from vlrft.models.vision_balance import AgreeOnKinds, balanced_vision_calls
+from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -144,22 +145,39 @@ class ActorVL(nn.Module):
         # the vision tower equally often (`vlrft.models.vision_balance`). None: each rank encodes what it has.
         self.agree_on_visual_kinds: AgreeOnKinds | None = None
 
-    def _encoding_prompts(self, batch: SequenceBatch, encoded_before_backbone: bool = False):
-        """Context for the one backbone forward that encodes the prompts (and their images) of a micro-batch."""
+    def _agreed_kinds(self, ours: VisualKinds) -> VisualKinds | None:
+        """The visual kinds some rank encodes in this forward (one all-reduce, which every rank makes once per
+        forward); None when this strategy needs no balancing."""
+        return None if self.agree_on_visual_kinds is None else self.agree_on_visual_kinds(ours)
+
+    def _dummy_calls(self, lacking: VisualKinds | None, device: torch.device, *, later: bool = False,
+                     encoded_before_backbone: bool = False):
+        """Context for one backbone pass: the tower runs on a dummy for the `lacking` kinds of this pass."""
+        if lacking is None:
+            return contextlib.nullcontext()
         backbone, _ = split_head(self.model)
-        return balanced_vision_calls(self.model, backbone, batch.visual, self.agree_on_visual_kinds,
-                                     batch.input_ids.device, encoded_before_backbone=encoded_before_backbone)
+        return dummy_vision_calls(self.model, backbone, lacking, device, later=later,
+                                  encoded_before_backbone=encoded_before_backbone)
 
     def hidden_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Final-layer hidden states [B, P + C, H] of the rows, each row computed in full."""
         backbone, _ = split_head(self.model)
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
                       mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
-        if batch.has_completion_images:  # multi-turn: each row's prompt images, then its tool images
-            # (not balanced across ranks: multi-turn with tool images under fsdp2/ZeRO-3 is untested)
-            kwargs.update(batch.row_visual().model_inputs())
-            return backbone(**kwargs).last_hidden_state
-        with self._encoding_prompts(batch, self._vision.encodes_before_backbone(batch.visual)):
+        device = batch.input_ids.device
+        anyone = self._agreed_kinds(VisualKinds.of(batch.visual, batch.completion_visual))
+        if batch.has_completion_images or (anyone is not None and anyone.later_pass):
+            # Multi-turn: each row's prompt images, then its tool images, encoded inside the backbone in one pass.
+            # Sharded, every rank does it this way when any rank's rows have tool images, so all of them run the
+            # tower at the same point (ZeRO-3 follows the order of module calls).
+            visual = batch.row_visual()
+            lacking = None if anyone is None else VisualKinds.of(visual).lacking(anyone.merged())
+            with self._dummy_calls(lacking, device):
+                kwargs.update(visual.model_inputs())
+                return backbone(**kwargs).last_hidden_state
+        early = self._vision.encodes_before_backbone(batch.visual)
+        lacking = None if anyone is None else VisualKinds.of(batch.visual).lacking(anyone)
+        with self._dummy_calls(lacking, device, encoded_before_backbone=early):
             kwargs.update(self._vision(batch.visual, batch.row_prompt))
             return backbone(**kwargs).last_hidden_state
 
@@ -200,14 +218,20 @@ class ActorVL(nn.Module):
             completion_mm, completion_visual = full_mm[:, p:], batch.completion_visual.model_inputs()
         else:
             completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
+        # Sharded: the ranks agree on both passes' vision calls at once (the continuation pass encodes tool images).
+        ours = VisualKinds.of(batch.visual, batch.completion_visual)
+        anyone = self._agreed_kinds(ours)
+        lacking = None if anyone is None else ours.lacking(anyone)
         recorded = recording_cache()
         with cache_through_checkpointing(backbone):
-            with self._encoding_prompts(batch):
+            with self._dummy_calls(lacking, ids.device):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
                                       position_ids=positions, past_key_values=recorded, use_cache=True, **visual)
-            completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
-                                      position_ids=completion_positions, past_key_values=prefix_cache(recorded, rows),
-                                      use_cache=True, mm_token_type_ids=completion_mm, **completion_visual)
+            with self._dummy_calls(lacking, ids.device, later=True):
+                completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
+                                          position_ids=completion_positions,
+                                          past_key_values=prefix_cache(recorded, rows), use_cache=True,
+                                          mm_token_type_ids=completion_mm, **completion_visual)
         last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
         return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
 

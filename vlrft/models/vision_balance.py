@@ -14,11 +14,17 @@ backward, on every rank the same number of times, in the same order relative to 
 
 When no rank has a kind in a forward, nobody runs the tower for it, so a text-only run costs
 nothing and gradients stay exactly those of one process (an unused tower keeps `grad=None`).
+
+Multi-turn training encodes the images tools returned mid-trajectory in a second pass (the
+continuation after the shared prompt pass), so a forward can run the tower twice: the ranks agree
+on both passes in the same all-reduce (`VisualKinds.later_*`), and a rank whose rows got no tool
+image runs the dummy in its continuation pass when another rank's rows got one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,14 +36,38 @@ from vlrft.vision import VisualBatch
 
 @dataclass(frozen=True)
 class VisualKinds:
-    """Which visual kinds a forward encodes (images, videos)."""
+    """Which visual kinds a forward encodes (images, videos), and which it encodes in a later pass.
+
+    The later pass is multi-turn training's continuation pass, which encodes the images tools
+    returned mid-trajectory (`SequenceBatch.completion_visual`) after the prompts' pass: the tower
+    runs once per kind in each pass, so ranks agree on both passes at once (one all-reduce).
+    """
 
     images: bool = False
     videos: bool = False
+    later_images: bool = False
+    later_videos: bool = False
 
     @classmethod
-    def of(cls, visual: VisualBatch) -> "VisualKinds":
-        return cls(visual.num_images > 0, visual.num_videos > 0)
+    def of(cls, visual: VisualBatch, later: VisualBatch | None = None) -> "VisualKinds":
+        return cls(visual.num_images > 0, visual.num_videos > 0,
+                   later is not None and later.num_images > 0, later is not None and later.num_videos > 0)
+
+    def lacking(self, anyone: "VisualKinds") -> "VisualKinds":
+        """The kinds `anyone` (some rank) encodes and this forward does not: those the tower runs on a dummy for."""
+        return VisualKinds(*(a and not o for a, o in zip(dataclasses.astuple(anyone), dataclasses.astuple(self))))
+
+    def merged(self) -> "VisualKinds":
+        """The kinds of one pass that encodes the prompts' images and the tools' together."""
+        return VisualKinds(self.images or self.later_images, self.videos or self.later_videos)
+
+    @property
+    def first_pass(self) -> bool:
+        return self.images or self.videos
+
+    @property
+    def later_pass(self) -> bool:
+        return self.later_images or self.later_videos
 
 
 # Given this rank's kinds, the kinds some rank has in the same forward (an all-reduce over ranks).
@@ -101,32 +131,44 @@ def balanced_vision_calls(model: nn.Module, backbone: nn.Module, visual: VisualB
     """Context for one prompt-encoding backbone forward: run the tower on a dummy for kinds other ranks encode.
 
     `agree` is None for strategies that need no balancing (one process, DDP): nothing happens. Every
-    rank must enter this context for the same forwards (it all-reduces once). The dummy runs where
-    real images are encoded, so every rank calls the same modules in the same order (DeepSpeed
-    ZeRO-3 checks that order across ranks): at once when the caller encodes images before calling
-    the backbone (`encoded_before_backbone`), else inside the backbone, just before its language
-    model. Its zero is added to the language model's input embeddings, so backward reaches the
-    tower where it does for real images.
+    rank must enter this context for the same forwards (it all-reduces once). See `dummy_vision_calls`.
     """
     if agree is None:
         yield
         return
     ours = VisualKinds.of(visual)
-    anyone = agree(ours)
-    missing = VisualKinds(anyone.images and not ours.images, anyone.videos and not ours.videos)
-    if not (missing.images or missing.videos):
+    with dummy_vision_calls(model, backbone, ours.lacking(agree(ours)), device,
+                            encoded_before_backbone=encoded_before_backbone):
+        yield
+
+
+@contextlib.contextmanager
+def dummy_vision_calls(model: nn.Module, backbone: nn.Module, missing: VisualKinds, device: torch.device, *,
+                       later: bool = False, encoded_before_backbone: bool = False) -> Iterator[None]:
+    """Context for one backbone forward that runs the tower on a dummy for the kinds in `missing`.
+
+    `later`: the forward is the continuation pass (`missing.later_*` count), else the prompts' pass
+    (`missing.images/videos`). The dummy runs where real images are encoded, so every rank calls
+    the same modules in the same order (DeepSpeed ZeRO-3 checks that order across ranks): at once
+    when the caller encodes images before calling the backbone (`encoded_before_backbone`), else
+    inside the backbone, just before its language model. Its zero is added to the language model's
+    input embeddings, so backward reaches the tower where it does for real images.
+    """
+    kinds = VisualKinds(missing.later_images, missing.later_videos) if later else \
+        VisualKinds(missing.images, missing.videos)
+    if not kinds.first_pass:
         yield
         return
-    ready = dummy_vision_term(model, missing, device) if encoded_before_backbone else None
+    ready = dummy_vision_term(model, kinds, device) if encoded_before_backbone else None
     handle = None
 
     def add_dummy(module, args, kwargs):
-        handle.remove()  # once: the first decoder call is the one that carries the prompts
+        handle.remove()  # once: the first decoder call is the one that carries this pass's inputs
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             raise TypeError(f"{type(backbone).__name__} calls its language model without inputs_embeds; "
                             "vlrft cannot balance vision calls for it")
-        term = ready if ready is not None else dummy_vision_term(model, missing, device)
+        term = ready if ready is not None else dummy_vision_term(model, kinds, device)
         kwargs["inputs_embeds"] = embeds + term.to(embeds.device, embeds.dtype)
         return args, kwargs
 

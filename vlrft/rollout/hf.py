@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
@@ -63,6 +64,7 @@ class HFEngine:
         # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
         # them for the duration of a `generate` call, so ranks decode independently).
         self._whole_weights = whole_weights or contextlib.nullcontext
+        self._holding = False  # inside `holding_weights`
         self.processor = processor
         self.tokens = tokens
         self.max_batch_prompts = max_batch_prompts
@@ -99,8 +101,26 @@ class HFEngine:
             options["stop_strings"] = list(sampling.stop)
         return GenerationConfig(**options)
 
-    def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+    @contextlib.contextmanager
+    def holding_weights(self) -> Iterator[None]:
+        """Keep the policy's weights whole across several `generate` calls (gathered once, on entry).
+
+        Making them whole is a collective under FSDP2/ZeRO-3, so every rank must do it equally
+        often: multi-turn rollouts hold them for all their turns, since one rank's trajectories may
+        need more turns (more `generate` calls) than another's. Nested calls gather nothing.
+        """
+        if self._holding:
+            yield
+            return
         with self._whole_weights():
+            self._holding = True
+            try:
+                yield
+            finally:
+                self._holding = False
+
+    def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        with self.holding_weights():
             return self._generate(batch, sampling)
 
     @torch.no_grad()

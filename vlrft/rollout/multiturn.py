@@ -21,6 +21,7 @@ placed on their placeholders, with positions from the model's M-RoPE rule over t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -177,7 +178,8 @@ class MultiTurnEngine:
 
     def __init__(self, engine, processor, tokens: "TokenSpec", tools: ToolSet, *, max_turns: int,
                  max_trajectory_tokens: int, image_bounds=None, merge_size: int = 2,
-                 parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call):
+                 parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call,
+                 any_rank_going: Callable[[bool], bool] | None = None):
         self.engine = engine
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -188,6 +190,10 @@ class MultiTurnEngine:
         self.merge_size = merge_size
         self.parse_call = parse_call
         self.observations = ObservationTemplate(processor, image_bounds)
+        # Several ranks: whether any rank still has a trajectory going (an all-reduce). Every rank then calls the
+        # engine for each turn, on an empty batch when its own trajectories are done: ranks sharing an engine
+        # (tensor-parallel vLLM/SGLang groups) run each call together. None: this rank decides alone.
+        self.any_rank_going = any_rank_going
 
     @classmethod
     def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
@@ -202,7 +208,8 @@ class MultiTurnEngine:
         return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
                    image_bounds=getattr(deps.encoder, "_image_bounds", None),
-                   merge_size=deps.encoder.merge_size, parse_call=parse_call)
+                   merge_size=deps.encoder.merge_size, parse_call=parse_call,
+                   any_rank_going=_any_rank_going(deps.strategy))
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:
@@ -221,6 +228,13 @@ class MultiTurnEngine:
                                                                            self.max_trajectory_tokens))
 
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Trajectories:
+        # Engines whose weights are made whole per call (the hf engine on a sharded policy: a collective) keep them
+        # whole for every turn: ranks whose trajectories end sooner call the engine fewer times.
+        holding = getattr(self.engine, "holding_weights", None)
+        with holding() if holding is not None else contextlib.nullcontext():
+            return self._generate(batch, sampling)
+
+    def _generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Trajectories:
         turn_sampling = self.turn_sampling(sampling)
         rows = [_Row(prompt=i // sampling.n) for i in range(len(batch) * sampling.n)]
         for row in rows:
@@ -229,13 +243,17 @@ class MultiTurnEngine:
         self._take_turn(rows, list(range(len(rows))), first)
         for _ in range(self.max_turns - 1):
             pending = self._run_tools(rows, batch)
-            if not pending:
+            going = bool(pending) if self.any_rank_going is None else self.any_rank_going(bool(pending))
+            if not going:
                 break
+            later = dataclasses.replace(turn_sampling, n=1)
+            if not pending:  # another rank's trajectories go on: call the engine with it, on nothing
+                self.engine.generate(batch.select([]), later)
+                continue
             budget = max(self.max_trajectory_tokens - len(rows[r].ids) for r in pending)
             context = self._context_batch(batch, rows, pending)
-            out = self.engine.generate(context, dataclasses.replace(turn_sampling, n=1,
-                                                                    max_new_tokens=min(turn_sampling.max_new_tokens,
-                                                                                       budget)))
+            out = self.engine.generate(context, dataclasses.replace(later, max_new_tokens=min(later.max_new_tokens,
+                                                                                              budget)))
             self._take_turn(rows, pending, out)
         return self._finish(rows, sampling.n)
 
@@ -328,6 +346,17 @@ class MultiTurnEngine:
             observation_images=[row.tool_images for row in rows],
             turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
             tool_stats=[row.stats for row in rows])
+
+
+def _any_rank_going(strategy) -> Callable[[bool], bool] | None:
+    """With several ranks: whether any rank's trajectories go on (a max all-reduce); None for one process."""
+    if strategy is None or strategy.world_size <= 1:
+        return None
+
+    def any_rank_going(going: bool) -> bool:
+        return strategy.all_reduce(torch.tensor([float(going)]), "max").item() > 0
+
+    return any_rank_going
 
 
 def install_tool_prompt(encoder, schemas: list[dict]) -> None:
