@@ -143,6 +143,9 @@ class ActorVL(nn.Module):
         # Set by sharding strategies: ranks agree per forward on the visual kinds to encode, so every rank runs
         # the vision tower equally often (`vlrft.models.vision_balance`). None: each rank encodes what it has.
         self.agree_on_visual_kinds: AgreeOnKinds | None = None
+        # Take the shared-prompt path (two backbone calls) even when no prompt repeats, so every rank calls the
+        # sharded blocks equally often whatever its rows: set for token-budget micro-batches under sharding.
+        self.share_every_forward = False
 
     def _encoding_prompts(self, batch: SequenceBatch, encoded_before_backbone: bool = False):
         """Context for the one backbone forward that encodes the prompts (and their images) of a micro-batch."""
@@ -166,7 +169,7 @@ class ActorVL(nn.Module):
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
-        if self.share_prompts and batch.visual.num_samples < len(batch):
+        if self.share_prompts and (batch.visual.num_samples < len(batch) or self.share_every_forward):
             return self._predicting_states_shared(batch)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]
 

@@ -1,0 +1,165 @@
+"""Token-budget micro-batches (`train.max_tokens_per_micro_batch`): the plan, and that training is unchanged.
+
+The plan groups rows of similar length within the budget; the experience (old/reference
+logprobs), the loss, its metrics and the trained weights equal those of row-count micro-batches,
+in one process and across 2 DDP/FSDP2 ranks whose budgets form different numbers of micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlrft.config import load_config
+from vlrft.errors import ConfigError
+from vlrft.trainer.micro_batches import (RowLengths, by_row_count, by_token_budget, forward_tokens, padded_to_count,
+                                         real_tokens)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from budget_worker import LENGTHS, make_collected, train_step, write_images  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def lengths_of(prompt_lengths: list[int], completion_lengths: list[list[int]]) -> RowLengths:
+    row_prompt = [g for g, group in enumerate(completion_lengths) for _ in group]
+    return RowLengths(row_prompt, [prompt_lengths[g] for g in row_prompt], [c for g in completion_lengths for c in g])
+
+
+def natural_lengths(seed: int) -> RowLengths:
+    """8 prompts of 48-128 tokens, 8 completions each: a log-normal length per prompt and around it (stop at EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(48, 129, (8,), generator=gen).tolist()
+    means = 120 * torch.exp(0.6 * torch.randn(8, generator=gen))
+    completions = [(m * torch.exp(0.35 * torch.randn(8, generator=gen))).round().clamp(1, 512).int().tolist()
+                   for m in means]
+    return lengths_of(prompts, completions)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_budget_groups_similar_lengths_within_the_budget_and_keeps_every_row_once(seed):
+    lengths = natural_lengths(seed)
+    rows = list(range(64))
+    notes = []
+    micro = by_token_budget(lengths, rows, 4096, on_oversized=lambda r, t: notes.append(r))
+    assert sorted(r for m in micro for r in m) == rows and not notes
+    assert all(forward_tokens(lengths, m) <= 4096 for m in micro)
+    by_count = by_row_count(rows, 4)
+    budget_tokens = sum(forward_tokens(lengths, m) for m in micro)
+    count_tokens = sum(forward_tokens(lengths, m) for m in by_count)
+    # Padding: about 10 % of what the forwards hold besides padding (rows of 4 pad 25-35 % here) ...
+    assert budget_tokens <= 1.13 * sum(real_tokens(lengths, m) for m in micro)
+    assert count_tokens >= 1.25 * sum(real_tokens(lengths, m) for m in by_count)
+    # ... and fewer tokens in all, prompts run again in other micro-batches included.
+    assert budget_tokens < 0.9 * count_tokens
+
+
+def test_a_row_over_the_budget_runs_alone_and_is_reported():
+    lengths = lengths_of([10, 10], [[500, 5], [6, 4]])
+    notes = []
+    micro = by_token_budget(lengths, [0, 1, 2, 3], 100, on_oversized=lambda r, t: notes.append((r, t)))
+    assert [0] in micro and notes == [(0, 510)]
+    assert sorted(r for m in micro for r in m) == [0, 1, 2, 3]
+
+
+def test_prompt_is_not_run_twice_when_that_costs_more_than_padding():
+    # One long prompt: its four short rows stay together although their lengths differ by 4x.
+    lengths = lengths_of([400], [[8, 2, 5, 3]])
+    assert by_token_budget(lengths, [0, 1, 2, 3], 1000) == [[0, 1, 2, 3]]
+
+
+def test_fewer_micro_batches_than_the_other_ranks_split_then_fill():
+    lengths = lengths_of([10], [[5, 4, 3]])
+    grown = padded_to_count([[0, 1, 2]], 3, lengths)
+    assert [m.rows for m in grown] == [[0], [1], [2]] or sorted(len(m.rows) for m in grown) == [1, 1, 1]
+    assert not any(m.filler for m in grown)
+    filled = padded_to_count([[0], [1]], 4, lengths)
+    assert [m.filler for m in filled] == [False, False, True, True]
+    assert filled[2].rows == [1]  # the cheapest row runs again, with weight 0
+
+
+def test_negative_budget_is_refused():
+    cfg = load_config(None, validate=False)
+    cfg.train.max_tokens_per_micro_batch = -5
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        cfg.validate(world_size=1)
+
+
+@pytest.fixture(scope="module")
+def case(tiny_vlm_dir, tmp_path_factory):
+    model = tiny_vlm_dir("qwen2_vl")
+    images = write_images(tmp_path_factory.mktemp("budget_images"))
+    collected, tokens = make_collected(model, images, list(range(len(LENGTHS))))
+    return model, images, collected, tokens
+
+
+@pytest.mark.parametrize("loss_agg,forwards", [("token-mean", None), ("seq-mean-token-mean", None),
+                                                ("token-mean", 20)])
+def test_token_budget_gives_the_same_experience_loss_metrics_and_weights(case, loss_agg, forwards):
+    """`forwards`: another rank makes every phase run that many forwards (more than this rank has rows), so this
+    rank splits its micro-batches and then runs fillers, which must change nothing."""
+    from vlrft.dist.strategy import Strategy
+
+    model, _, collected, tokens = case
+    lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
+                            collected.rollouts.prompt_index)
+    budget = 220
+    plan = by_token_budget(lengths, list(range(8)), budget)  # the first mini-batch
+    assert len(plan) > 2 and sorted(map(len, plan)) != [4, 4]  # really another partition than rows of 4
+    exp_a, stats_a, actor_a = train_step(model, collected, tokens, Strategy(), max_tokens=0, loss_agg=loss_agg)
+    agree = None if forwards is None else (lambda count: max(count, forwards))
+    exp_b, stats_b, actor_b = train_step(model, collected, tokens, Strategy(), max_tokens=budget, loss_agg=loss_agg,
+                                         agree=agree)
+    torch.testing.assert_close(exp_b.old_logprobs, exp_a.old_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(exp_b.ref_logprobs, exp_a.ref_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(exp_b.advantages, exp_a.advantages, atol=1e-5, rtol=0)
+    means_a, means_b = stats_a.means(), stats_b.means()
+    assert means_a.keys() == means_b.keys() and {"actor/pg_loss", "actor/grad_norm", "actor/kl_ref"} <= means_a.keys()
+    for k in means_a:
+        assert abs(means_a[k] - means_b[k]) <= 1e-5 * max(1.0, abs(means_a[k])), k
+    for (name, a), b in zip(actor_a.named_parameters(), actor_b.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
+    from vlrft.models.loading import load_policy
+
+    initial = dict(load_policy(model).named_parameters())
+    moved = max(float((p.detach() - initial[n.removeprefix("model.")]).abs().max()) for n, p in actor_a.named_parameters())
+    assert moved > 1e-3  # the steps changed the weights: the comparison is not vacuous
+
+
+def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), str(REPO / "tests" / "budget_worker.py"), *args],
+        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tmp_path, strategy):
+    from vlrft.dist.strategy import Strategy
+
+    model, images, collected, tokens = case
+    out = tmp_path / "out.pt"
+    proc = torchrun(str(model), str(images), strategy, str(out))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(out)
+    own = [counts[0] for counts in result["counts"]]  # the first plan (experience) of each rank
+    assert own[0] != own[1], "the ranks must form different numbers of micro-batches for this test to mean anything"
+    _, stats, single = train_step(model, collected, tokens, Strategy(), max_tokens=0, mini_batches=1)
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(result["weights"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+    means = stats.means()
+    for k in ("actor/pg_loss", "actor/grad_norm"):
+        if k in means:
+            assert abs(result["means"][k] - means[k]) <= 1e-5 * max(1.0, abs(means[k])), k
