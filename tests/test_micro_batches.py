@@ -163,3 +163,29 @@ def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tm
     for k in ("actor/pg_loss", "actor/grad_norm"):
         if k in means:
             assert abs(result["means"][k] - means[k]) <= 1e-5 * max(1.0, abs(means[k])), k
+
+
+def test_trainer_step_with_a_token_budget_equals_the_row_count_step(tmp_path, tiny_vlm_dir, tmp_path_factory,
+                                                                    monkeypatch):
+    """The config key reaches the trainer's phases: one `Trainer.train_step` (real hf rollouts) gives the update
+    of row-count micro-batches."""
+    import vlrft.trainer.experience as experience
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from test_invariance import assert_same_step, one_step
+
+    plans = []
+
+    def recorded(*args, **kwargs):
+        plans.append(by_token_budget(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(experience, "by_token_budget", recorded)
+    shapes = make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
+    model = tiny_vlm_dir("qwen2_vl")
+    rows = one_step(tmp_path / "a", model, shapes, "train.micro_batch_completions_per_rank=8")
+    assert not plans
+    budget = one_step(tmp_path / "b", model, shapes, "train.max_tokens_per_micro_batch=200")
+    assert plans and all(sorted(r for m in plan for r in m) == list(range(16)) for plan in plans)
+    assert any(1 < len(m) < 16 for m in plans[-1])  # rows grouped, and not all in one forward
+    assert_same_step(rows, budget)
+    assert rows[2]["actor/pg_loss"] == pytest.approx(budget[2]["actor/pg_loss"], abs=1e-5)
