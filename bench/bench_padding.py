@@ -15,7 +15,8 @@ Printed per micro-batching: micro-batches, tokens the forwards process (padding 
 over (a) their non-pad tokens (each micro-batch's distinct prompts once + its completions; a prompt
 whose rows sit in two micro-batches runs, and counts, twice) and over (b) the least any forward
 needs (each prompt once in the whole batch + every completion), and the time of forward+backward
-over the whole batch: min/median/max over `--repeats` interleaved repeats.
+over the whole batch, wall and process CPU time (less disturbed by other load on a shared
+machine): min/median/max over `--repeats` interleaved repeats.
 """
 
 from __future__ import annotations
@@ -67,20 +68,18 @@ def built_tokens(seqs) -> int:
     return seqs.input_ids.numel()
 
 
-def forward_backward(actor, batching, collected, plan) -> float:
-    """Seconds for forward + backward of every micro-batch of the plan (a GRPO-like token-sum loss)."""
-    import torch
-
+def forward_backward(actor, batching, collected, plan) -> tuple[float, float]:
+    """(wall, CPU) seconds for forward + backward of every micro-batch of the plan (a GRPO-like token-sum loss)."""
     from vlrft.trainer.experience import sequences_for
 
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for micro in plan:
         seqs = sequences_for(batching, collected, micro.rows)
         out = actor(seqs)
         (out.logprobs.sum() + 0.01 * out.entropy.sum()).backward()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     actor.zero_grad(set_to_none=True)
-    return elapsed
+    return elapsed, cpu
 
 
 def main() -> None:
@@ -132,22 +131,23 @@ def main() -> None:
           f"(each prompt once + completions): {least}")
     print(f"model: Qwen2-VL hidden {args.hidden}, {args.layers} layers, vocab {vocab}; one thread, "
           f"{args.repeats} interleaved repeats")
-    times: dict[str, list[float]] = {name: [] for name in settings}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
     forward_backward(actor, settings[next(iter(settings))], collected, plans[next(iter(settings))][:1])  # warm-up
     for _ in range(args.repeats):
         for name, batching in settings.items():
             times[name].append(forward_backward(actor, batching, collected, plans[name]))
     print(f"{'micro-batching':<16} {'micro':>5} {'tokens':>7} {'/non-pad':>8} {'/least':>7}  "
-          "forward+backward s (min/med/max)")
+          "forward+backward s, wall (min/med/max) | CPU (min/med/max)")
     for name, batching in settings.items():
         plan = plans[name]
         tokens = sum(forward_tokens(lengths, m.rows) for m in plan)
         built = sum(built_tokens(sequences_for(batching, collected, m.rows)) for m in plan)
         assert built == tokens, (name, built, tokens)
         non_pad = sum(real_tokens(lengths, m.rows) for m in plan)
-        t = sorted(times[name])
+        wall, cpu = sorted(t[0] for t in times[name]), sorted(t[1] for t in times[name])
         print(f"{name:<16} {len(plan):>5} {tokens:>7} {tokens / non_pad:>7.3f}x {tokens / least:>6.3f}x  "
-              f"{t[0]:.2f} / {statistics.median(t):.2f} / {t[-1]:.2f}")
+              f"{wall[0]:.2f} / {statistics.median(wall):.2f} / {wall[-1]:.2f} | "
+              f"{cpu[0]:.2f} / {statistics.median(cpu):.2f} / {cpu[-1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,12 @@ def make_collected(model_dir: Path, images: Path, groups: list[int]) -> tuple[Co
 
 
 def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strategy, *, max_tokens: int,
-               micro_batch: int = 4, loss_agg: str = "token-mean", mini_batches: int = 2, agree=None):
+               micro_batch: int = 4, loss_agg: str = "token-mean", mini_batches: int = 2, agree=None,
+               split: bool | None = None):
     """(experience, loss statistics, trained actor) of one step: old and reference logprobs, `mini_batches` SGD
-    steps (the second with a ratio != 1), KL in the loss."""
+    steps (the second with a ratio != 1), KL in the loss. `split`: completions in classes of similar length
+    (`ActorVL.split_completion_widths`); None: as the trainer sets it (off under sharding strategies)."""
+    split = not strategy.balances_vision_calls if split is None else split
     torch.manual_seed(0)
     cfg = load_config(None, [f"model.path={model_dir}", f"algorithm.loss_agg={loss_agg}", "algorithm.kl_coef=0.1",
                              "algorithm.kl_in=loss", "algorithm.entropy_coef=0.01"], validate=False)
@@ -77,12 +80,13 @@ def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strateg
                   suppressed_ids=tokens.suppressed_ids)
     for p in ref.parameters():
         p.requires_grad_(False)
+    actor.split_completion_widths = ref.split_completion_widths = split
     policy, optimizer = strategy.prepare_trainable(actor, lambda params: torch.optim.SGD(params, lr=0.05))
     strategy.balance_vision_calls([actor, ref])  # as the trainer does: sharded ranks run the vision tower together
     if max_tokens > 0 and strategy.balances_vision_calls:
         share_every_forward([actor, ref])  # ... and their blocks equally often
     batching = Batching(pad_id=tokens.pad_id, device=strategy.device, micro_batch=micro_batch, max_tokens=max_tokens,
-                        agree_count=agree)
+                        agree_count=agree, split_widths=split)
     reduce = lambda t: strategy.all_reduce(t, "sum")  # noqa: E731
     exp = make_experience(ExperienceDeps(algo=cfg.algorithm, group_size=GROUP, batching=batching, temperature=1.0,
                                          kl_coef=0.1, old_policy=actor, ref=ref, reduce=reduce), collected)
@@ -96,7 +100,7 @@ def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strateg
     return exp, stats, actor
 
 
-def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: str = "200") -> None:
+def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: str = "120") -> None:
     strategy = make_strategy(strategy_name)
     groups = list(range(strategy.rank, len(LENGTHS), strategy.world_size))
     collected, tokens = make_collected(Path(model_dir), Path(images), groups)

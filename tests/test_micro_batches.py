@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlrft.batch import width_classes
 from vlrft.config import load_config
 from vlrft.errors import ConfigError
 from vlrft.trainer.micro_batches import (RowLengths, by_row_count, by_token_budget, forward_tokens, padded_to_count,
@@ -47,18 +48,21 @@ def natural_lengths(seed: int) -> RowLengths:
 def test_budget_groups_similar_lengths_within_the_budget_and_keeps_every_row_once(seed):
     lengths = natural_lengths(seed)
     rows = list(range(64))
-    notes = []
-    micro = by_token_budget(lengths, rows, 4096, on_oversized=lambda r, t: notes.append(r))
-    assert sorted(r for m in micro for r in m) == rows and not notes
-    assert all(forward_tokens(lengths, m) <= 4096 for m in micro)
+    least = real_tokens(lengths, rows)  # each prompt once, every completion, no padding
     by_count = by_row_count(rows, 4)
-    budget_tokens = sum(forward_tokens(lengths, m) for m in micro)
-    count_tokens = sum(forward_tokens(lengths, m) for m in by_count)
-    # Padding: about 10 % of what the forwards hold besides padding (rows of 4 pad 25-35 % here) ...
-    assert budget_tokens <= 1.13 * sum(real_tokens(lengths, m) for m in micro)
-    assert count_tokens >= 1.25 * sum(real_tokens(lengths, m) for m in by_count)
-    # ... and fewer tokens in all, prompts run again in other micro-batches included.
-    assert budget_tokens < 0.9 * count_tokens
+    padded_rows = sum(forward_tokens(lengths, m, split_widths=False) for m in by_count)
+    assert padded_rows >= 1.3 * least  # what one call per micro-batch of 4 rows costs here
+    for split in (True, False):
+        notes = []
+        micro = by_token_budget(lengths, rows, 4096, on_oversized=lambda r, t: notes.append(r), split_widths=split)
+        assert sorted(r for m in micro for r in m) == rows and not notes
+        tokens = [forward_tokens(lengths, m, split_widths=split) for m in micro]
+        assert max(tokens) <= 4096
+        if split:  # completions in classes of similar length: a prompt's rows stay together, little padding
+            assert sum(tokens) <= 1.1 * least and len(micro) < len(by_count) / 2
+        else:  # one call per micro-batch (sharding strategies): padding about 10 % of the non-pad tokens
+            assert sum(tokens) <= 1.13 * sum(real_tokens(lengths, m) for m in micro)
+            assert sum(tokens) < 0.9 * padded_rows  # prompts run again in other micro-batches included
 
 
 def test_a_row_over_the_budget_runs_alone_and_is_reported():
@@ -72,7 +76,16 @@ def test_a_row_over_the_budget_runs_alone_and_is_reported():
 def test_prompt_is_not_run_twice_when_that_costs_more_than_padding():
     # One long prompt: its four short rows stay together although their lengths differ by 4x.
     lengths = lengths_of([400], [[8, 2, 5, 3]])
+    assert by_token_budget(lengths, [0, 1, 2, 3], 1000, split_widths=False) == [[0, 1, 2, 3]]
     assert by_token_budget(lengths, [0, 1, 2, 3], 1000) == [[0, 1, 2, 3]]
+
+
+def test_width_classes_pad_little_and_weigh_each_call():
+    lengths = [300, 12, 290, 10, 11, 150]
+    classes = width_classes(lengths, call_tokens=32)
+    assert sorted(i for c in classes for i in c) == list(range(6))
+    assert [sorted(c) for c in classes] == [[0, 2], [5], [1, 3, 4]]
+    assert width_classes([5, 4, 6], call_tokens=32) == [[2, 0, 1]]  # padding 3 tokens < another call
 
 
 def test_fewer_micro_batches_than_the_other_ranks_split_then_fill():
@@ -100,23 +113,25 @@ def case(tiny_vlm_dir, tmp_path_factory):
     return model, images, collected, tokens
 
 
-@pytest.mark.parametrize("loss_agg,forwards", [("token-mean", None), ("seq-mean-token-mean", None),
-                                                ("token-mean", 20)])
-def test_token_budget_gives_the_same_experience_loss_metrics_and_weights(case, loss_agg, forwards):
-    """`forwards`: another rank makes every phase run that many forwards (more than this rank has rows), so this
-    rank splits its micro-batches and then runs fillers, which must change nothing."""
+@pytest.mark.parametrize("loss_agg,forwards,split", [("token-mean", None, True), ("seq-mean-token-mean", None, True),
+                                                      ("token-mean", None, False), ("token-mean", 20, True)])
+def test_token_budget_gives_the_same_experience_loss_metrics_and_weights(case, loss_agg, forwards, split):
+    """Against row-count micro-batches each run as one padded call. `split`: completions in classes of similar
+    length (`ActorVL.split_completion_widths`). `forwards`: another rank makes every phase run that many forwards
+    (more than this rank has rows), so this rank splits its micro-batches and then runs fillers."""
     from vlrft.dist.strategy import Strategy
 
     model, _, collected, tokens = case
     lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
                             collected.rollouts.prompt_index)
-    budget = 220
-    plan = by_token_budget(lengths, list(range(8)), budget)  # the first mini-batch
+    budget = 120
+    plan = by_token_budget(lengths, list(range(8)), budget, split_widths=split)  # the first mini-batch
     assert len(plan) > 2 and sorted(map(len, plan)) != [4, 4]  # really another partition than rows of 4
-    exp_a, stats_a, actor_a = train_step(model, collected, tokens, Strategy(), max_tokens=0, loss_agg=loss_agg)
+    exp_a, stats_a, actor_a = train_step(model, collected, tokens, Strategy(), max_tokens=0, loss_agg=loss_agg,
+                                         split=False)
     agree = None if forwards is None else (lambda count: max(count, forwards))
     exp_b, stats_b, actor_b = train_step(model, collected, tokens, Strategy(), max_tokens=budget, loss_agg=loss_agg,
-                                         agree=agree)
+                                         agree=agree, split=split)
     torch.testing.assert_close(exp_b.old_logprobs, exp_a.old_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(exp_b.ref_logprobs, exp_a.ref_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(exp_b.advantages, exp_a.advantages, atol=1e-5, rtol=0)
@@ -129,8 +144,39 @@ def test_token_budget_gives_the_same_experience_loss_metrics_and_weights(case, l
     from vlrft.models.loading import load_policy
 
     initial = dict(load_policy(model).named_parameters())
-    moved = max(float((p.detach() - initial[n.removeprefix("model.")]).abs().max()) for n, p in actor_a.named_parameters())
+    moved = max(float((p - initial[n.removeprefix("model.")]).detach().abs().max())
+                for n, p in actor_a.named_parameters())
     assert moved > 1e-3  # the steps changed the weights: the comparison is not vacuous
+
+
+def test_completions_in_width_classes_equal_one_padded_call_in_values_and_gradients(case):
+    from vlrft.batch import build_sequences
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.loading import load_policy
+
+    model_dir, _, collected, tokens = case
+    model = load_policy(model_dir)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    rows = [0, 1, 2, 3, 8, 9, 10, 11, 5]  # lengths 2-40, two image prompts and a text prompt with one row
+    seqs = build_sequences(collected.prompts.prompt_ids, collected.prompts.visual, collected.rollouts.completion_ids,
+                           collected.rollouts.prompt_index, tokens.pad_id, rows)
+
+    def run(split: bool):
+        actor.split_completion_widths = split
+        model.zero_grad()
+        out = actor.logprobs(seqs, temperature=0.9)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    actor.split_completion_widths = True
+    classes = actor._width_classes(seqs)
+    assert classes is not None and len(classes) >= 2
+    (split_out, split_grads), (one_out, one_grads) = run(True), run(False)
+    torch.testing.assert_close(split_out.logprobs, one_out.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(split_out.entropy, one_out.entropy, atol=1e-5, rtol=0)
+    assert split_grads.keys() == one_grads.keys() and any("visual" in n for n in split_grads)
+    for name in one_grads:
+        torch.testing.assert_close(split_grads[name], one_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
 def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -156,7 +202,7 @@ def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tm
     result = torch.load(out)
     own = [counts[0] for counts in result["counts"]]  # the first plan (experience) of each rank
     assert own[0] != own[1], "the ranks must form different numbers of micro-batches for this test to mean anything"
-    _, stats, single = train_step(model, collected, tokens, Strategy(), max_tokens=0, mini_batches=1)
+    _, stats, single = train_step(model, collected, tokens, Strategy(), max_tokens=0, mini_batches=1, split=False)
     for name, p in single.named_parameters():
         torch.testing.assert_close(result["weights"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
     means = stats.means()

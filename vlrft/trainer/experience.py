@@ -38,6 +38,7 @@ class Batching:
     # train.max_tokens_per_micro_batch: > 0 forms micro-batches by this token budget (vlrft.trainer.micro_batches)
     max_tokens: int = 0
     share_prompts: bool = True  # the policy runs each distinct prompt once per micro-batch (what the budget counts)
+    split_widths: bool = True  # ... and its completions in classes of similar length (ActorVL, not under sharding)
     agree_count: Callable[[int], int] | None = None  # max over ranks of a micro-batch count (None: one process)
     message: Callable[[str], None] = print  # where the one note about a row over the budget goes
 
@@ -103,9 +104,9 @@ def plan_micro_batches(batching: Batching, collected, rows: list[int]) -> list[M
             batching.message(f"note: a training row needs {tokens} tokens, over train.max_tokens_per_micro_batch="
                              f"{batching.max_tokens}; such rows form micro-batches of their own (said once)")
 
-    micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note)
+    micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note, batching.split_widths)
     count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
-    return padded_to_count(micro, count, lengths, batching.share_prompts)
+    return padded_to_count(micro, count, lengths, batching.share_prompts, batching.split_widths)
 
 
 def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBatch:

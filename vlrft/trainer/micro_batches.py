@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vlrft.batch import width_classes
+
 # A run of rows joins an open micro-batch when that adds at most this share of its own forward's tokens in
 # padding (fewer, fuller micro-batches for a little padding).
 PADDING_TOLERANCE = 0.05
@@ -54,15 +56,24 @@ class RowLengths:
                    [max(1, len(c)) for c in completion_ids])
 
 
-def forward_tokens(lengths: RowLengths, rows: Sequence[int], share_prompts: bool = True) -> int:
-    """Token positions a training forward over `rows` processes, padding included (see the module docstring)."""
+def forward_tokens(lengths: RowLengths, rows: Sequence[int], share_prompts: bool = True,
+                   split_widths: bool = True) -> int:
+    """Token positions a training forward over `rows` processes, padding included (see the module docstring).
+
+    `split_widths`: the completions run in classes of similar length (`vlrft.batch.width_classes`),
+    each padded to its own widest, as `ActorVL` does outside sharding strategies.
+    """
     if not rows:
         return 0
     width_p = max(lengths.prompt_length[r] for r in rows)
-    width_c = max(lengths.completion_length[r] for r in rows)
     if not share_prompts:
-        return len(rows) * (width_p + width_c)
-    return len({lengths.prompt[r] for r in rows}) * width_p + len(rows) * width_c
+        return len(rows) * (width_p + max(lengths.completion_length[r] for r in rows))
+    completion = [lengths.completion_length[r] for r in rows]
+    if split_widths:
+        completion_tokens = sum(len(c) * max(completion[i] for i in c) for c in width_classes(completion))
+    else:
+        completion_tokens = len(rows) * max(completion)
+    return len({lengths.prompt[r] for r in rows}) * width_p + completion_tokens
 
 
 def real_tokens(lengths: RowLengths, rows: Sequence[int]) -> int:
@@ -78,7 +89,8 @@ def by_row_count(rows: Sequence[int], size: int) -> list[list[int]]:
 
 
 def by_token_budget(lengths: RowLengths, rows: Sequence[int], max_tokens: int, share_prompts: bool = True,
-                    on_oversized: Callable[[int, int], None] | None = None) -> list[list[int]]:
+                    on_oversized: Callable[[int, int], None] | None = None,
+                    split_widths: bool = True) -> list[list[int]]:
     """Rows grouped so each micro-batch's `forward_tokens` stays within `max_tokens`.
 
     Two stages. Each prompt's rows, longest first, are cut into runs of similar length where that
@@ -95,38 +107,48 @@ def by_token_budget(lengths: RowLengths, rows: Sequence[int], max_tokens: int, s
     runs = []
     for group in groups.values():
         group.sort(key=lambda r: (-lengths.completion_length[r], r))
-        runs += _cut_group(lengths, group, max_tokens, share_prompts)
+        runs += _cut_group(lengths, group, max_tokens, share_prompts, split_widths)
     runs.sort(key=lambda run: (-lengths.completion_length[run[0]], -len(run), run[0]))
     bins: list[list[int]] = []
     costs: list[int] = []
     for run in runs:
-        alone = forward_tokens(lengths, run, share_prompts)
+        alone = forward_tokens(lengths, run, share_prompts, split_widths)
         if alone > max_tokens and on_oversized is not None:
             on_oversized(run[0], alone)
         best, best_waste = None, None
         for i, rows_in in enumerate(bins):
-            cost = forward_tokens(lengths, rows_in + run, share_prompts)
+            cost = forward_tokens(lengths, rows_in + run, share_prompts, split_widths)
             waste = cost - costs[i] - alone
             if cost <= max_tokens and (best_waste is None or waste < best_waste):
                 best, best_waste = i, waste
         if best is not None and best_waste <= PADDING_TOLERANCE * alone:
             bins[best] += run
-            costs[best] = forward_tokens(lengths, bins[best], share_prompts)
+            costs[best] = forward_tokens(lengths, bins[best], share_prompts, split_widths)
         else:
             bins.append(list(run))
             costs.append(alone)
     return [sorted(b) for b in bins]
 
 
-def _cut_group(lengths: RowLengths, group: list[int], max_tokens: int, share_prompts: bool) -> list[list[int]]:
+def _cut_group(lengths: RowLengths, group: list[int], max_tokens: int, share_prompts: bool,
+               split_widths: bool) -> list[list[int]]:
     """One prompt's rows (longest first) cut into consecutive runs of the fewest forward tokens in all, each
-    within the budget (a single row always forms a run): a dynamic programme over the cut points."""
+    within the budget (a single row always forms a run): a dynamic programme over the cut points. With
+    `split_widths` a run pads nothing worth cutting for, so runs are only cut where the budget ends."""
+    if split_widths and share_prompts:
+        runs: list[list[int]] = []
+        for r in group:
+            if runs and forward_tokens(lengths, runs[-1] + [r], share_prompts, split_widths) <= max_tokens:
+                runs[-1].append(r)
+            else:
+                runs.append([r])
+        return runs
     n = len(group)
     best = [0] + [None] * n  # best[j]: fewest tokens for the first j rows
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
         for i in range(j - 1, -1, -1):
-            tokens = forward_tokens(lengths, group[i:j], share_prompts)
+            tokens = forward_tokens(lengths, group[i:j], share_prompts, split_widths)
             if tokens > max_tokens and j - i > 1:
                 break  # longer runs ending at j only grow
             total = best[i] + tokens
@@ -140,12 +162,12 @@ def _cut_group(lengths: RowLengths, group: list[int], max_tokens: int, share_pro
 
 
 def padded_to_count(micro: list[list[int]], count: int, lengths: RowLengths | None,
-                    share_prompts: bool = True) -> list[MicroBatch]:
+                    share_prompts: bool = True, split_widths: bool = True) -> list[MicroBatch]:
     """`micro` grown to `count` micro-batches: the largest ones split in two, then fillers (module docstring)."""
     micro = [list(m) for m in micro]
     if count > len(micro) and not any(micro):
         raise RuntimeError("a rank with no rows cannot take part in the other ranks' micro-batches")
-    cost = (lambda m: forward_tokens(lengths, m, share_prompts)) if lengths is not None else len
+    cost = (lambda m: forward_tokens(lengths, m, share_prompts, split_widths)) if lengths is not None else len
     while len(micro) < count:
         splittable = [i for i, m in enumerate(micro) if len(m) > 1]
         if not splittable:

@@ -276,6 +276,7 @@ class Trainer:
         return Batching(self.tokens.pad_id, self.device, self.cfg.train.micro_batch_completions_per_rank,
                         self.autocast, max_tokens=self.cfg.train.max_tokens_per_micro_batch,
                         share_prompts=self.actor.share_prompts, message=self.message,
+                        split_widths=not self.strategy.balances_vision_calls,  # as ActorVL._width_classes
                         agree_count=self.max_count if self.strategy.world_size > 1 else None)
 
     def max_count(self, count: int) -> int:
