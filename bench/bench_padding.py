@@ -10,7 +10,10 @@ answers, some long), and each of its `--group` completions a log-normal length a
 Qwen2-VL (`--hidden`, `--layers`; built locally with `vlrft.models.tiny`) runs the training
 forward (`ActorVL`, prompt sharing on) and backward of every micro-batch of the batch, one thread.
 
-Printed per micro-batching: micro-batches, tokens the forwards process (padding included:
+Four settings: micro-batches of `--micro-batch` rows or by the budget, each with one padded
+completion call per micro-batch (what sharding strategies run) or one call per class of similar
+lengths (`ActorVL.split_completion_widths`, the default elsewhere). Printed per setting:
+micro-batches, tokens the forwards process (padding included:
 `vlrft.trainer.micro_batches.forward_tokens`, checked against the built batches' shapes), that
 over (a) their non-pad tokens (each micro-batch's distinct prompts once + its completions; a prompt
 whose rows sit in two micro-batches runs, and counts, twice) and over (b) the least any forward
@@ -60,9 +63,12 @@ def make_batch(seed: int, prompts: int, group: int, max_new_tokens: int, vocab: 
                            rollouts=SimpleNamespace(completion_ids=completion_ids, prompt_index=row_prompt))
 
 
-def built_tokens(seqs) -> int:
-    """Token positions of the forward over this SequenceBatch, read from the tensors it runs on."""
+def built_tokens(actor, seqs) -> int:
+    """Token positions of the actor's forward over this SequenceBatch, from its tensors and completion calls."""
     rows, width_c = seqs.completion_mask.shape
+    classes = actor._width_classes(seqs)
+    if classes is not None:  # one prompt pass, then a completion call per class padded to its own width
+        return seqs.visual.num_samples * seqs.prompt_width + sum(len(m) * w for m, w in classes)
     if seqs.visual.num_samples < rows:  # shared path: each distinct prompt once, then every row's completion
         return seqs.visual.num_samples * seqs.prompt_width + rows * width_c
     return seqs.input_ids.numel()
@@ -118,12 +124,17 @@ def main() -> None:
                             collected.rollouts.prompt_index)
     rows = list(range(len(collected.rollouts.completion_ids)))
     least = real_tokens(lengths, rows)
+    cpu = torch.device("cpu")
+    # (batching, ActorVL.split_completion_widths): one padded completion call per micro-batch (as under sharding
+    # strategies, and before width classes), or one call per class of similar lengths.
     settings = {
-        f"rows of {args.micro_batch}": Batching(pad_id=0, device=torch.device("cpu"), micro_batch=args.micro_batch),
-        f"budget {args.budget}": Batching(pad_id=0, device=torch.device("cpu"), micro_batch=args.micro_batch,
-                                          max_tokens=args.budget),
+        f"rows of {args.micro_batch}, 1 call": (Batching(0, cpu, args.micro_batch, split_widths=False), False),
+        f"rows of {args.micro_batch}, classes": (Batching(0, cpu, args.micro_batch), True),
+        f"budget {args.budget}, 1 call": (Batching(0, cpu, args.micro_batch, max_tokens=args.budget,
+                                                   split_widths=False), False),
+        f"budget {args.budget}, classes": (Batching(0, cpu, args.micro_batch, max_tokens=args.budget), True),
     }
-    plans = {name: plan_micro_batches(b, collected, rows) for name, b in settings.items()}
+    plans = {name: plan_micro_batches(b, collected, rows) for name, (b, _) in settings.items()}
     completion = [lengths.completion_length[r] for r in rows]
     print(f"{len(rows)} completions ({args.prompts} prompts x {args.group}), natural lengths from seed {args.seed}: "
           f"completion min/median/max {min(completion)}/{int(statistics.median(completion))}/{max(completion)}, "
@@ -132,20 +143,23 @@ def main() -> None:
     print(f"model: Qwen2-VL hidden {args.hidden}, {args.layers} layers, vocab {vocab}; one thread, "
           f"{args.repeats} interleaved repeats")
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in settings}
-    forward_backward(actor, settings[next(iter(settings))], collected, plans[next(iter(settings))][:1])  # warm-up
+    first = next(iter(settings))
+    forward_backward(actor, settings[first][0], collected, plans[first][:1])  # warm-up
     for _ in range(args.repeats):
-        for name, batching in settings.items():
+        for name, (batching, split) in settings.items():
+            actor.split_completion_widths = split
             times[name].append(forward_backward(actor, batching, collected, plans[name]))
-    print(f"{'micro-batching':<16} {'micro':>5} {'tokens':>7} {'/non-pad':>8} {'/least':>7}  "
+    print(f"{'micro-batching':<22} {'micro':>5} {'tokens':>7} {'/non-pad':>8} {'/least':>7}  "
           "forward+backward s, wall (min/med/max) | CPU (min/med/max)")
-    for name, batching in settings.items():
+    for name, (batching, split) in settings.items():
         plan = plans[name]
-        tokens = sum(forward_tokens(lengths, m.rows) for m in plan)
-        built = sum(built_tokens(sequences_for(batching, collected, m.rows)) for m in plan)
+        tokens = sum(forward_tokens(lengths, m.rows, split_widths=split) for m in plan)
+        actor.split_completion_widths = split
+        built = sum(built_tokens(actor, sequences_for(batching, collected, m.rows)) for m in plan)
         assert built == tokens, (name, built, tokens)
         non_pad = sum(real_tokens(lengths, m.rows) for m in plan)
         wall, cpu = sorted(t[0] for t in times[name]), sorted(t[1] for t in times[name])
-        print(f"{name:<16} {len(plan):>5} {tokens:>7} {tokens / non_pad:>7.3f}x {tokens / least:>6.3f}x  "
+        print(f"{name:<22} {len(plan):>5} {tokens:>7} {tokens / non_pad:>7.3f}x {tokens / least:>6.3f}x  "
               f"{wall[0]:.2f} / {statistics.median(wall):.2f} / {wall[-1]:.2f} | "
               f"{cpu[0]:.2f} / {statistics.median(cpu):.2f} / {cpu[-1]:.2f}")
 

@@ -114,8 +114,9 @@ def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: 
                                  mini_batches=1, agree=agree)
     all_counts = strategy.all_gather_object(counts)
     weights = {}
-    for name, p in actor.named_parameters():
-        weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    with strategy.gathered(list(actor.parameters())):  # ZeRO-3: whole parameters on every rank
+        for name, p in actor.named_parameters():
+            weights[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
     means = stats.reduce(lambda t: strategy.all_reduce(t, "sum"), lambda t: strategy.all_reduce(t, "max")).means()
     if strategy.is_main:
         torch.save({"weights": weights, "counts": all_counts, "means": means}, out)

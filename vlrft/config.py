@@ -374,10 +374,10 @@ class TrainConfig:
         4, "completions per forward/backward pass on each rank (gradients accumulate up to the mini-batch); "
         "was train.micro_batch_size")
     max_tokens_per_micro_batch: int = option(
-        0, "> 0: form each rank's micro-batches by this token budget instead of a row count: rows of similar "
-        "length go together and a forward processes at most this many token positions (each distinct prompt once "
-        "+ rows x widest completion; a single longer row runs alone); 0 = off, use "
-        "micro_batch_completions_per_rank")
+        0, "> 0: form each rank's micro-batches by this token budget instead of a row count, for natural-length "
+        "completions: a forward processes at most this many token positions (each distinct prompt once + its "
+        "completions, padded per class of similar length; a single longer row runs alone) and a prompt's rows stay "
+        "together (docs/design.md); 0 = off, use micro_batch_completions_per_rank")
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
         "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
     fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)

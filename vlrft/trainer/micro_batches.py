@@ -2,15 +2,17 @@
 
 With natural completion lengths (stop at EOS), a micro-batch formed by a row count is padded to its
 widest completion, so a long row makes every short row in its micro-batch cost as much as itself.
-A token budget instead groups rows of similar length while keeping a prompt's rows together where
-that is cheaper than running the prompt again (`by_token_budget`). A row over the budget on its
-own still forms its own micro-batch.
+A token budget instead keeps a prompt's rows together (its prompt then runs once) and micro-batches
+within the budget (`by_token_budget`). A row over the budget on its own still forms its own
+micro-batch.
 
 What the budget counts (`forward_tokens`) is what a training forward processes: with prompt sharing
 (`vlrft.models.actor.ActorVL`), each distinct prompt once at the micro-batch's widest prompt, plus
-every row at the micro-batch's widest completion; without it, every row at widest prompt + widest
-completion. Vision-encoder work is not counted. `build_sequences` trims each micro-batch to its
-own widest prompt and completion, so this is the forward's real size.
+the completions, each class of similar length at its own widest (`vlrft.batch.width_classes`; with
+`split_widths` off, as under sharding strategies, every row at the widest completion); without
+sharing, every row at widest prompt + widest completion. Vision-encoder work is not counted.
+`build_sequences` trims each micro-batch to its own widest prompt and completion, so this is the
+forward's real size.
 
 The loss stays exact whatever the partition: its denominators cover the whole mini-batch over all
 ranks (`vlrft.algo.losses`), and micro-batch losses are summed by backward.
@@ -93,9 +95,9 @@ def by_token_budget(lengths: RowLengths, rows: Sequence[int], max_tokens: int, s
                     split_widths: bool = True) -> list[list[int]]:
     """Rows grouped so each micro-batch's `forward_tokens` stays within `max_tokens`.
 
-    Two stages. Each prompt's rows, longest first, are cut into runs of similar length where that
-    costs fewer tokens than padding them together (a cut runs the prompt once more;
-    `_cut_group`). The runs, longest first, then each join the micro-batch where they add the
+    Two stages. Each prompt's rows, longest first, are cut into runs: with `split_widths` only where
+    the budget ends, else also where padding them together costs more tokens than running the
+    prompt once more (`_cut_group`). The runs, longest first, then each join the micro-batch where they add the
     fewest tokens beyond their own forward (none if they share its prompt and width), if that stays
     within the budget and within `PADDING_TOLERANCE` of their own size; else they start a new one.
     `on_oversized(row, tokens)` is called for a row whose own forward exceeds the budget (it still
