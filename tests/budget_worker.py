@@ -43,7 +43,8 @@ def write_images(folder: Path) -> Path:
 def make_collected(model_dir: Path, images: Path, groups: list[int]) -> tuple[Collected, TokenSpec]:
     """Fixed rollouts of these groups: image and text prompts, completion lengths from `LENGTHS`."""
     processor = load_processor(str(model_dir))
-    samples = [Sample(id="two", prompt="<image><image>Same shapes?", images=[str(images / "a.png"), str(images / "b.png")]),
+    samples = [Sample(id="two", prompt="<image><image>Same shapes?",
+                      images=[str(images / "a.png"), str(images / "b.png")]),
                Sample(id="text", prompt="Hello there, count to three"),
                Sample(id="one", prompt="<image>Color?", images=[str(images / "b.png")]),
                Sample(id="long", prompt="<image>What is in this picture, and how many of them are there?",

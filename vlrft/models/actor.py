@@ -171,18 +171,21 @@ class ActorVL(nn.Module):
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
+        classes = self._width_classes(batch) if self.share_prompts else None
         if self.share_prompts and (batch.visual.num_samples < len(batch) or self.share_every_forward
-                                   or self._width_classes(batch) is not None):
-            return self._predicting_states_shared(batch)
+                                   or classes is not None):
+            return self._predicting_states_shared(batch, classes)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]
 
-    def _predicting_states_shared(self, batch: SequenceBatch) -> torch.Tensor:
+    def _predicting_states_shared(self, batch: SequenceBatch,
+                                  classes: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
         """Each distinct prompt runs once; its KV cache is repeated for the rows that continue it.
 
         Gradients flow from every row's completion through the shared cache into the one prompt
         pass. Completion positions continue the prompt's last position (M-RoPE text positions), so
         the result equals the full forward of every row. The caches (`vlrft.models.prompt_cache`)
-        never grow on a checkpoint replay, so this also holds under gradient checkpointing.
+        never grow on a checkpoint replay, so this also holds under gradient checkpointing. `classes`
+        (`_width_classes`): one completion call per class of similar lengths; None: one call.
         """
         backbone, _ = split_head(self.model)
         p, c = batch.prompt_width, batch.completion_width
@@ -207,7 +210,6 @@ class ActorVL(nn.Module):
         else:
             completion_positions = positions_after(positions, rows, torch.arange(1, c + 1, device=ids.device))
         recorded = recording_cache()
-        classes = self._width_classes(batch)
         with cache_through_checkpointing(backbone):
             with self._encoding_prompts(batch):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
