@@ -152,7 +152,8 @@ def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arc
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 0, 1, 1, 1], tokens.pad_id)
     shared_calls = []
     original = actor._predicting_states_shared
-    monkeypatch.setattr(actor, "_predicting_states_shared", lambda b: shared_calls.append(1) or original(b))
+    monkeypatch.setattr(actor, "_predicting_states_shared",
+                        lambda b, *rest: shared_calls.append(1) or original(b, *rest))
 
     def run(share: bool):
         actor.share_prompts = share

@@ -86,3 +86,32 @@ def build_sequences(prompt_ids: Sequence[Sequence[int]], visual: VisualBatch, co
         completion_mask[i, :len(completion)] = 1.0
     return SequenceBatch(ids, attention, completion_mask, width_p,
                          tuple(distinct[row_prompt[r]] for r in rows), visual.select(list(distinct)))
+
+
+# A completion call's fixed cost, counted in token positions, when `width_classes` weighs another call
+# against padding (kernel launches, per-layer overhead; a few dozen tokens' worth on CPU and GPU alike).
+CALL_TOKENS = 32
+
+
+def width_classes(lengths: Sequence[int], call_tokens: int = CALL_TOKENS) -> list[list[int]]:
+    """Indices of `lengths` in classes of consecutive lengths (longest first), each to be padded only to its own
+    longest: the fewest padded tokens + `call_tokens` per class (a dynamic programme over the cut points).
+
+    The shared-prompt forward runs one completion call per class after the one prompt pass
+    (`vlrft.models.actor.ActorVL`), so rows of very different lengths share a micro-batch (and
+    their prompt) without padding the short ones to the longest.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    n = len(order)
+    best = [0] + [None] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            total = best[i] + (j - i) * max(1, lengths[order[i]]) + call_tokens
+            if best[j] is None or total < best[j]:
+                best[j], cut[j] = total, i
+    classes, j = [], n
+    while j > 0:
+        classes.append(order[cut[j]:j])
+        j = cut[j]
+    return classes[::-1]

@@ -376,6 +376,11 @@ class TrainConfig:
     micro_batch_completions_per_rank: int = option(
         4, "completions per forward/backward pass on each rank (gradients accumulate up to the mini-batch); "
         "was train.micro_batch_size")
+    max_tokens_per_micro_batch: int = option(
+        0, "> 0: form each rank's micro-batches by this token budget instead of a row count, for natural-length "
+        "completions: a forward processes at most this many token positions (each distinct prompt once + its "
+        "completions, padded per class of similar length; a single longer row runs alone) and a prompt's rows stay "
+        "together (docs/design.md); 0 = off, use micro_batch_completions_per_rank")
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
         "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
     fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)
@@ -450,6 +455,9 @@ class Config:
         _positive("rollout.max_new_tokens", r.max_new_tokens)
         r.validate_tools()
         _positive("train.micro_batch_completions_per_rank", t.micro_batch_completions_per_rank)
+        if t.max_tokens_per_micro_batch < 0:
+            _fail("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,
+                  "0 (off: micro-batches of micro_batch_completions_per_rank rows) or a positive token budget")
         _positive("train.ppo_epochs", t.ppo_epochs)
         _positive("data.max_prompt_length", self.data.max_prompt_length)
         d = self.data

@@ -17,7 +17,7 @@ from torch import nn
 
 from vlrft.errors import MissingDependencyError
 from vlrft.models.logprobs import token_logprobs
-from vlrft.batch import SequenceBatch
+from vlrft.batch import SequenceBatch, width_classes
 from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
@@ -144,6 +144,11 @@ class ActorVL(nn.Module):
         # Set by sharding strategies: ranks agree per forward on the visual kinds to encode, so every rank runs
         # the vision tower equally often (`vlrft.models.vision_balance`). None: each rank encodes what it has.
         self.agree_on_visual_kinds: AgreeOnKinds | None = None
+        # Take the shared-prompt path (two backbone calls) even when no prompt repeats, so every rank calls the
+        # sharded blocks equally often whatever its rows: set for token-budget micro-batches under sharding.
+        self.share_every_forward = False
+        # The shared forward runs the completions in classes of similar length (`vlrft.batch.width_classes`).
+        self.split_completion_widths = True
 
     def _agreed_kinds(self, ours: VisualKinds) -> VisualKinds | None:
         """The visual kinds some rank encodes in this forward (one all-reduce, which every rank makes once per
@@ -184,17 +189,21 @@ class ActorVL(nn.Module):
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
         p, c = batch.prompt_width, batch.completion_width
-        if self.share_prompts and batch.visual.num_samples < len(batch):
-            return self._predicting_states_shared(batch)
+        classes = self._width_classes(batch) if self.share_prompts else None
+        if self.share_prompts and (batch.visual.num_samples < len(batch) or self.share_every_forward
+                                   or classes is not None):
+            return self._predicting_states_shared(batch, classes)
         return self.hidden_states(batch)[:, p - 1:p - 1 + c]
 
-    def _predicting_states_shared(self, batch: SequenceBatch) -> torch.Tensor:
+    def _predicting_states_shared(self, batch: SequenceBatch,
+                                  classes: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
         """Each distinct prompt runs once; its KV cache is repeated for the rows that continue it.
 
         Gradients flow from every row's completion through the shared cache into the one prompt
         pass. Completion positions continue the prompt's last position (M-RoPE text positions), so
         the result equals the full forward of every row. The caches (`vlrft.models.prompt_cache`)
-        never grow on a checkpoint replay, so this also holds under gradient checkpointing.
+        never grow on a checkpoint replay, so this also holds under gradient checkpointing. `classes`
+        (`_width_classes`): one completion call per class of similar lengths; None: one call.
         """
         backbone, _ = split_head(self.model)
         p, c = batch.prompt_width, batch.completion_width
@@ -227,13 +236,40 @@ class ActorVL(nn.Module):
             with self._dummy_calls(lacking, ids.device):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
                                       position_ids=positions, past_key_values=recorded, use_cache=True, **visual)
-            with self._dummy_calls(lacking, ids.device, later=True):
-                completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
-                                          position_ids=completion_positions,
-                                          past_key_values=prefix_cache(recorded, rows), use_cache=True,
-                                          mm_token_type_ids=completion_mm, **completion_visual)
-        last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
-        return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
+            last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
+            if classes is None:
+                with self._dummy_calls(lacking, ids.device, later=True):
+                    completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
+                                              position_ids=completion_positions,
+                                              past_key_values=prefix_cache(recorded, rows), use_cache=True,
+                                              mm_token_type_ids=completion_mm, **completion_visual)
+                return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
+            pieces, order = [], []
+            for members, width in classes:  # one call per class of similar lengths, padded to its own width
+                idx = torch.tensor(members, device=ids.device)
+                out = backbone(input_ids=completion_ids[idx, :width],
+                               attention_mask=batch.attention_mask[idx, :p + width],
+                               position_ids=completion_positions[:, idx, :width],
+                               past_key_values=prefix_cache(recorded, rows[idx]), use_cache=True,
+                               mm_token_type_ids=completion_mm[idx, :width])
+                states = torch.cat([last_prompt_state[idx], out.last_hidden_state[:, :width - 1]], dim=1)
+                pieces.append(nn.functional.pad(states, (0, 0, 0, c - width)))
+                order += members
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return torch.cat(pieces)[back.to(ids.device)]
+
+    def _width_classes(self, batch: SequenceBatch) -> list[tuple[list[int], int]] | None:
+        """(rows, width) of each completion call of the shared forward (`vlrft.batch.width_classes`), or None for
+        one call over all rows: with tool images in completions, when off, or under sharding strategies
+        (`agree_on_visual_kinds` set), where every rank must call the sharded blocks equally often."""
+        if not self.split_completion_widths or batch.has_completion_images or self.agree_on_visual_kinds is not None:
+            return None
+        lengths = [max(1, n) for n in batch.completion_mask.sum(dim=1).long().tolist()]
+        classes = width_classes(lengths)
+        if len(classes) == 1:
+            return None
+        return [(members, max(lengths[i] for i in members)) for members in classes]
 
     def logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         """Logprob and entropy of each completion token under softmax(logits / temperature)."""

@@ -16,6 +16,7 @@ import torch
 from vlrft.algo import compute_advantages, kl_reward_penalty
 from vlrft.batch import SequenceBatch, build_sequences
 from vlrft.config import AlgorithmConfig
+from vlrft.trainer.micro_batches import MicroBatch, RowLengths, by_row_count, by_token_budget, padded_to_count
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 Timer = Callable[[str], contextlib.AbstractContextManager]
@@ -34,6 +35,12 @@ class Batching:
     device: torch.device
     micro_batch: int  # completions per forward pass (train.micro_batch_completions_per_rank)
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # mixed precision, if any
+    # train.max_tokens_per_micro_batch: > 0 forms micro-batches by this token budget (vlrft.trainer.micro_batches)
+    max_tokens: int = 0
+    share_prompts: bool = True  # the policy runs each distinct prompt once per micro-batch (what the budget counts)
+    split_widths: bool = True  # ... and its completions in classes of similar length (ActorVL, not under sharding)
+    agree_count: Callable[[int], int] | None = None  # max over ranks of a micro-batch count (None: one process)
+    message: Callable[[str], None] = print  # where the one note about a row over the budget goes
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,29 @@ def padded(rows: list[list[float]] | list[list[int]], width: int, dtype=torch.fl
 
 
 def micro_batches(rows: list[int], size: int) -> list[list[int]]:
-    return [rows[i:i + size] for i in range(0, len(rows), size)]
+    return by_row_count(rows, size)
+
+
+_oversized_noted = False
+
+
+def plan_micro_batches(batching: Batching, collected, rows: list[int]) -> list[MicroBatch]:
+    """This rank's forwards over `rows`: by row count, or by token budget with a count agreed over ranks."""
+    if batching.max_tokens <= 0:
+        return [MicroBatch(m) for m in micro_batches(rows, batching.micro_batch)]
+    lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
+                            collected.rollouts.prompt_index)
+
+    def note(row: int, tokens: int) -> None:
+        global _oversized_noted
+        if not _oversized_noted:
+            _oversized_noted = True
+            batching.message(f"note: a training row needs {tokens} tokens, over train.max_tokens_per_micro_batch="
+                             f"{batching.max_tokens}; such rows form micro-batches of their own (said once)")
+
+    micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note, batching.split_widths)
+    count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
+    return padded_to_count(micro, count, lengths, batching.share_prompts, batching.split_widths)
 
 
 def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBatch:
@@ -94,11 +123,12 @@ def forward_pass(batching: Batching, collected, model, width: int, fn) -> torch.
     """Run `fn(model, seqs) -> [B, c]` over micro-batches of all rows, padded into one [N, width] tensor."""
     n_rows = len(collected.rollouts)
     out = torch.zeros((n_rows, width), dtype=torch.float32)
-    for rows in micro_batches(list(range(n_rows)), batching.micro_batch):
-        seqs = sequences_for(batching, collected, rows)
+    for micro in plan_micro_batches(batching, collected, list(range(n_rows))):
+        seqs = sequences_for(batching, collected, micro.rows)
         with batching.autocast():
             values = fn(model, seqs).float().cpu()
-        out[rows, :values.shape[1]] = values
+        if not micro.filler:
+            out[micro.rows, :values.shape[1]] = values
     return out
 
 

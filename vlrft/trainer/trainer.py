@@ -36,6 +36,7 @@ from vlrft.trainer.collect import Collected, CollectDeps, collect
 from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
+from vlrft.trainer.micro_batches import share_every_forward
 from vlrft.trainer.update import UpdateDeps, update
 
 
@@ -102,6 +103,8 @@ class Trainer:
             self._build_critic()
         self.scheduler = self._build_scheduler()
         self.strategy.balance_vision_calls([self.actor, self.ref, self.critic])  # sharded: no rank skips the tower
+        if cfg.train.max_tokens_per_micro_batch > 0 and self.strategy.balances_vision_calls:
+            share_every_forward([self.actor, self.ref])  # ranks' micro-batches differ: same block calls on each
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
@@ -271,7 +274,14 @@ class Trainer:
 
     def _batching(self) -> Batching:
         return Batching(self.tokens.pad_id, self.device, self.cfg.train.micro_batch_completions_per_rank,
-                        self.autocast)
+                        self.autocast, max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+                        share_prompts=self.actor.share_prompts, message=self.message,
+                        split_widths=not self.strategy.balances_vision_calls,  # as ActorVL._width_classes
+                        agree_count=self.max_count if self.strategy.world_size > 1 else None)
+
+    def max_count(self, count: int) -> int:
+        """The largest `count` over ranks (token-budget micro-batches: every rank runs as many forwards)."""
+        return int(self.max_reduce(torch.tensor([count])).item())
 
     def _collect_deps(self) -> CollectDeps:
         return CollectDeps(algo=self.cfg.algorithm, rollout=self.cfg.rollout, prompts_per_rank=self.prompts_per_rank,

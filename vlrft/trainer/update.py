@@ -18,7 +18,7 @@ from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss
 from vlrft.config import AlgorithmConfig
 from vlrft.dist.strategy import Strategy, TrainedModel
 from vlrft.errors import UserError
-from vlrft.trainer.experience import Batching, Experience, micro_batches, sequences_for
+from vlrft.trainer.experience import Batching, Experience, plan_micro_batches, sequences_for
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,11 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
             mini = list(range(start, min(start + deps.mini_batch_per_rank, n_rows)))
             den = loss_denominators(exp.mask[mini], reduce=lambda t: strategy.all_reduce(t, "sum"))
             nonfinite = False
-            micro = micro_batches(mini, batching.micro_batch)
-            for i, rows in enumerate(micro):
+            micro = plan_micro_batches(batching, collected, mini)
+            for i, planned in enumerate(micro):
+                rows = planned.rows
+                # A filler only keeps this rank's forwards/backwards in step with the other ranks': weight 0.
+                weight = 0.0 if planned.filler else 1.0
                 seqs = sequences_for(batching, collected, rows)
                 width = seqs.completion_width
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else strategy.no_sync(deps.policy)
@@ -76,18 +79,23 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                         ref_logprobs=_slice(exp.ref_logprobs, rows, width, device),
                         kl_coef=deps.kl_coef, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
                         max_tokens=deps.max_new_tokens, world_size=world)
-                    strategy.backward(result.loss, deps.policy)
-                nonfinite |= not bool(torch.isfinite(result.loss.detach()))
-                stats = stats.merge(result.stats)
+                    strategy.backward(result.loss if weight == 1.0 else result.loss * weight, deps.policy)
+                if not planned.filler:
+                    nonfinite |= not bool(torch.isfinite(result.loss.detach()))
+                    stats = stats.merge(result.stats)
                 if deps.critic is not None:
-                    critic_stats, critic_bad = _critic_backward(deps, seqs, rows, exp, den, i == len(micro) - 1)
-                    stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
+                    critic_stats, critic_bad = _critic_backward(deps, seqs, rows, exp, den, i == len(micro) - 1,
+                                                                weight)
+                    if not planned.filler:
+                        stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
             skipped += _optimizer_step(deps, nonfinite, stats)
     return stats, skipped
 
 
-def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: bool) -> tuple[Stats, bool]:
-    """Value-loss backward for one micro-batch; returns its stats and whether the loss was non-finite."""
+def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: bool,
+                     weight: float = 1.0) -> tuple[Stats, bool]:
+    """Value-loss backward for one micro-batch (`weight` 0: a filler); returns its stats and whether the loss was
+    non-finite."""
     width, device, strategy = seqs.completion_width, deps.batching.device, deps.strategy
     sync = contextlib.nullcontext() if last else strategy.no_sync(deps.critic)
     with sync:
@@ -96,7 +104,7 @@ def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: b
         result = value_loss(values.float(), _slice(exp.values, rows, width, device),
                             _slice(exp.returns, rows, width, device), _slice(exp.mask, rows, width, device),
                             deps.algo.value_clip, num_tokens=den.num_tokens, world_size=strategy.world_size)
-        strategy.backward(result.loss * deps.algo.value_coef, deps.critic)
+        strategy.backward(result.loss * (deps.algo.value_coef * weight), deps.critic)
     return result.stats, not bool(torch.isfinite(result.loss.detach()))
 
 
