@@ -77,3 +77,23 @@ def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test compilation
         compiled = _run(setup, sampling, compile_decode=True)
     _assert_same(compiled, _run(setup, sampling, static_cache=False))
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
+                                     dict(temperature=1.3, repetition_penalty=1.2), dict(temperature=0.0)])
+def test_per_step_processors_give_exactly_the_scores_of_transformers_processor_list(options):
+    # The decode loop calls its processors directly with a precomputed suppression mask; the scores
+    # (hence the sampled ids and the recorded logprobs) must be bit-identical to transformers' list.
+    from vlrft.rollout.decode import sampling_processors, step_processors
+
+    vocab, suppressed = 300, (5, 17, 299, 1000)  # an id past the vocabulary is ignored, as transformers does
+    sampling = SamplingParams(n=2, max_new_tokens=4, **options)
+    generator = torch.Generator().manual_seed(0)
+    history = torch.randint(0, vocab, (6, 9), generator=generator)
+    scores = torch.randn(6, vocab, generator=generator) * 3
+    expected = sampling_processors(sampling, suppressed, "cpu")(history, scores.clone())
+    got = scores.clone()
+    for processor in step_processors(sampling, suppressed, vocab, "cpu"):
+        got = processor(history, got)
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[:, [5, 17, 299]]).all()
