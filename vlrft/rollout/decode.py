@@ -104,6 +104,9 @@ class _DecodeStep:
 
     def __init__(self, backbone, compile_step: bool):
         self.backbone = backbone
+        # A decode step carries no image or video: the multimodal wrapper would only embed the ids and
+        # pass them on, so the text decoder is called directly (same modules, one wrapper less per token).
+        self.text_model = getattr(backbone, "language_model", None)
         self.compiled = None
         if compile_step:
             try:
@@ -112,8 +115,12 @@ class _DecodeStep:
                 _warn_compile(error)
 
     def _eager(self, tokens, attention, position, mm, cache):
-        out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position, past_key_values=cache,
-                            use_cache=True, mm_token_type_ids=mm)
+        if self.text_model is not None:
+            out = self.text_model(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                  past_key_values=cache, use_cache=True)
+        else:
+            out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
         return out.last_hidden_state[:, -1]
 
     def __call__(self, *args):
