@@ -372,6 +372,30 @@ SETTINGS = {  # name -> BenchSpec fields over the command line's
 }
 
 
+TARGETS = {"text": 0.6, "default": 0.5, "image224": 0.4}  # vlrft / TRL per step the project aims for
+FLOOR_TARGET = 1.5  # a default step at most this many times the FLOP floor
+
+
+def summary_markdown(results: dict) -> str:
+    """One markdown row per setting and beta, from `--out`'s JSON: what the README's speed table shows."""
+    rows = ["| setting | beta | CPU s/step vlrft | TRL | CPU-time ratio min/median/max | wall ratio min/median/max "
+            "| x FLOP floor (CPU) vlrft / TRL | peak RSS ratio | target |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, result in results.items():
+        spec, floor = result["spec"], result["floor_s_per_step"]
+        images = "text-only" if spec["images_per_prompt"] == 0 else f"{spec['images_per_prompt']} x {spec['image_size']} px"
+        what = (f"{name}: {images}, {result['prompt_length']}-token prompt, group {spec['group_size']}, {spec['batch_size']} x "
+                f"{spec['completion_length']} tokens{' (natural lengths)' if spec['natural_length'] else ''}")
+        for c in result["comparisons"]:
+            runs = [RunResult(**r) for r in c["runs"]]
+            target = TARGETS.get(name)
+            rows.append(f"| {what} | {c['beta']:g} | {c['vlrft_median_step_cpu_s']:.2f} | {c['trl_median_step_cpu_s']:.2f} "
+                        f"| {_spread(pair_ratios(runs, 'median_step_cpu_s'))} | {_spread(pair_ratios(runs, 'median_step_s'))} "
+                        f"| {c['vlrft_median_step_cpu_s'] / floor:.2f} / {c['trl_median_step_cpu_s'] / floor:.2f} "
+                        f"| {c['rss_ratio']:.2f} | {'-' if target is None else f'<= {target:g}'} |")
+    return "\n".join(rows)
+
+
 def pair_ratios(runs: list[RunResult], key: str) -> list[float]:
     """vlrft / TRL for each interleaved pair (run i of each), from each run's median step."""
     ours = [getattr(r, key) for r in runs if r.framework == "vlrft"]
@@ -505,6 +529,7 @@ def parse_args() -> argparse.Namespace:
                         "each over the other options")
     p.add_argument("--images-per-prompt", type=int, default=d.images_per_prompt)
     p.add_argument("--only", choices=FRAMEWORKS, help="run one framework only (e.g. for profiling)")
+    p.add_argument("--summarize", metavar="JSON", help="print the markdown summary of an earlier --out file and exit")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -516,12 +541,17 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.spec, args.worker_out)
         return
+    if args.summarize:
+        print(summary_markdown(json.loads(Path(args.summarize).read_text())))
+        return
     if args.batch_size % args.group_size or args.batch_size % args.micro_batch_size:
         raise SystemExit("--batch-size must be a multiple of --group-size and of --micro-batch-size")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
     results = {}
     for setting in args.settings:
         results[setting] = run_setting(args, setting, root / setting)
+    if not args.only:
+        print("\n" + summary_markdown(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")
