@@ -97,3 +97,24 @@ def test_per_step_processors_give_exactly_the_scores_of_transformers_processor_l
         got = processor(history, got)
     assert torch.equal(got, expected)
     assert torch.isinf(got[:, [5, 17, 299]]).all()
+
+
+def test_decode_mask_is_prebuilt_for_sdpa_and_left_to_the_model_for_eager_attention(setup, tiny_vlm_dir):
+    # SDPA takes the ready boolean 4D mask; eager attention needs its own additive mask, so it gets
+    # the 2D padding mask. Both must decode what transformers' generate decodes, padding included.
+    from vlrft.models.actor import split_head
+    from vlrft.rollout.decode import _step_mask_buffer
+
+    processor, sdpa_model, tokens, batch = setup
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert _step_mask_buffer(split_head(sdpa_model)[0], prompt_mask, 5).shape == (2, 1, 1, 5)
+    eager_model = load_policy(tiny_vlm_dir("qwen2_5_vl"), attn_implementation="eager").eval()
+    assert _step_mask_buffer(split_head(eager_model)[0], prompt_mask, 5).tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+    for static in (False, True):
+        ours = HFEngine(lambda: eager_model, processor, tokens, share_prompts=True, static_cache=static).generate(
+            batch, sampling)
+        theirs = HFEngine(lambda: eager_model, processor, tokens, share_prompts=False).generate(batch, sampling)
+        assert ours.completion_ids == theirs.completion_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)

@@ -140,6 +140,25 @@ def _warn_compile(error: Exception) -> None:
                   "decoding eagerly", RuntimeWarning, stacklevel=3)
 
 
+def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The decode steps' attention mask over `length` positions, the prompt's filled in.
+
+    With SDPA it is kept in the boolean [rows, 1, 1, length] form the attention layers take, which
+    transformers passes through as it is, so no mask is built at each step (the same values it
+    would build). Other kernels (eager's additive mask, flash-attention's padding mask) get the
+    2D padding mask and build their own.
+    """
+    rows, prompt_len = prompt_mask.shape
+    config = getattr(getattr(backbone, "language_model", backbone), "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        buffer = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=prompt_mask.device)
+        buffer[:, 0, 0, :prompt_len] = prompt_mask.bool()
+        return buffer
+    buffer = torch.zeros(rows, length, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    buffer[:, :prompt_len] = prompt_mask
+    return buffer
+
+
 @torch.no_grad()
 def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
@@ -171,12 +190,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position; each new token adds 1 on all axes
     total = len(rows)
-    # Buffers for every position the group can reach, written in place: the attention mask, already
-    # in the [rows, 1, query, key] form the attention layers take (so the model builds no mask at each
-    # step; with a static cache it attends over all positions, future ones masked), the history
-    # (prompt + generated ids: what repetition penalty and stop strings look at), and the outputs.
-    attention = torch.zeros(total, 1, 1, prompt_len + max_new, dtype=torch.bool, device=device)
-    attention[:, 0, 0, :prompt_len] = mask[rows].bool()
+    # Buffers for every position the group can reach, written in place: the attention mask (with a
+    # static cache the model attends over all of them, future ones masked), the history (prompt +
+    # generated ids: what repetition penalty and stop strings look at), and the outputs.
+    attention = _step_mask_buffer(backbone, mask[rows], prompt_len + max_new)
     history = torch.full((total, prompt_len + max_new), pad_id, dtype=ids.dtype, device=device)
     history[:, :prompt_len] = ids[rows]
     mm_step = torch.zeros(total, 1, dtype=mm.dtype, device=device)
@@ -223,7 +240,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             attention, mm_step = attention[index], mm_step[: len(index)]
             _select_rows(cache, index)
         position += 1  # as vlrft.models.positions.positions_after places them
-        attention[:, 0, 0, prompt_len + step] = True
+        attention[..., prompt_len + step] = True
         # a static cache attends over every preallocated position; a dynamic one holds exactly those so far
         step_mask = attention if static_cache else attention[..., :prompt_len + step + 1]
         hidden = step_fn(tokens[:, None], step_mask, position[:, :, None], mm_step, cache)
