@@ -7,8 +7,9 @@ A random Qwen2-VL (hidden 256, 4 layers, vocabulary 512; `--hidden`, `--layers`)
 forced to `--tokens` tokens (min_new_tokens = max_new_tokens, so every variant generates the same
 number) for each regime: text-only prompts and 112 px image prompts, groups of 4 and 8, 4 prompts
 per call. Variants run interleaved, `--repeats` times each; min / median / max tokens/s are printed,
-and each variant's median relative to `model.generate`. One thread (`--threads`).
-Timings on a loaded machine are indicative only: compare ratios from the same run.
+and each variant's median relative to `model.generate`, per wall-clock second and per second of
+this process's CPU time (on a shared machine the steadier of the two: it leaves out the time other
+jobs held the core). One thread (`--threads`). Compare ratios from the same run only.
 """
 
 from __future__ import annotations
@@ -74,18 +75,22 @@ def main() -> None:
         for engine in engines.values():  # warm-up (and compile) outside the timing
             engine.generate(batch, sampling)
         rates: dict[str, list[float]] = {v: [] for v in engines}
+        cpu_rates: dict[str, list[float]] = {v: [] for v in engines}
         for _ in range(args.repeats):
             for variant, engine in engines.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 out = engine.generate(batch, sampling)
-                elapsed = time.perf_counter() - start
-                rates[variant].append(sum(len(ids) for ids in out.completion_ids) / elapsed)
-        base = statistics.median(rates["generate"])
-        print(f"\n{name}:")
-        for variant, values in rates.items():
-            med = statistics.median(values)
-            print(f"  {variant:<24} {min(values):7.0f} / {med:7.0f} / {max(values):7.0f} tok/s   "
-                  f"{med / base:5.2f}x generate")
+                elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                generated = sum(len(ids) for ids in out.completion_ids)
+                rates[variant].append(generated / elapsed)
+                cpu_rates[variant].append(generated / elapsed_cpu)
+        base, cpu_base = statistics.median(rates["generate"]), statistics.median(cpu_rates["generate"])
+        print(f"\n{name}:  tokens/s (wall) min/median/max, x generate | tokens per CPU-second min/median/max, x generate")
+        for variant in rates:
+            wall, cpu = rates[variant], cpu_rates[variant]
+            print(f"  {variant:<24} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
+                  f"{statistics.median(wall) / base:5.2f}x | {min(cpu):6.0f}/{statistics.median(cpu):6.0f}/"
+                  f"{max(cpu):6.0f} {statistics.median(cpu) / cpu_base:5.2f}x")
 
 
 if __name__ == "__main__":

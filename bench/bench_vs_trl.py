@@ -19,7 +19,8 @@ EOS is masked during sampling), so both do the same amount of generation and tra
 
 Settings (`--settings`, each its own model/data folder, run one after the other): `default` (one
 112 px image, group 4, 64 tokens), `text` (text-only prompts, group 8), `images3` (three images per
-prompt), `long` (256-token completions), `natural` (EOS may end completions). For each, the ratio
+prompt), `long` (256-token completions), `natural` (EOS may end completions), `image224` (one
+224 px image, group 8). For each, the ratio
 vlrft / TRL is printed per interleaved pair (each run's median step) as min/median/max, in wall
 clock and CPU time, and so is the FLOP floor: the matmul FLOPs one step cannot avoid, counted from
 the model's layer shapes (`step_flops`: each prompt once, every completion token, forward+backward,
@@ -367,7 +368,32 @@ SETTINGS = {  # name -> BenchSpec fields over the command line's
     "images3": {"images_per_prompt": 3},
     "long": {"completion_length": 256},
     "natural": {"natural_length": True},
+    "image224": {"image_size": 224, "group_size": 8},
 }
+
+
+TARGETS = {"text": 0.6, "default": 0.5, "image224": 0.4}  # vlrft / TRL per step the project aims for
+FLOOR_TARGET = 1.5  # a default step at most this many times the FLOP floor
+
+
+def summary_markdown(results: dict) -> str:
+    """One markdown row per setting and beta, from `--out`'s JSON: what the README's speed table shows."""
+    rows = ["| setting | beta | CPU s/step vlrft | TRL | CPU-time ratio min/median/max | wall ratio min/median/max "
+            "| x FLOP floor (CPU) vlrft / TRL | peak RSS ratio | target |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, result in results.items():
+        spec, floor = result["spec"], result["floor_s_per_step"]
+        images = "text-only" if spec["images_per_prompt"] == 0 else f"{spec['images_per_prompt']} x {spec['image_size']} px"
+        what = (f"{name}: {images}, {result['prompt_length']}-token prompt, group {spec['group_size']}, {spec['batch_size']} x "
+                f"{spec['completion_length']} tokens{' (natural lengths)' if spec['natural_length'] else ''}")
+        for c in result["comparisons"]:
+            runs = [RunResult(**r) for r in c["runs"]]
+            target = TARGETS.get(name)
+            rows.append(f"| {what} | {c['beta']:g} | {c['vlrft_median_step_cpu_s']:.2f} | {c['trl_median_step_cpu_s']:.2f} "
+                        f"| {_spread(pair_ratios(runs, 'median_step_cpu_s'))} | {_spread(pair_ratios(runs, 'median_step_s'))} "
+                        f"| {c['vlrft_median_step_cpu_s'] / floor:.2f} / {c['trl_median_step_cpu_s'] / floor:.2f} "
+                        f"| {c['rss_ratio']:.2f} | {'-' if target is None else f'<= {target:g}'} |")
+    return "\n".join(rows)
 
 
 def pair_ratios(runs: list[RunResult], key: str) -> list[float]:
@@ -381,8 +407,12 @@ def _spread(values: list[float]) -> str:
     return f"{min(values):.2f}/{statistics.median(values):.2f}/{max(values):.2f}" if values else "-"
 
 
-def matmul_rate(threads: int, size: int = 512, repeats: int = 5) -> float:
-    """Best FLOP/s of a [size, size] x [size, 4 size] float32 matmul on this machine, now (same threads as the runs)."""
+def matmul_rate(threads: int, size: int = 512, repeats: int = 10) -> float:
+    """Best FLOP/s of a [size, size] x [size, 4 size] float32 matmul on this machine, now (same threads as the runs).
+
+    Timed in this process's CPU time (best of `repeats`): on a shared machine the wall clock also
+    counts the time other jobs held the core, which would lower the rate and so the floor.
+    """
     import torch
 
     previous = torch.get_num_threads()
@@ -391,10 +421,10 @@ def matmul_rate(threads: int, size: int = 512, repeats: int = 5) -> float:
     a @ b
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(5):
             a @ b
-        best = min(best, (time.perf_counter() - start) / 5)
+        best = min(best, (time.process_time() - start) / 5)
     torch.set_num_threads(previous)
     return 2 * size * size * 4 * size / best
 
@@ -495,9 +525,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=d.image_size)
     p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["default"],
                    help="text: text-only prompts, group 8; images3: 3 images per prompt; long: 256-token "
-                        "completions; natural: EOS may end completions; each over the other options")
+                        "completions; natural: EOS may end completions; image224: one 224 px image, group 8; "
+                        "each over the other options")
     p.add_argument("--images-per-prompt", type=int, default=d.images_per_prompt)
     p.add_argument("--only", choices=FRAMEWORKS, help="run one framework only (e.g. for profiling)")
+    p.add_argument("--summarize", metavar="JSON", help="print the markdown summary of an earlier --out file and exit")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -509,12 +541,17 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.spec, args.worker_out)
         return
+    if args.summarize:
+        print(summary_markdown(json.loads(Path(args.summarize).read_text())))
+        return
     if args.batch_size % args.group_size or args.batch_size % args.micro_batch_size:
         raise SystemExit("--batch-size must be a multiple of --group-size and of --micro-batch-size")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
     results = {}
     for setting in args.settings:
         results[setting] = run_setting(args, setting, root / setting)
+    if not args.only:
+        print("\n" + summary_markdown(results))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")

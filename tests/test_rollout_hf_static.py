@@ -77,3 +77,44 @@ def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test compilation
         compiled = _run(setup, sampling, compile_decode=True)
     _assert_same(compiled, _run(setup, sampling, static_cache=False))
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
+                                     dict(temperature=1.3, repetition_penalty=1.2), dict(temperature=0.0)])
+def test_per_step_processors_give_exactly_the_scores_of_transformers_processor_list(options):
+    # The decode loop calls its processors directly with a precomputed suppression mask; the scores
+    # (hence the sampled ids and the recorded logprobs) must be bit-identical to transformers' list.
+    from vlrft.rollout.decode import sampling_processors, step_processors
+
+    vocab, suppressed = 300, (5, 17, 299, 1000)  # an id past the vocabulary is ignored, as transformers does
+    sampling = SamplingParams(n=2, max_new_tokens=4, **options)
+    generator = torch.Generator().manual_seed(0)
+    history = torch.randint(0, vocab, (6, 9), generator=generator)
+    scores = torch.randn(6, vocab, generator=generator) * 3
+    expected = sampling_processors(sampling, suppressed, "cpu")(history, scores.clone())
+    got = scores.clone()
+    for processor in step_processors(sampling, suppressed, vocab, "cpu"):
+        got = processor(history, got)
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[:, [5, 17, 299]]).all()
+
+
+def test_decode_mask_is_prebuilt_for_sdpa_and_left_to_the_model_for_eager_attention(setup, tiny_vlm_dir):
+    # SDPA takes the ready boolean 4D mask; eager attention needs its own additive mask, so it gets
+    # the 2D padding mask. Both must decode what transformers' generate decodes, padding included.
+    from vlrft.models.actor import split_head
+    from vlrft.rollout.decode import _step_mask_buffer
+
+    processor, sdpa_model, tokens, batch = setup
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert _step_mask_buffer(split_head(sdpa_model)[0], prompt_mask, 5).shape == (2, 1, 1, 5)
+    eager_model = load_policy(tiny_vlm_dir("qwen2_5_vl"), attn_implementation="eager").eval()
+    assert _step_mask_buffer(split_head(eager_model)[0], prompt_mask, 5).tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+    for static in (False, True):
+        ours = HFEngine(lambda: eager_model, processor, tokens, share_prompts=True, static_cache=static).generate(
+            batch, sampling)
+        theirs = HFEngine(lambda: eager_model, processor, tokens, share_prompts=False).generate(batch, sampling)
+        assert ours.completion_ids == theirs.completion_ids
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)

@@ -143,9 +143,9 @@ class RolloutConfig:
     stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
     stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
                                        factory=list)
-    compile_decode: bool = option(False, "hf engine: torch.compile the group decoder's per-token step (worth it on "
-                                  "GPU; compiling takes minutes on CPU); falls back to eager with a warning if "
-                                  "compiling fails")
+    compile_decode: bool = option(False, "hf engine: torch.compile the group decoder's per-token step (on CPU it "
+                                  "measured slower than eager and compiling takes minutes; not yet measured on "
+                                  "GPU); falls back to eager with a warning if compiling fails")
     # vLLM / SGLang only
     gpu_memory_utilization: float = option(0.5, "vLLM/SGLang: fraction of the GPU the engine may take (vLLM) / "
                                            "its static memory (SGLang)")

@@ -62,6 +62,29 @@ def sampling_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...
     return processors
 
 
+class _SuppressTokens:
+    """`SuppressTokensLogitsProcessor` with its vocabulary mask built once, not at every step."""
+
+    def __init__(self, suppressed_ids: tuple[int, ...], vocab_size: int, device):
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.mask[[i for i in suppressed_ids if i < vocab_size]] = True
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(self.mask, float("-inf"))
+
+
+def step_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...], vocab_size: int, device) -> list:
+    """The processors of `sampling_processors` as a plain list for the per-token loop.
+
+    Called one by one (`LogitsProcessorList.__call__` inspects each processor's signature at
+    every step), with the suppression mask precomputed; the scores are those `generate` computes.
+    """
+    from transformers import SuppressTokensLogitsProcessor
+
+    return [_SuppressTokens(suppressed_ids, vocab_size, device) if isinstance(p, SuppressTokensLogitsProcessor) else p
+            for p in sampling_processors(sampling, suppressed_ids, device)]
+
+
 def _select_rows(cache, index: torch.Tensor) -> None:
     """Keep only `index` rows of a KV cache (static layers have no batch_select_indices of their own)."""
     from transformers import StaticCache
@@ -81,6 +104,9 @@ class _DecodeStep:
 
     def __init__(self, backbone, compile_step: bool):
         self.backbone = backbone
+        # A decode step carries no image or video: the multimodal wrapper would only embed the ids and
+        # pass them on, so the text decoder is called directly (same modules, one wrapper less per token).
+        self.text_model = getattr(backbone, "language_model", None)
         self.compiled = None
         if compile_step:
             try:
@@ -89,8 +115,12 @@ class _DecodeStep:
                 _warn_compile(error)
 
     def _eager(self, tokens, attention, position, mm, cache):
-        out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position, past_key_values=cache,
-                            use_cache=True, mm_token_type_ids=mm)
+        if self.text_model is not None:
+            out = self.text_model(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                  past_key_values=cache, use_cache=True)
+        else:
+            out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
         return out.last_hidden_state[:, -1]
 
     def __call__(self, *args):
@@ -108,6 +138,25 @@ def _warn_compile(error: Exception) -> None:
 
     warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
                   "decoding eagerly", RuntimeWarning, stacklevel=3)
+
+
+def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The decode steps' attention mask over `length` positions, the prompt's filled in.
+
+    With SDPA it is kept in the boolean [rows, 1, 1, length] form the attention layers take, which
+    transformers passes through as it is, so no mask is built at each step (the same values it
+    would build). Other kernels (eager's additive mask, flash-attention's padding mask) get the
+    2D padding mask and build their own.
+    """
+    rows, prompt_len = prompt_mask.shape
+    config = getattr(getattr(backbone, "language_model", backbone), "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        buffer = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=prompt_mask.device)
+        buffer[:, 0, 0, :prompt_len] = prompt_mask.bool()
+        return buffer
+    buffer = torch.zeros(rows, length, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    buffer[:, :prompt_len] = prompt_mask
+    return buffer
 
 
 @torch.no_grad()
@@ -144,8 +193,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     # Buffers for every position the group can reach, written in place: the attention mask (with a
     # static cache the model attends over all of them, future ones masked), the history (prompt +
     # generated ids: what repetition penalty and stop strings look at), and the outputs.
-    attention = torch.zeros(total, prompt_len + max_new, dtype=mask.dtype, device=device)
-    attention[:, :prompt_len] = mask[rows]
+    attention = _step_mask_buffer(backbone, mask[rows], prompt_len + max_new)
     history = torch.full((total, prompt_len + max_new), pad_id, dtype=ids.dtype, device=device)
     history[:, :prompt_len] = ids[rows]
     mm_step = torch.zeros(total, 1, dtype=mm.dtype, device=device)
@@ -153,7 +201,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     out_logprobs = torch.zeros(total, max_new, dtype=torch.float32, device=device)
     lengths = torch.zeros(total, dtype=torch.long, device=device)
     stopped = torch.zeros(total, dtype=torch.bool, device=device)
-    processors = sampling_processors(sampling, suppressed_ids, device)
+    processors = step_processors(sampling, suppressed_ids, head.weight.shape[0], device)
     stop_strings = None
     if sampling.stop:
         from transformers import StopStringCriteria
@@ -165,7 +213,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     alive = torch.arange(total, device=device)  # original row of each running row
     for step in range(max_new):
         seen = history[:, :prompt_len + step]
-        scores = processors(seen, head(hidden).float())
+        scores = head(hidden).float()
+        for processor in processors:
+            scores = processor(seen, scores)
         if step < sampling.min_new_tokens:  # too early to stop
             scores = scores.index_fill(1, stop_tensor, float("-inf"))
         if sampling.greedy:
@@ -190,9 +240,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             attention, mm_step = attention[index], mm_step[: len(index)]
             _select_rows(cache, index)
         position += 1  # as vlrft.models.positions.positions_after places them
-        attention[:, prompt_len + step] = 1
+        attention[..., prompt_len + step] = True
         # a static cache attends over every preallocated position; a dynamic one holds exactly those so far
-        step_mask = attention if static_cache else attention[:, :prompt_len + step + 1]
+        step_mask = attention if static_cache else attention[..., :prompt_len + step + 1]
         hidden = step_fn(tokens[:, None], step_mask, position[:, :, None], mm_step, cache)
     ids_out, lp_out = out_ids.tolist(), out_logprobs.tolist()
     lengths_out, stopped_out = lengths.tolist(), stopped.tolist()
