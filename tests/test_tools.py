@@ -122,27 +122,30 @@ def test_tools_load_from_config_with_their_schema_and_bad_names_fail_at_load(tmp
     assert RolloutConfig().tools == []  # no tools: single-turn rollouts as before
 
 
-def test_the_zoom_demo_mark_is_hidden_at_prompt_resolution_and_plain_after_zooming():
+def test_the_zoom_demo_mark_is_a_speck_at_prompt_resolution_and_plain_after_zooming():
+    """configs/zoom_demo.yaml: the prompt's image at 56 px, tool images at 112 px. The mark covers under 1 % of
+    the prompt's image and 6 % of the zoomed view; the background blotches never stand out as a mark does."""
     import numpy as np
 
     from vlrft.data.media import PixelBounds, fit_image
     from vlrft.data.zoom_marks import render_mark
 
-    bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=3136)  # the demo's 56 x 56 prompt image
+    prompt_bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=3136)
+    tool_bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=12544)
+    standing_out = lambda im: int((np.abs(np.asarray(im, dtype=int) - 255).max(axis=2) > 60).sum())  # noqa: E731
     rng = np.random.default_rng(0)
     for color in ("red", "green", "blue", "yellow", None):
         image = render_mark(color, rng)
-        shown = fit_image(image, bounds)
-        prompt_dev = np.abs(np.asarray(shown, dtype=int) - 255).max()
-        region, _ = zoom(ToolCall("zoom", {"region": "center"}), ToolContext(images=[shown], sample=None, turn=1))
-        # the tool cuts from the image the model saw when the sample's original is unavailable: use the original
-        crop = image.crop(tuple(round(v) for v in region_box({"region": "center"}, *image.size)))
-        zoom_dev = np.abs(np.asarray(fit_image(crop.resize((448, 448)), bounds), dtype=int) - 255).max()
-        assert prompt_dev < 32  # no pixel of the prompt's image stands out from the background blotches
+        shown = fit_image(image, prompt_bounds)
+        # the tool cuts from the sample's original file; without a sample it cuts the image it is given
+        region, _ = zoom(ToolCall("zoom", {"region": "center"}), ToolContext(images=[image], sample=None, turn=1))
+        zoomed = fit_image(region, tool_bounds)
+        assert shown.size == (56, 56) and zoomed.size == (112, 112)
         if color is None:
-            assert zoom_dev < 32
+            assert standing_out(shown) == standing_out(zoomed) == 0
         else:
-            assert zoom_dev > 60, color  # zoomed, the mark stands far above them
+            assert 0 < standing_out(shown) < 0.01 * 56 * 56, color
+            assert standing_out(zoomed) > 0.05 * 112 * 112, color
 
 
 def test_the_zoom_word_parser_calls_zoom_and_leaves_answers_alone():

@@ -172,6 +172,9 @@ class RolloutConfig:
     tool_parser: str = option("qwen", "multi-turn: how a turn's tool call is found: 'qwen' (<tool_call>{\"name\": ..., "
                               "\"arguments\": {...}}</tool_call>) or 'module:function' / 'path.py:function' mapping "
                               "the turn's text to a vlrft.tools.ToolCall, MalformedCall or None (no call)")
+    tool_image_max_pixels: int = option(0, "multi-turn: most pixels of an image a tool returns (a zoomed crop can be "
+                                        "shown sharper than the prompt's image); 0: data.max_pixels; capped by the "
+                                        "processor's own max_pixels")
     describe_tools: bool = option(True, "multi-turn: describe the tools (their JSON schemas) in every prompt, through "
                                   "the chat template's tools; false when the data's prompts already say how to call "
                                   "them (the schemas cost hundreds of prompt tokens)")
@@ -185,6 +188,8 @@ class RolloutConfig:
         _positive("rollout.max_turns", self.max_turns)
         _positive("rollout.max_trajectory_tokens", self.max_trajectory_tokens)
         _positive("rollout.tool_max_concurrency", self.tool_max_concurrency)
+        if self.tool_image_max_pixels < 0:
+            _fail("rollout.tool_image_max_pixels", self.tool_image_max_pixels, "0 (as data.max_pixels) or a pixel count")
         if self.tool_timeout_s <= 0:
             _fail("rollout.tool_timeout_s", self.tool_timeout_s, "a number of seconds > 0")
         if self.tool_parser != "qwen":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -151,6 +151,13 @@ class PromptEncoder:
         # system text describing them for templates without tool support.
         self.tools: list[dict] | None = None
         self.tool_prompt: str | None = None
+
+    def image_bounds(self, max_pixels: int = 0) -> PixelBounds | None:
+        """Pixel bounds of images: the prompts' (`data.min/max_pixels`), or with another `max_pixels` (tool images,
+        `rollout.tool_image_max_pixels`), always within the processor's own bounds."""
+        if not max_pixels or self._image_processor is None:
+            return self._image_bounds
+        return _pixel_bounds(self._image_processor, replace(self.cfg, max_pixels=max_pixels))
 
     # ------------------------------------------------------------------ token ids
 

@@ -207,7 +207,7 @@ class MultiTurnEngine:
         parse_call = parse_qwen_tool_call if parser == "qwen" else load_reference(parser, f"rollout.tool_parser={parser!r}")
         return cls(engine, deps.processor, deps.tokens, tools, max_turns=cfg.rollout.max_turns,
                    max_trajectory_tokens=cfg.rollout.max_trajectory_tokens,
-                   image_bounds=getattr(deps.encoder, "_image_bounds", None),
+                   image_bounds=deps.encoder.image_bounds(cfg.rollout.tool_image_max_pixels),
                    merge_size=deps.encoder.merge_size, parse_call=parse_call,
                    any_rank_going=_any_rank_going(deps.strategy))
 

@@ -8,6 +8,7 @@ built with the multi-turn rollout's own observation template and training layout
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,13 +18,21 @@ import torch
 
 from vlrft.models.recipes import WarmStart, supervised_step
 
+WARM_START_STEPS = 600  # alternating format / colour-naming steps of 16 sequences
 
-def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cfg) -> dict[str, float]:
-    """Format warm start for the zoom demo, on images without a mark: half the sequences answer with a colour
-    word at once, half say "zoom", read the zoomed (still empty) centre and then answer. The model learns both
-    formats, not which colour (there is none to see), nor that zooming helps: RL has to find that."""
+
+def zoom_warm_start(model_dir: Path, samples: list, closeups: list, settings: WarmStart, data_cfg,
+                    tool_max_pixels: int) -> dict[str, float]:
+    """Warm start for the zoom demo, alternating two kinds of supervised steps:
+
+    * format, on images without a mark: half the sequences answer with a colour word at once, half say "zoom",
+      read the zoomed (still empty) centre and then answer. The model learns both formats, not which colour;
+    * colour naming, on `closeups` (centre cells with a plain mark, shown as the prompt's image at the tool-image
+      resolution): the model learns to name a colour it can see, as a pretrained VLM can.
+    It never sees a marked image after zooming: that zooming makes the mark readable is left for RL to find.
+    """
+    from vlrft.batch import build_sequences
     from vlrft.data import PromptEncoder
-    from vlrft.data.processor import _pixel_bounds
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy, load_processor
     from vlrft.rollout.multiturn import ObservationTemplate, Trajectories
@@ -37,40 +46,52 @@ def zoom_warm_start(model_dir: Path, samples: list, settings: WarmStart, data_cf
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
     encoder = PromptEncoder(processor, data_cfg)
+    closeup_encoder = PromptEncoder(processor, dataclasses.replace(data_cfg, max_pixels=tool_max_pixels))
     # No tool schemas in the prompt (configs/zoom_demo.yaml: rollout.describe_tools=false): the tiny model calls the
     # tool with the word "zoom", and the schemas would make every prompt ~700 tokens instead of ~30.
-    observations = ObservationTemplate(processor, _pixel_bounds(processor.image_processor, data_cfg))
+    observations = ObservationTemplate(processor, encoder.image_bounds(tool_max_pixels))
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     words = lambda text: processor.tokenizer(text, add_special_tokens=False).input_ids + [end]  # noqa: E731
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     rng = np.random.default_rng(settings.seed)
     losses = []
+
+    def format_step() -> float:
+        picked = [samples[i] for i in rng.choice(len(samples), size=settings.batch_size, replace=False)]
+        batch = encoder.encode(picked).batch
+        rows: dict[str, list] = {k: [] for k in ("completion_ids", "sampled_mask", "observation_visual")}
+        for i, sample in enumerate(picked):
+            answer = words(sample.answer)
+            if i % 2:
+                ids, mask, visual = answer, [1] * len(answer), None
+            else:
+                first = words("zoom")
+                context = ToolContext(images=list(batch.images[i]), sample=sample, turn=1)
+                output = as_output(zoom(ToolCall("zoom", {"region": "center"}), context))
+                obs, visual, _ = observations.encode(output, first, encoder.merge_size)
+                ids, mask = first + obs + answer, [1] * len(first) + [0] * len(obs) + [1] * len(answer)
+            for key, value in zip(rows, (ids, mask, visual)):
+                rows[key].append(value)
+        n = len(picked)
+        trajectories = Trajectories(n=1, finish_reasons=["stop"] * n, turns=[1] * n, tool_rewards=[0.0] * n,
+                                    tool_stats=[ToolStats() for _ in range(n)], texts=[""] * n,
+                                    observation_images=[[] for _ in range(n)], **rows)
+        return supervised_step(actor, optimizer, trajectories.sequences(batch, list(range(n)), tokens.pad_id))
+
+    def naming_step() -> float:
+        picked = [closeups[i] for i in rng.choice(len(closeups), size=settings.batch_size, replace=False)]
+        batch = closeup_encoder.encode(picked).batch
+        answers = [words(s.answer) for s in picked]
+        return supervised_step(actor, optimizer, build_sequences(batch.prompt_ids, batch.visual, answers,
+                                                                 list(range(len(picked))), tokens.pad_id))
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        for _ in range(settings.steps):
-            picked = [samples[i] for i in rng.choice(len(samples), size=settings.batch_size, replace=False)]
-            batch = encoder.encode(picked).batch
-            rows: dict[str, list] = {k: [] for k in ("completion_ids", "sampled_mask", "observation_visual")}
-            for i, sample in enumerate(picked):
-                answer = words(sample.answer)
-                if i % 2:
-                    ids, mask, visual = answer, [1] * len(answer), None
-                else:
-                    first = words("zoom")
-                    context = ToolContext(images=list(batch.images[i]), sample=sample, turn=1)
-                    output = as_output(zoom(ToolCall("zoom", {"region": "center"}), context))
-                    obs, visual, _ = observations.encode(output, first, encoder.merge_size)
-                    ids, mask = first + obs + answer, [1] * len(first) + [0] * len(obs) + [1] * len(answer)
-                for key, value in zip(rows, (ids, mask, visual)):
-                    rows[key].append(value)
-            n = len(picked)
-            trajectories = Trajectories(n=1, finish_reasons=["stop"] * n, turns=[1] * n, tool_rewards=[0.0] * n,
-                                        tool_stats=[ToolStats() for _ in range(n)], texts=[""] * n,
-                                        observation_images=[[] for _ in range(n)], **rows)
-            seqs = trajectories.sequences(batch, list(range(n)), tokens.pad_id)
-            losses.append(supervised_step(actor, optimizer, seqs))
+        for step in range(settings.steps):
+            losses.append(naming_step() if step % 2 else format_step())
     model.save_pretrained(model_dir, safe_serialization=True)
-    return {"warm_start/first_loss": losses[0], "warm_start/last_loss": losses[-1]}
+    return {"warm_start/first_loss": losses[0], "warm_start/last_format_loss": losses[-2],
+            "warm_start/last_naming_loss": losses[-1]}
 
 
 def build_zoom_demo(out_dir: Path) -> Path:
@@ -81,13 +102,14 @@ def build_zoom_demo(out_dir: Path) -> Path:
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56,
+                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=112 * 112,
                     vocab_size=1024, seed=0)
     build_tiny_vlm(out_dir, spec)
     warmup_dir = out_dir / "warmup_data"
     samples = read_samples(make_zoom_marks(warmup_dir, "warmup", 128, seed=1, blank=True))
-    metrics = zoom_warm_start(out_dir, samples, WarmStart(steps=80),
-                              DataConfig(min_pixels=56 * 56, max_pixels=56 * 56))
+    closeups = read_samples(make_zoom_marks(warmup_dir, "closeup", 512, seed=2, closeup=True))
+    metrics = zoom_warm_start(out_dir, samples, closeups, WarmStart(steps=WARM_START_STEPS, lr=1e-3),
+                              DataConfig(min_pixels=56 * 56, max_pixels=56 * 56), tool_max_pixels=112 * 112)
     shutil.rmtree(warmup_dir)
     (out_dir / "vlrft_recipe.json").write_text(json.dumps({"recipe": "zoom-demo", **metrics}, indent=1))
     return out_dir
