@@ -340,7 +340,7 @@ def test_describe_tools_false_keeps_the_schemas_out_of_every_prompt(tiny_vlm_dir
     for describe in (True, False):
         cfg = load_config(None, ["rollout.tools=[{name: zoom}]", f"rollout.describe_tools={str(describe).lower()}"])
         encoder = PromptEncoder(processor, DATA)
-        deps = SimpleNamespace(encoder=encoder, processor=processor, tokens=None)
+        deps = SimpleNamespace(encoder=encoder, processor=processor, tokens=None, strategy=None)
         MultiTurnEngine.from_deps(cfg, deps, engine=None)
         ids = encoder.encode([Sample(id="x", prompt="Hello?")]).batch.prompt_ids[0]
         text = processor.tokenizer.decode(ids)

@@ -197,7 +197,7 @@ class MultiTurnEngine:
 
     @classmethod
     def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
-        """Around `engine`; also tells the prompt encoder to describe the tools in the prompt (`rollout.describe_tools`)."""
+        """Around `engine`; the prompt encoder describes the tools in every prompt (`rollout.describe_tools`)."""
         from vlrft.registry import load_reference
 
         tools = ToolSet.from_config(cfg.rollout)
