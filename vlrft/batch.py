@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -102,16 +102,26 @@ def width_classes(lengths: Sequence[int], call_tokens: int = CALL_TOKENS) -> lis
     their prompt) without padding the short ones to the longest.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    n = len(order)
-    best = [0] + [None] * n
+    runs = cheapest_runs(len(order), lambda i, j: (j - i) * max(1, lengths[order[i]]) + call_tokens)
+    return [order[i:j] for i, j in runs]
+
+
+def cheapest_runs(n: int, cost: Callable[[int, int], float | None]) -> list[tuple[int, int]]:
+    """Items 0..n-1 cut into consecutive runs [i, j) of the least total `cost(i, j)` (a dynamic programme over
+    the cut points). `cost` None: neither [i, j) nor any longer run ending at j is allowed (runs ending at j are
+    tried shortest first); a single item's cost must be a number."""
+    best: list[float | None] = [0.0] + [None] * n  # best[j]: the least cost of the first j items
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(j):
-            total = best[i] + (j - i) * max(1, lengths[order[i]]) + call_tokens
+        for i in range(j - 1, -1, -1):
+            c = cost(i, j)
+            if c is None:
+                break
+            total = best[i] + c
             if best[j] is None or total < best[j]:
                 best[j], cut[j] = total, i
-    classes, j = [], n
+    runs, j = [], n
     while j > 0:
-        classes.append(order[cut[j]:j])
+        runs.append((cut[j], j))
         j = cut[j]
-    return classes[::-1]
+    return runs[::-1]

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vlrft.batch import width_classes
+from vlrft.batch import cheapest_runs, width_classes
 
 # A run of rows joins an open micro-batch when that adds at most this share of its own forward's tokens in
 # padding (fewer, fuller micro-batches for a little padding).
@@ -145,22 +145,12 @@ def _cut_group(lengths: RowLengths, group: list[int], max_tokens: int, share_pro
             else:
                 runs.append([r])
         return runs
-    n = len(group)
-    best = [0] + [None] * n  # best[j]: fewest tokens for the first j rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j - 1, -1, -1):
-            tokens = forward_tokens(lengths, group[i:j], share_prompts, split_widths)
-            if tokens > max_tokens and j - i > 1:
-                break  # longer runs ending at j only grow
-            total = best[i] + tokens
-            if best[j] is None or total < best[j]:
-                best[j], cut[j] = total, i
-    runs, j = [], n
-    while j > 0:
-        runs.append(group[cut[j]:j])
-        j = cut[j]
-    return runs[::-1]
+
+    def cost(i: int, j: int) -> int | None:
+        tokens = forward_tokens(lengths, group[i:j], share_prompts, split_widths)
+        return None if tokens > max_tokens and j - i > 1 else tokens  # longer runs ending at j only grow
+
+    return [group[i:j] for i, j in cheapest_runs(len(group), cost)]
 
 
 def padded_to_count(micro: list[list[int]], count: int, lengths: RowLengths | None,
