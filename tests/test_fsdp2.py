@@ -106,6 +106,18 @@ def single(setup):
     return {"trainer": trainer, "history": history}
 
 
+def assert_runs_match_single(setup, single: str, runs: tuple[str, ...], steps: tuple[int, ...]) -> None:
+    """Each run's weights equal the one-process run `single` after each step, and the images trained the vision
+    tower (so a dummy-image path that silently dropped them would fail)."""
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    for step in steps:
+        one = weights(setup, single, step)
+        for run in runs:
+            assert_close(weights(setup, run, step), one)
+        tower = [k for k in one if "visual." in k]
+        assert max((one[k] - initial[k]).abs().max().item() for k in tower) > 1e-4
+
+
 def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
     """Equal within float tolerance: 1 % of one AdamW step at lr 1e-3 (sums over ranks round differently)."""
     assert sorted(a) == sorted(b)
@@ -214,13 +226,7 @@ def test_fsdp2_trains_mixed_image_and_text_only_prompts_like_one_process(setup):
     assert hf[-1]["step"] == 1 and hf[-1]["completions/mean_length"] > 0 and hf[-1]["actor/grad_norm"] > 0
     seconds = time.perf_counter() - start
     single = single_run(setup, "MIX-single", *common)
-    initial = load_file(Path(setup["model"]) / "model.safetensors")
-    for step in (1, 2):
-        one = weights(setup, "MIX-single", step)
-        for run in ("MIX8", "MIX4"):
-            assert_close(weights(setup, run, step), one)
-        tower = [k for k in one if "visual." in k]
-        assert max((one[k] - initial[k]).abs().max().item() for k in tower) > 1e-4  # the images trained the tower
+    assert_runs_match_single(setup, "MIX-single", ("MIX8", "MIX4"), steps=(1, 2))
     for run in results:
         for ours, theirs in zip(run["history"], single):
             assert ours["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
