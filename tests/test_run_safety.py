@@ -199,3 +199,32 @@ def test_a_kill_during_the_last_prune_leaves_nothing_behind_after_resume(tmp_pat
     trainer = Trainer(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
     assert trainer.resume_from == root / "step_2"
     assert not half_deleted.exists()
+
+
+def test_tensorboard_shows_every_kept_step_once_whatever_order_event_files_sort_in(tmp_path):
+    """Killed runs leave event files whose names sort by the second and pid they were made in, so a resumed run's
+    file can be read before an older one (found by the fault test in CI: steps 4-5 vanished). Every (re)start
+    rewrites one event file from the jsonl logs: TensorBoard shows exactly the steps metrics.jsonl keeps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vlrft.config import load_config
+    from vlrft.logging import CompletionRow, RunLogger
+
+    cfg = load_config(None, ["logging.progress=false"])
+    out = tmp_path / "run"
+    first = RunLogger(cfg, out, total_steps=6)
+    for step in range(1, 6):
+        first.log(step, {"reward/mean": float(step)})
+    first.log_completions(2, [CompletionRow(prompt="p", completion="c", rewards={"r": 1.0}, advantage=0.5)])
+    first.close()  # killed after step 5; the checkpoint is step 3
+    (old,) = (out / "tensorboard").glob("events.out.tfevents.*")
+    old.rename(old.with_name("events.out.tfevents.9999999999.host.1.0"))  # sorts after any newer file
+    resumed = RunLogger(cfg, out, total_steps=6, start_step=3)
+    for step in (4, 5, 6):
+        resumed.log(step, {"reward/mean": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50),
+                                                                          (6, 60)]
+    assert [e.step for e in events.Tensors("completions/text_summary")] == [2]

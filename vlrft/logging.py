@@ -55,11 +55,14 @@ class RunLogger:
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            # One event file, rewritten from the jsonl logs on every (re)start: they are what survived a crash, and
+            # several event files of killed runs can be read back out of order (their names sort by the second
+            # and pid they were created in), which hid steps from TensorBoard.
             tb_dir = self.dir / "tensorboard"
-            if start_step == 0:  # a restart from scratch: earlier event files hold steps this run writes again
-                for old in tb_dir.glob("events.out.tfevents.*"):
-                    old.unlink()
-            self._tb = SummaryWriter(log_dir=str(tb_dir), purge_step=start_step + 1 if start_step else None)
+            for old in tb_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+            self._tb = SummaryWriter(log_dir=str(tb_dir))
+            self._replay_tensorboard()
         self._wandb = self._init_wandb(cfg) if self.cfg.wandb else None
         self._bar = None
         if self.cfg.progress:
@@ -78,14 +81,28 @@ class RunLogger:
         return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, dir=str(self.dir),
                           config=to_dict(cfg, redact_secrets=True), resume="allow")
 
+    def _replay_tensorboard(self) -> None:
+        """The steps kept in metrics.jsonl / completions.jsonl (a resumed run's steps up to its checkpoint)."""
+        for record in _records(self.metrics_path) if self.metrics_path.exists() else []:
+            self._tb_scalars(record.get("step", 0), record)
+        by_step: dict[int, list[dict]] = {}
+        for row in _records(self.completions_path) if self.completions_path.exists() else []:
+            by_step.setdefault(row.get("step", 0), []).append(row)
+        for step, rows in by_step.items():
+            self._tb.add_text("completions", _completions_markdown(rows), step)
+        self._tb.flush()
+
+    def _tb_scalars(self, step: int, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self._tb.add_scalar(key, value, step)
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            self._tb_scalars(step, metrics)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
@@ -95,18 +112,13 @@ class RunLogger:
                                    if isinstance(metrics.get(key), (int, float))}, refresh=True)
 
     def log_completions(self, step: int, rows: list[CompletionRow]) -> None:
+        records = [{"step": step, "prompt": row.prompt, "completion": row.completion,
+                    "rewards": {k: _clean(v) for k, v in row.rewards.items()},
+                    "advantage": _clean(row.advantage), "image": row.image, **row.extra} for row in rows]
         with self.completions_path.open("a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps({"step": step, "prompt": row.prompt, "completion": row.completion,
-                                    "rewards": {k: _clean(v) for k, v in row.rewards.items()},
-                                    "advantage": _clean(row.advantage), "image": row.image, **row.extra}) + "\n")
+            f.write("".join(json.dumps(record) + "\n" for record in records))
         if self._tb is not None:
-            header = "| prompt | image | completion | rewards | advantage |\n|---|---|---|---|---|\n"
-            body = "".join(
-                f"| {_md(row.prompt[-200:])} | {row.image or ''} | {_md(row.completion[:300])} | "
-                f"{_md(json.dumps({k: _clean(v) for k, v in row.rewards.items()}))} | {row.advantage:.3f} |\n"
-                for row in rows)
-            self._tb.add_text("completions", header + body, step)
+            self._tb.add_text("completions", _completions_markdown(records), step)
         if self._wandb is not None:
             import wandb
 
@@ -129,6 +141,15 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _completions_markdown(records: list[dict]) -> str:
+    """A TensorBoard text table of completions.jsonl records."""
+    header = "| prompt | image | completion | rewards | advantage |\n|---|---|---|---|---|\n"
+    return header + "".join(
+        f"| {_md(str(r.get('prompt', ''))[-200:])} | {r.get('image') or ''} | "
+        f"{_md(str(r.get('completion', ''))[:300])} | {_md(json.dumps(r.get('rewards', {})))} | "
+        f"{float(r.get('advantage') or 0.0):.3f} |\n" for r in records)
 
 
 def _md(text: str) -> str:
