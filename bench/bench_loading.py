@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Host memory while loading the policy under DDP vs FSDP2, per rank (CPU, gloo, 2 processes).
+"""Host memory while loading the policy under each strategy, per rank (CPU, gloo, 2 processes).
 
-    PYTHONPATH=. python bench/bench_fsdp2_loading.py [--hidden 1024] [--layers 12] [--nproc 2]
+    PYTHONPATH=. python bench/bench_loading.py [--strategies ddp fsdp2 zero2 zero3] [--hidden 1024] [--layers 12]
+                                               [--nproc 2]
 
-Builds a random Qwen2-VL-shaped model (tiny vocabulary, real layer shapes) once, then for each
-strategy launches `torchrun` and reports each rank's peak RSS above its RSS after imports, after
-loading and preparing the policy for training (optimizer created, no step taken). Under DDP every
-rank reads the whole checkpoint; under FSDP2 rank 0 reads it and the others build on the meta
-device and receive only their shards.
+Builds a random Qwen2-VL-shaped model (tiny vocabulary, real layer shapes) once, then for each strategy
+launches `torchrun` and reports each rank's peak RSS above its RSS after imports, after loading the policy
+and after preparing it for training (optimizer created, no step taken), and how many parameters the rank
+holds. Under DDP and ZeRO-2 every rank reads the whole checkpoint; under FSDP2 rank 0 reads it and the
+others build on the meta device and receive only their shards; ZeRO-3 builds the model inside
+`deepspeed.zero.Init` (rank 0 reads the checkpoint, every rank keeps its partition).
 """
 
 from __future__ import annotations
@@ -22,16 +24,28 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+STRATEGIES = {"ddp": [], "fsdp2": [], "zero2": ["train.deepspeed.zero_stage=2"],
+              "zero3": ["train.deepspeed.zero_stage=3"]}  # name -> config overrides
 
 
-def worker(strategy_name: str, model_dir: str, out: str) -> None:
+def local_numel(p) -> int:
+    """Elements of a parameter this rank holds: a DTensor's shard (FSDP2), a ZeRO-3 partition, else all."""
+    if hasattr(p, "to_local"):
+        return p.to_local().numel()
+    return p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+
+
+def worker(name: str, model_dir: str, out: str) -> None:
     import resource
 
     import torch
 
+    from vlrft.config import load_config
     from vlrft.dist.strategy import ModelSource, make_strategy
 
-    strategy = make_strategy(strategy_name)
+    kind = "deepspeed" if name.startswith("zero") else name
+    cfg = load_config(None, [f"train.strategy={kind}", *STRATEGIES[name]], validate=False)
+    strategy = make_strategy(kind, cfg)
     # Import what loading imports first, so the figure is memory for weights, not for code.
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401
@@ -40,11 +54,13 @@ def worker(strategy_name: str, model_dir: str, out: str) -> None:
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = strategy.load_model(ModelSource(model_dir), trainable=True)
-    wrapped, optimizer = strategy.prepare_trainable(model, lambda params: torch.optim.AdamW(params, lr=1e-5))
-    params = sum(p.numel() for p in model.parameters())
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in wrapped.parameters())
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    wrapped, _ = strategy.prepare_trainable(model, lambda params: torch.optim.AdamW(params, lr=1e-5))
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    local = sum(local_numel(p) for p in wrapped.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rows = strategy.all_gather_object({"rank": strategy.rank, "peak_mib_above_imports": (peak - before) / 1024,
+                                       "load_peak_mib_above_imports": (loaded - before) / 1024,
                                        "local_params": local, "params": params})
     if strategy.is_main:
         Path(out).write_text(json.dumps(rows))
@@ -53,6 +69,7 @@ def worker(strategy_name: str, model_dir: str, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--strategies", nargs="+", choices=sorted(STRATEGIES), default=list(STRATEGIES))
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--nproc", type=int, default=2)
@@ -65,17 +82,19 @@ def main() -> None:
     model_dir = build_tiny_vlm(folder / "model", spec)
     size_mib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
     print(f"checkpoint: {size_mib:.0f} MiB (float32)")
-    for name in ("ddp", "fsdp2"):
+    for name in args.strategies:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         out = folder / f"{name}.json"
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env.setdefault("DS_ACCELERATOR", "cpu")
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
                         "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", name,
                         str(model_dir), str(out)], env=env, check=True, capture_output=True)
         for row in sorted(json.loads(out.read_text()), key=lambda r: r["rank"]):
-            print(f"{name:6s} rank {row['rank']}: peak RSS +{row['peak_mib_above_imports']:.0f} MiB, "
+            print(f"{name:6s} rank {row['rank']}: peak RSS +{row['load_peak_mib_above_imports']:.0f} MiB after "
+                  f"loading, +{row['peak_mib_above_imports']:.0f} MiB prepared for training, "
                   f"holds {row['local_params'] / 1e6:.1f} M of {row['params'] / 1e6:.1f} M parameters")
 
 
