@@ -1,9 +1,9 @@
 """The CPU zoom demo's starting model (`model.build_recipe: zoom-demo`, configs/zoom_demo.yaml).
 
-A tiny Qwen2-VL (as the shapes demo) with a supervised *format* warm start on images without a
-mark: half the sequences answer with a colour word at once, half say "zoom", read the zoomed (still
-empty) centre and then answer. It lives in the rollout layer because the two-turn sequences are
-built with the multi-turn rollout's own observation template and training layout.
+A tiny Qwen2-VL (as the shapes demo) with a supervised warm start (`zoom_warm_start`): both answer
+formats (at once, or "zoom" then answer) on images without a mark, and colour naming on close-ups
+shown as the prompt's image. It lives in the rollout layer because the two-turn sequences are built
+with the multi-turn rollout's own observation template and training layout.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def zoom_warm_start(model_dir: Path, samples: list, closeups: list, settings: Wa
 
 
 def build_zoom_demo(out_dir: Path) -> Path:
-    """Tiny Qwen2-VL (as shapes-demo) + the two-format warm start of `zoom_warm_start`."""
+    """Tiny Qwen2-VL (as shapes-demo) + the format and colour-naming warm start of `zoom_warm_start`."""
     from vlrft.config import DataConfig
     from vlrft.data import read_samples
     from vlrft.data.zoom_marks import make_zoom_marks
