@@ -59,8 +59,10 @@ def main() -> None:
     processor, model = load_processor(folder), load_policy(folder).eval()
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     image = Image.new("RGB", (112, 112), (200, 40, 40))
-    variants = {"generate": dict(share_prompts=False), "group, dynamic cache": dict(static_cache=False),
-                "group, static cache": dict(static_cache=True)}
+    variants = {"generate": dict(share_prompts=False),
+                "group, dynamic cache": dict(static_cache=False, lean_decode=False),
+                "group, static cache": dict(static_cache=True, lean_decode=False),
+                "group, lean step": dict(lean_decode=True)}
     if args.compile:
         variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True)
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]

@@ -1,4 +1,8 @@
-"""The group decoder's preallocated (static) KV cache and optional compiled step give the same rollouts."""
+"""The group decoder's preallocated (static) KV cache and optional compiled step give the same rollouts.
+
+These exercise decode steps through transformers' layers (`lean_decode=False`); the lean step has
+its own tests (test_rollout_lean_decode.py).
+"""
 
 import pytest
 import torch
@@ -31,6 +35,7 @@ def setup(tiny_vlm_dir, tmp_path_factory):
 def _run(setup, sampling, **engine_options):
     processor, model, tokens, batch = setup
     torch.manual_seed(0)
+    engine_options.setdefault("lean_decode", False)
     return HFEngine(lambda: model, processor, tokens, share_prompts=True, **engine_options).generate(batch, sampling)
 
 
@@ -112,8 +117,8 @@ def test_decode_mask_is_prebuilt_for_sdpa_and_left_to_the_model_for_eager_attent
     assert _step_mask_buffer(split_head(eager_model)[0], prompt_mask, 5).tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
     sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
     for static in (False, True):
-        ours = HFEngine(lambda: eager_model, processor, tokens, share_prompts=True, static_cache=static).generate(
-            batch, sampling)
+        ours = HFEngine(lambda: eager_model, processor, tokens, share_prompts=True, static_cache=static,
+                        lean_decode=False).generate(batch, sampling)
         theirs = HFEngine(lambda: eager_model, processor, tokens, share_prompts=False).generate(batch, sampling)
         assert ours.completion_ids == theirs.completion_ids
         for a, b in zip(ours.logprobs, theirs.logprobs):

@@ -146,6 +146,9 @@ class RolloutConfig:
     compile_decode: bool = option(False, "hf engine: torch.compile the group decoder's per-token step (on CPU it "
                                   "measured slower than eager and compiling takes minutes; not yet measured on "
                                   "GPU); falls back to eager with a warning if compiling fails")
+    lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL decode steps run the layers' arithmetic directly "
+                               "(weights read in place, preallocated KV cache) instead of through transformers' "
+                               "modules; other models, LoRA adapters and compile_decode decode through transformers")
     # vLLM / SGLang only
     gpu_memory_utilization: float = option(0.5, "vLLM/SGLang: fraction of the GPU the engine may take (vLLM) / "
                                            "its static memory (SGLang)")

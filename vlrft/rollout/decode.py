@@ -17,6 +17,7 @@ import torch
 from vlrft.data.processor import left_pad
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
+from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
 
@@ -140,6 +141,14 @@ def _warn_compile(error: Exception) -> None:
                   "decoding eagerly", RuntimeWarning, stacklevel=3)
 
 
+def _lean_applies(backbone, position: torch.Tensor) -> bool:
+    """Whether the lean step can decode: a supported text decoder, and text positions (equal on all axes)."""
+    text_model = getattr(backbone, "language_model", None)
+    if text_model is None or unsupported_reason(text_model) is not None:
+        return False
+    return bool((position == position[0]).all())
+
+
 def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
     """The decode steps' attention mask over `length` positions, the prompt's filled in.
 
@@ -163,12 +172,14 @@ def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch
 def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool = True,
-                  compile_step: bool = False) -> DecodedRows:
+                  compile_step: bool = False, lean_step: bool = True) -> DecodedRows:
     """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt.
 
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
     for prompt + max_new_tokens positions and written in place each step (rows that stop are
-    dropped by one index_select); `compile_step` compiles the per-token backbone call.
+    dropped by one index_select); `compile_step` compiles the per-token backbone call. With
+    `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
+    `vlrft.rollout.lean_decode` (same arithmetic, a tenth of the ops); other models through transformers.
     """
     backbone, head = split_head(model)
     device = head.weight.device
@@ -176,8 +187,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     prompt_len, max_new = ids.shape[1], sampling.max_new_tokens
     mm = mm_token_type_ids(ids, image_token_id, video_token_id)
     positions = prompt_positions(backbone, ids, mask, mm, visual_inputs)
+    use_lean = lean_step and not compile_step and _lean_applies(backbone, positions[:, :, -1])
     cache = None
-    if static_cache:
+    if static_cache and not use_lean:
         from transformers import StaticCache
 
         cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)
@@ -186,9 +198,13 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     n = sampling.n
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
     cache = out.past_key_values
-    _select_rows(cache, rows)
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position; each new token adds 1 on all axes
+    lean = None
+    if use_lean:
+        lean = LeanDecoder(backbone.language_model, cache, rows, mask[rows], position[0], max_new)
+    else:
+        _select_rows(cache, rows)
     total = len(rows)
     # Buffers for every position the group can reach, written in place: the attention mask (with a
     # static cache the model attends over all of them, future ones masked), the history (prompt +
@@ -238,7 +254,13 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             index = keep.nonzero().squeeze(1)
             alive, tokens, position, history = alive[index], tokens[index], position[:, index], history[index]
             attention, mm_step = attention[index], mm_step[: len(index)]
-            _select_rows(cache, index)
+            if lean is not None:
+                lean.keep(index)
+            else:
+                _select_rows(cache, index)
+        if lean is not None:
+            hidden = lean.step(tokens, step)
+            continue
         position += 1  # as vlrft.models.positions.positions_after places them
         attention[..., prompt_len + step] = True
         # a static cache attends over every preallocated position; a dynamic one holds exactly those so far

@@ -1,0 +1,132 @@
+"""The lean decode step (vlrft.rollout.lean_decode) computes what transformers' layers compute, per architecture."""
+
+import pytest
+import torch
+
+from vlrft.config import DataConfig
+from vlrft.data import PromptEncoder, Sample
+from vlrft.models.actor import apply_lora, split_head
+from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout import decode as decode_module
+from vlrft.rollout.base import FINISH_STOP, SamplingParams
+from vlrft.rollout.hf import HFEngine
+from vlrft.rollout.lean_decode import unsupported_reason
+from vlrft.tokens import TokenSpec
+
+ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request, tiny_vlm_dir, tmp_path_factory):
+    from PIL import Image
+
+    folder = tiny_vlm_dir(request.param)
+    processor = load_processor(folder)
+    model = load_policy(folder).eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    root = tmp_path_factory.mktemp("imgs")
+    Image.new("RGB", (64, 64), (220, 30, 30)).save(root / "red.png")
+    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")]),
+               Sample(id="b", prompt="Say something rather longer than the others, please."),
+               Sample(id="c", prompt="Hi")]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=4096)).encode(samples).batch
+    return processor, model, tokens, batch
+
+
+def _run(setup, sampling, lean: bool, model=None):
+    processor, own_model, tokens, batch = setup
+    model = model or own_model
+    torch.manual_seed(0)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=lean)
+    return engine.generate(batch, sampling)
+
+
+def _assert_same(a, b, atol=1e-5):
+    assert a.completion_ids == b.completion_ids
+    assert a.finish_reasons == b.finish_reasons
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol)
+
+
+@pytest.fixture
+def lean_steps(monkeypatch):
+    """Counts the lean decoder's steps, so a test cannot pass by silently decoding through transformers."""
+    calls = []
+    step = decode_module.LeanDecoder.step
+
+    def counted(self, tokens, index):
+        calls.append(len(tokens))
+        return step(self, tokens, index)
+
+    monkeypatch.setattr(decode_module.LeanDecoder, "step", counted)
+    return calls
+
+
+def test_every_qwen_vl_text_decoder_is_supported(setup):
+    _, model, _, _ = setup
+    backbone, _ = split_head(model)
+    assert unsupported_reason(backbone.language_model) is None
+
+
+def test_greedy_ids_and_logprobs_equal_transformers_layers(setup, lean_steps):
+    sampling = SamplingParams(n=2, max_new_tokens=12, temperature=0.0)
+    lean = _run(setup, sampling, lean=True)
+    assert lean_steps, "the lean step was not used"
+    _assert_same(lean, _run(setup, sampling, lean=False))
+
+
+def test_sampling_with_rows_stopping_early_equals_transformers_layers(setup, lean_steps):
+    # Many stop ids so that some rows stop early (their rows leave the cache) while others run to the length.
+    sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    lean = _run(setup, sampling, lean=True)
+    _assert_same(lean, _run(setup, sampling, lean=False))
+    assert FINISH_STOP in lean.finish_reasons
+    assert len(set(lean_steps)) > 1, "no row stopped early, so dropping rows was not exercised"
+
+
+def test_lean_hidden_states_equal_the_text_model_at_every_step(setup):
+    """Step by step against the text model with its own KV cache: new tokens' hidden states within 1e-5."""
+    from vlrft.data.processor import left_pad
+    from vlrft.models.positions import prompt_positions
+    from vlrft.rollout.lean_decode import LeanDecoder
+    from vlrft.vision import mm_token_type_ids
+
+    _, model, tokens, batch = setup
+    backbone, _ = split_head(model)
+    text_model = backbone.language_model
+    ids, mask = left_pad(batch.prompt_ids, tokens.pad_id)
+    mm = mm_token_type_ids(ids, tokens.image_token_id, tokens.video_token_id)
+    visual = batch.visual.model_inputs()
+    positions = prompt_positions(backbone, ids, mask, mm, visual)
+    with torch.no_grad():
+        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                       use_cache=True, **visual)
+        rows = torch.arange(len(ids))
+        lean = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=5)
+        cache, attention, position = out.past_key_values, mask.clone(), positions[:, :, -1:].clone()
+        generator = torch.Generator().manual_seed(0)
+        for step in range(5):
+            new = torch.randint(0, text_model.config.vocab_size, (len(ids),), generator=generator)
+            attention = torch.cat([attention, torch.ones(len(ids), 1, dtype=attention.dtype)], dim=1)
+            position = position + 1
+            expected = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
+                                  past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            assert torch.allclose(lean.step(new, step), expected, atol=1e-5), step
+
+
+def test_lora_wrapped_projections_decode_through_transformers(setup, lean_steps):
+    """A LoRA adapter changes what a projection computes: the lean step must not bypass it."""
+    import copy
+
+    _, model, _, _ = setup
+    adapted = apply_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    for name, parameter in adapted.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero (a no-op adapter); make the adapter change the outputs
+            torch.nn.init.normal_(parameter, std=0.5)
+    backbone, _ = split_head(adapted)
+    assert "LoRA" in unsupported_reason(backbone.language_model) or "Linear" in unsupported_reason(
+        backbone.language_model)
+    sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+    with_adapter = _run(setup, sampling, lean=True, model=adapted.eval())
+    assert not lean_steps
+    assert with_adapter.completion_ids != _run(setup, sampling, lean=True).completion_ids
