@@ -25,7 +25,10 @@ vlrft / TRL is printed per interleaved pair (each run's median step) as min/medi
 clock and CPU time, and so is the FLOP floor: the matmul FLOPs one step cannot avoid, counted from
 the model's layer shapes (`step_flops`: each prompt once, every completion token, forward+backward,
 a reference forward when beta > 0; attention scores left out), divided by the float32 matmul rate
-measured in the same run at the same thread count, and each framework's distance to it.
+measured in the same run at the same thread count, and each framework's distance to it. Next to it
+a memory-aware floor: the same, except that the decode steps' matmuls count at the rate measured
+for their shape (`batch_size` rows through every weight, the weights read from memory each step:
+`decode_matmul_rate`), which on a small CPU is bandwidth-bound and well below the matmul rate.
 
     PYTHONPATH=. python bench/bench_vs_trl.py --out bench_vs_trl.json
     PYTHONPATH=. python bench/bench_vs_trl.py --settings text images3 default long natural --repeats 3 --betas 0
@@ -379,10 +382,11 @@ FLOOR_TARGET = 1.5  # a default step at most this many times the FLOP floor
 def summary_markdown(results: dict) -> str:
     """One markdown row per setting and beta, from `--out`'s JSON: what the README's speed table shows."""
     rows = ["| setting | beta | CPU s/step vlrft | TRL | CPU-time ratio min/median/max | wall ratio min/median/max "
-            "| x FLOP floor (CPU) vlrft / TRL | peak RSS ratio | target |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| x FLOP floor (CPU) vlrft / TRL | x memory-aware floor vlrft / TRL | peak RSS ratio | target |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, result in results.items():
         spec, floor = result["spec"], result["floor_s_per_step"]
+        memory_floor = result.get("memory_floor_s_per_step", float("nan"))
         images = "text-only" if spec["images_per_prompt"] == 0 else f"{spec['images_per_prompt']} x {spec['image_size']} px"
         what = (f"{name}: {images}, {result['prompt_length']}-token prompt, group {spec['group_size']}, {spec['batch_size']} x "
                 f"{spec['completion_length']} tokens{' (natural lengths)' if spec['natural_length'] else ''}")
@@ -392,6 +396,8 @@ def summary_markdown(results: dict) -> str:
             rows.append(f"| {what} | {c['beta']:g} | {c['vlrft_median_step_cpu_s']:.2f} | {c['trl_median_step_cpu_s']:.2f} "
                         f"| {_spread(pair_ratios(runs, 'median_step_cpu_s'))} | {_spread(pair_ratios(runs, 'median_step_s'))} "
                         f"| {c['vlrft_median_step_cpu_s'] / floor:.2f} / {c['trl_median_step_cpu_s'] / floor:.2f} "
+                        f"| {c['vlrft_median_step_cpu_s'] / memory_floor:.2f} / "
+                        f"{c['trl_median_step_cpu_s'] / memory_floor:.2f} "
                         f"| {c['rss_ratio']:.2f} | {'-' if target is None else f'<= {target:g}'} |")
     return "\n".join(rows)
 
@@ -466,6 +472,50 @@ def print_floor(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison],
         print(f"  beta={c.beta:g}: vlrft {c.vlrft_median_step_s / floor:.2f}x the floor (CPU time "
               f"{c.vlrft_median_step_cpu_s / floor:.2f}x), TRL {c.trl_median_step_s / floor:.2f}x "
               f"(CPU time {c.trl_median_step_cpu_s / floor:.2f}x)")
+
+
+def decode_matmul_rate(spec: BenchSpec, repeats: int = 5) -> float:
+    """FLOP/s of the decode steps' matmuls: `batch_size` rows through the text layers' weights, each used once.
+
+    A decode step multiplies a few rows by every weight of the model once, so its matmuls read
+    the weights from memory (they do not stay in cache from one step to the next): on a small
+    CPU the step is bound by memory bandwidth, not by the matmul rate `matmul_rate` measures
+    (there, 2 flops per weight read serve `batch_size` rows). Timed over 16 copies of the layer
+    stack (larger than the caches), in CPU time, best of `repeats`.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(spec.threads or previous)
+    config = json.loads((spec.model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    h, inter, heads, kv = (text[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                             "num_key_value_heads"))
+    kv_width = kv * (h // heads)
+    shapes = [(h, h), (kv_width, h), (kv_width, h), (h, h), (inter, h), (inter, h), (h, inter)]
+    weights = [torch.randn(out, into) for _ in range(16 * text["num_hidden_layers"]) for out, into in shapes]
+    x = {into: torch.randn(spec.batch_size, into) for _, into in shapes}
+    flops = sum(2 * spec.batch_size * w.shape[0] * w.shape[1] for w in weights)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        for w in weights:
+            F.linear(x[w.shape[1]], w)
+        best = min(best, time.process_time() - start)
+    torch.set_num_threads(previous)
+    return flops / best
+
+
+def decode_flops(spec: BenchSpec, completion_length: float | None = None) -> float:
+    """The decode steps' matmul FLOPs of one step (every completion token one forward, LM head included)."""
+    config = json.loads((spec.model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    head_dim = h // text["num_attention_heads"]
+    layer = h * h * 2 + 2 * h * text["num_key_value_heads"] * head_dim + 3 * h * inter
+    tokens = spec.batch_size * (completion_length or spec.completion_length)
+    return 2 * tokens * (layers * layer + h * text["vocab_size"])
 
 
 def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison]) -> None:
@@ -587,18 +637,27 @@ def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
         all_runs.extend(runs)
         if len(frameworks) == 2:
             comparisons.append(compare(beta, runs))
-    rate = matmul_rate(base.threads)
+    rate, decode_rate = matmul_rate(base.threads), decode_matmul_rate(base)
     length = statistics.mean(r.mean_completion_length for r in all_runs) if base.natural_length else None
     floor = step_flops(base, prompt_len, length) / rate
+    decode = decode_flops(base, length)
+    memory_floor = floor - decode / rate + decode / decode_rate
     if comparisons:
         print_table(base, prompt_len, comparisons)
         print_floor(base, prompt_len, comparisons, rate, length)
+        print(f"Memory-aware floor: the decode steps' {decode / 1e9:.2f} GFLOP at the rate of {base.batch_size}-row "
+              f"products over weights read from memory ({decode_rate / 1e9:.1f} GFLOP/s, measured in this run), the "
+              f"rest as above = {memory_floor:.3f} s/step")
+        for c in comparisons:
+            print(f"  beta={c.beta:g}: vlrft {c.vlrft_median_step_cpu_s / memory_floor:.2f}x it (CPU time), "
+                  f"TRL {c.trl_median_step_cpu_s / memory_floor:.2f}x")
     else:
         for r in all_runs:
             print(f"{r.framework} beta={r.beta:g}: {r.median_step_s:.3f} s/step = {r.median_step_s / floor:.2f}x the "
                   f"FLOP floor ({floor:.3f} s at {rate / 1e9:.1f} GFLOP/s)")
     return {"spec": asdict(base), "prompt_length": prompt_len, "matmul_flops_per_s": rate,
-            "floor_s_per_step": floor,
+            "floor_s_per_step": floor, "decode_matmul_flops_per_s": decode_rate,
+            "memory_floor_s_per_step": memory_floor,
             "comparisons": [asdict(c) for c in comparisons], "runs": [asdict(r) for r in all_runs]}
 
 
