@@ -203,6 +203,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     lean = None
     if use_lean:
         lean = LeanDecoder(backbone.language_model, cache, rows, mask[rows], position[0], max_new)
+        out = cache = None  # the prefill's cache now lives in the lean decoder's buffers
     else:
         _select_rows(cache, rows)
     total = len(rows)
