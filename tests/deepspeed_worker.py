@@ -6,6 +6,8 @@ step 1 is normal; in step 2 rank 1's policy loss is NaN (its gradients become Na
 only reports a non-finite loss (`nonfinite_local`) while every gradient is finite; step 4 is normal.
 Rank 0 writes, per stage, which steps were skipped, whether the skipped steps left every weight
 bitwise unchanged, and the largest difference from one process that trains on steps 1 and 4 only.
+Under "padding" it writes how the diverged-weights check (`parameters_finite`) judges a ZeRO-3 shard
+whose padding holds NaN bits, and a shard with a real NaN.
 """
 
 import json
@@ -17,6 +19,7 @@ from torch import nn
 from vlrft.config import load_config
 from vlrft.dist.deepspeed import DeepSpeedStrategy
 from vlrft.dist.strategy import StepResult, TrainedModel, rank_info_from_env
+from vlrft.trainer.update import parameters_finite
 
 MAX_NORM = 0.05  # small, so clipping is active on every applied step
 
@@ -96,6 +99,28 @@ def train_single(world: int) -> list[list[torch.Tensor]]:
     return [[p.detach() for p in m.parameters()] for m in models]
 
 
+def nan_in_zero3_padding(strategy: DeepSpeedStrategy) -> dict:
+    """ZeRO-3 pads each parameter's shards to one size and never initializes the padding, which then holds
+    any bits, NaN ones included: a critic's 1-element value-head bias is all padding on rank 1. Put NaN
+    there (what the memory may hold), then a NaN in a real element (rank 0 holds the bias's one value)."""
+    head = nn.Linear(4, 1)  # weight: 2 real elements per rank; bias: rank 0's 1 real element, rank 1's padding
+    strategy.prepare_trainable(head, make_optimizer)
+    params = list(head.parameters())
+    start = strategy.rank * head.bias.ds_tensor.numel()
+    head.bias.ds_tensor.view(-1)[max(head.bias.ds_numel - start, 0):] = float("nan")
+
+    def on_some_rank(flag: bool) -> bool:
+        return bool(strategy.all_reduce(torch.tensor([float(flag)]), "max").item())
+
+    padded = on_some_rank(not bool(torch.isfinite(head.bias.ds_tensor).all()))
+    judged_diverged = on_some_rank(not parameters_finite(params))
+    if strategy.rank == 0:
+        head.bias.ds_tensor.view(-1)[0] = float("nan")
+    real_nan_seen = on_some_rank(not parameters_finite(params))
+    return {"padding_holds_nan": padded, "padding_nan_judged_finite": not judged_diverged,
+            "real_nan_seen": real_nan_seen}
+
+
 def main(out: str) -> None:
     results = {}
     strategy = None
@@ -106,6 +131,7 @@ def main(out: str) -> None:
         run["max_diff"] = max((torch.tensor(w) - e).abs().max().item()
                               for ws, es in zip(run.pop("weights"), expected) for w, e in zip(ws, es))
         results[f"zero{stage}"] = run
+    results["padding"] = nan_in_zero3_padding(strategy)  # the last strategy is ZeRO-3
     if strategy.is_main:
         with open(out, "w") as f:
             json.dump(results, f)

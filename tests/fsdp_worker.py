@@ -10,6 +10,7 @@ raise while rank 0 waits in a collective.
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ def run_plan(plan_file: str) -> None:
         try:
             history = trainer.fit()
         except UserError as exc:  # a run expected to be refused: every rank raises it together
-            results.append({"error": str(exc)})
+            results.append({"error": str(exc), "traceback": traceback.format_exc()})  # where, if it was not expected
             continue
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss
 from vlrft.config import AlgorithmConfig
@@ -109,10 +110,19 @@ def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: b
 
 
 def _local_values(p: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a parameter: its shard under FSDP2 (DTensor) or ZeRO-3 (`ds_tensor`), else itself."""
+    """This rank's values of a parameter: its shard under FSDP2 (DTensor) or ZeRO-3 (`ds_tensor`), else itself.
+
+    A ZeRO-3 shard is padded so every rank's shard has the same size; the padding (past the parameter's
+    `ds_numel` elements, all on the last ranks) is never initialized by DeepSpeed and holds whatever the
+    memory held, NaN bits included (e.g. rank 1's whole shard of a critic's 1-element value-head bias). Only
+    the real elements are returned, else the diverged-weights check would stop a healthy run at random.
+    """
     shard = getattr(p, "ds_tensor", None)
     if shard is not None:
-        return shard
+        shard = shard.view(-1)
+        rank = dist.get_rank(group=p.ds_process_group) if dist.is_initialized() else 0
+        real = min(max(p.ds_numel - rank * shard.numel(), 0), shard.numel())
+        return shard[:real]
     return p.to_local() if hasattr(p, "to_local") else p
 
 
