@@ -16,6 +16,8 @@ parameters or a sliding window, decodes through transformers (`decode_groups` fa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,9 +56,41 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * normed.to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) (+ residual) in one dispatched op: what `F.linear` runs, minus its transpose dispatch."""
+    if residual is not None:
+        out = torch.addmm(residual, x, weight_t)
+        return out if bias is None else out.add_(bias)
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer's weights as the step uses them: views of the model's own tensors, never copies."""
+
+    norm1: nn.Module
+    q: tuple[torch.Tensor, torch.Tensor | None]  # (weight.T, bias)
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    q_norm: nn.Module | None  # Qwen3: RMSNorm over each head before the rotary
+    k_norm: nn.Module | None
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    norm2: nn.Module
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "_LayerWeights":
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def t(linear: nn.Linear):
+            return linear.weight.t(), linear.bias
+
+        return cls(layer.input_layernorm, t(attn.q_proj), t(attn.k_proj), t(attn.v_proj), getattr(attn, "q_norm", None),
+                   getattr(attn, "k_norm", None), t(attn.o_proj), layer.post_attention_layernorm, t(mlp.gate_proj),
+                   t(mlp.up_proj), t(mlp.down_proj))
 
 
 class LeanDecoder:
@@ -65,15 +99,18 @@ class LeanDecoder:
     Built from the prefill's KV cache, one row per prompt; `rows` picks each decoded row's prompt
     (repeated for the group), `prompt_mask` and `last_position` are per decoded row. `step` returns the
     final-norm hidden state of each row's new token, like the text model's last_hidden_state[:, -1].
+
+    Each layer's cache is [rows, kv_heads, length, head_dim], used as [rows * kv_heads, ...] by
+    batched matmuls in which a KV head's query heads are the rows (GQA without repeating the cache);
+    the mask is additive (0 / -inf) in the same layout, so scores, mask and scaling are one `baddbmm`.
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
                  last_position: torch.Tensor, max_new_tokens: int):
         self.model = text_model
-        self.layers = list(text_model.layers)
-        first = self.layers[0].self_attn
-        self.head_dim = first.head_dim
-        self.scaling = first.scaling
+        self.layers = [_LayerWeights.of(layer) for layer in text_model.layers]
+        first = text_model.layers[0].self_attn
+        self.head_dim, self.scaling = first.head_dim, first.scaling
         self.prompt_len = prompt_mask.shape[1]
         length = self.prompt_len + max_new_tokens
         self.keys: list[torch.Tensor] = []
@@ -86,66 +123,58 @@ class LeanDecoder:
             v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
             self.keys.append(k_buffer)
             self.values.append(v_buffer)
-        self.mask = torch.zeros(len(rows), 1, 1, length, dtype=torch.bool, device=prompt_mask.device)
-        self.mask[:, 0, 0, :self.prompt_len] = prompt_mask.bool()
+        self.kv_heads = self.keys[0].shape[1]
+        dtype = self.keys[0].dtype
+        bias = torch.full((len(rows), self.kv_heads, 1, length), float("-inf"), dtype=dtype, device=prompt_mask.device)
+        bias[..., :self.prompt_len].masked_fill_(prompt_mask.bool()[:, None, None, :], 0.0)
+        self.mask_bias = bias  # [rows, kv_heads, 1, length]: 0 where a row may attend, -inf elsewhere
         self.position = last_position.clone()  # [rows]: the last position each row has seen
         table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=prompt_mask.device)
         probe = self.keys[0].new_empty(1, 1, self.head_dim)
         cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1))
-        self.cos, self.sin = cos[0], sin[0]  # [positions, head_dim]
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]]: the sign folded into the table
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [positions, head_dim]
         self.embed = text_model.embed_tokens.weight
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
-        self.mask = self.mask.index_select(0, index)
+        self.mask_bias = self.mask_bias.index_select(0, index)
         self.position = self.position.index_select(0, index)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]."""
+        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         """Feed `tokens` [rows] as generated token number `step` (0-based); the new hidden states [rows, hidden]."""
         slot = self.prompt_len + step
+        rows, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
         self.position += 1
-        self.mask[:, 0, 0, slot] = True
-        cos = self.cos.index_select(0, self.position).unsqueeze(1).unsqueeze(1)  # [rows, 1, 1, head_dim]
-        sin = self.sin.index_select(0, self.position).unsqueeze(1).unsqueeze(1)
-        mask = self.mask[..., :slot + 1]
-        rows = tokens.shape[0]  # rows still running
+        self.mask_bias[..., slot] = 0.0
+        cos = self.cos.index_select(0, self.position).unsqueeze(1)  # [rows, 1, head_dim]
+        sin = self.sin.index_select(0, self.position).unsqueeze(1)
+        bias = self.mask_bias.view(rows * kv_heads, 1, -1)[..., :slot + 1]
         hidden = F.embedding(tokens, self.embed)  # [rows, hidden]
-        for layer, k_cache, v_cache in zip(self.layers, self.keys, self.values):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(hidden, layer.input_layernorm)
-            q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(rows, -1, 1, self.head_dim)
-            k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(rows, -1, 1, self.head_dim)
-            v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(rows, -1, 1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotary
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache[:, :, slot:slot + 1] = k
-            v_cache[:, :, slot:slot + 1] = v
-            out = self._attend(q, k_cache[:, :, :slot + 1], v_cache[:, :, :slot + 1], mask)
-            hidden = hidden + F.linear(out.reshape(rows, -1), attn.o_proj.weight, attn.o_proj.bias)
-            x = _rms_norm(hidden, layer.post_attention_layernorm)
-            gated = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(x, mlp.up_proj.weight,
-                                                                                          mlp.up_proj.bias)
-            hidden = hidden + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+        for weights, k_cache, v_cache in zip(self.layers, self.keys, self.values):
+            x = _rms_norm(hidden, weights.norm1)
+            q = _linear(x, *weights.q).view(rows, -1, dim)
+            k = _linear(x, *weights.k).view(rows, kv_heads, dim)
+            v = _linear(x, *weights.v).view(rows, kv_heads, dim)
+            if weights.q_norm is not None:
+                q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
+            k_cache[:, :, slot] = self._rotate(k, cos, sin)
+            v_cache[:, :, slot] = v
+            keys = k_cache.view(rows * kv_heads, -1, dim)[:, :slot + 1]
+            values = v_cache.view(rows * kv_heads, -1, dim)[:, :slot + 1]
+            grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
+            scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
+            weights_ = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            attended = torch.bmm(weights_, values).view(rows, -1)
+            hidden = _linear(attended, *weights.o, residual=hidden)
+            x = _rms_norm(hidden, weights.norm2)
+            gated = F.silu(_linear(x, *weights.gate)) * _linear(x, *weights.up)
+            hidden = _linear(gated, *weights.down, residual=hidden)
         return _rms_norm(hidden, self.model.norm)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention of one query per row over its cached keys: [rows, heads, 1, head_dim].
-
-        On CUDA through SDPA's kernels. On CPU SDPA's flash kernel costs ~0.4 ms per call for a
-        single query (more than the step's matmuls), so there it is two batched matmuls and a
-        softmax, with the query heads of each KV head stacked (GQA without repeating the cache).
-        """
-        if q.is_cuda:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=q.shape[1] != keys.shape[1])
-        rows, heads, _, dim = q.shape
-        kv_heads = keys.shape[1]
-        grouped = q.view(rows, kv_heads, heads // kv_heads, dim)  # a KV head's query heads as rows of one matmul
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(self.scaling)
-        scores.masked_fill_(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(weights, values).view(rows, heads, 1, dim)
