@@ -127,10 +127,15 @@ def _local_values(p: torch.Tensor) -> torch.Tensor:
 
 
 def parameters_finite(params) -> bool:
-    """Whether every value of these tensors (this rank's shards of them) is finite, with one device sync."""
+    """Whether every value of these tensors (this rank's shards of them) is finite, with one device sync.
+
+    One pass over the weights: each tensor's largest magnitude (NaN and inf propagate into it), all
+    tensors in one foreach call, as `clip_grad_norm_` takes the gradients' norms.
+    """
     values = [_local_values(p).detach() for p in params]
     values = [v for v in values if v.numel()]
-    return not values or bool(torch.stack([torch.isfinite(v).all() for v in values]).all())
+    largest = torch._foreach_norm(values, float("inf"))
+    return not values or bool(torch.isfinite(torch.stack([m.float() for m in largest])).all())
 
 
 def _stop_if_weights_diverged(deps: UpdateDeps) -> None:
