@@ -111,6 +111,31 @@ def test_ctrl_c_mid_step_finishes_the_step_saves_and_resumes(tmp_path, tiny_vlm_
     assert steps(out) == [1, 2, 3, 4]
 
 
+def test_sigterm_mid_step_saves_that_step_exits_143_and_the_run_resumes(tmp_path, tiny_vlm_dir, shapes):
+    """A scheduler's preemption notice to a real `vlrft train` process: the step finishes, is saved, exit 128 + 15."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from vlrft.config import to_dict
+
+    out = tmp_path / "run"
+    cfg = config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=0",
+                 f"reward.functions=[{{name: '{REWARDS}:text_hash_then_sigterm_in_step_2'}}]")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    command = [sys.executable, "-m", "vlrft", "train", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "SIGTERM: stopping after this step and saving" in done.stderr
+    assert "stopped at step 2; checkpoint saved" in done.stderr
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_2"] and steps(out) == [1, 2]
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=0", "train.resume=auto"))
+    assert steps(out) == [1, 2, 3, 4]
+
+
 def test_ctrl_c_during_a_checkpoint_write_completes_it(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     out = tmp_path / "run"
     _signal_during(monkeypatch, ckpt.torch, "save", lambda obj, path, *a: str(path).endswith("optimizer.pt"))

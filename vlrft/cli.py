@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as exc:
         print(f"vlrft {args.command}: interrupted" + (f": {exc}" if str(exc) else ""), file=sys.stderr)
-        return 130
+        return 128 + int(getattr(exc, "signum", 2))  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":

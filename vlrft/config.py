@@ -400,7 +400,9 @@ class TrainConfig:
     resume: str = option("none", "'none', 'auto' (the latest checkpoint in output_dir) or a checkpoint path")
     overwrite: bool = option(False, "start over in a non-empty output_dir, deleting the run files there; without "
                              "it (or resume) a non-empty output_dir is refused")
-    save_on_interrupt: bool = option(True, "Ctrl-C finishes the current step, saves a checkpoint, then stops")
+    save_on_interrupt: bool = option(True, "Ctrl-C or SIGTERM (a scheduler's preemption notice; torchrun forwards "
+                                     "it to every worker) finishes the current step, saves a checkpoint, then "
+                                     "stops; a second signal stops at once")
     eval_every: int = option(0, "evaluate every this many steps; 0 = no periodic evaluation")
     eval_before_training: bool = option(True, "evaluate once before the first step")
     eval_n: int = option(1, "samples per eval prompt (pass@k uses them)")

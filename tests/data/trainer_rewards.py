@@ -27,3 +27,17 @@ def broken(completions, **kwargs):
 def reference_hash(completions, references, **kwargs):
     """A deterministic score in [0, 1) from the sample's reference answer: varies across prompts, not within a group."""
     return [zlib.crc32(str(ref).encode()) % 1000 / 1000 for ref in references]
+
+
+_SCORED_BATCHES = []
+
+
+def text_hash_then_sigterm_in_step_2(completions, **kwargs):
+    """`text_hash`, and sends this process SIGTERM (a scheduler's preemption notice) while scoring step 2's batch."""
+    import os
+    import signal
+
+    _SCORED_BATCHES.append(len(completions))
+    if len(_SCORED_BATCHES) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return text_hash(completions)

@@ -1,12 +1,19 @@
-"""Ctrl-C that loses nothing: finish the checkpoint being written, and optionally save at the end of the step.
+"""Ctrl-C or SIGTERM that loses nothing: finish the checkpoint being written, and optionally save at the end of the step.
 
-`InterruptGuard` replaces the SIGINT handler while training (main thread only):
+`InterruptGuard` replaces the SIGINT and SIGTERM handlers while training (main thread only).
+SIGTERM is what a scheduler sends before it preempts a job (SLURM, Kubernetes), and what torchrun
+forwards to every worker when it is itself terminated; it is treated like Ctrl-C:
 
-* with `save_on_interrupt` the first Ctrl-C only sets `requested`; the trainer finishes the current
-  step, saves a checkpoint and stops (`TrainingInterrupted`). A second Ctrl-C stops at once.
-* without it, Ctrl-C raises `KeyboardInterrupt` at once, as Python does.
-* either way, a Ctrl-C that arrives inside `saving()` is held until the checkpoint is complete, so
+* with `save_on_interrupt` the first signal only sets `requested`; the trainer finishes the current
+  step, saves a checkpoint and stops (`TrainingInterrupted`, carrying the signal). A second one stops
+  at once.
+* without it, the signal raises `KeyboardInterrupt` at once (SIGTERM too, so `finally` blocks and
+  open files close rather than the process vanishing).
+* either way, a signal that arrives inside `saving()` is held until the checkpoint is complete, so
   an almost-written checkpoint is never abandoned.
+
+A scheduler kills after a grace period (torchrun: 30 s after forwarding SIGTERM), so the step and
+the save must fit in it; what does not is covered by the periodic checkpoints (`train.save_every`).
 """
 
 from __future__ import annotations
@@ -18,28 +25,36 @@ import threading
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on Ctrl-C after saving; the message says where and how to continue."""
+    """Training stopped on Ctrl-C or SIGTERM after saving; the message says where and how to continue."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = signum  # the command exits with 128 + signum, as a process killed by it would
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class InterruptGuard:
     def __init__(self, save_on_interrupt: bool = True):
         self.save_on_interrupt = save_on_interrupt
-        self.requested = False  # a Ctrl-C asked to stop at the end of the step
+        self.requested = False  # a signal asked to stop at the end of the step
+        self.signum = signal.SIGINT  # the first signal that asked
         self._in_save = False
-        self._held = False  # a Ctrl-C arrived during a save and must be raised after it
-        self._previous = None
+        self._held = 0  # a signal that arrived during a save and must be raised after it (0: none)
+        self._previous: dict[int, object] = {}
 
     def install(self) -> "InterruptGuard":
-        """Take over SIGINT (only possible, and only needed, in the main thread)."""
+        """Take over SIGINT and SIGTERM (only possible, and only needed, in the main thread)."""
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {signum: signal.signal(signum, self._handle) for signum in SIGNALS}
         return self
 
     def uninstall(self) -> None:
-        """Give SIGINT back to whoever had it."""
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        """Give the signals back to whoever had them."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def __enter__(self) -> "InterruptGuard":
         return self.install()
@@ -48,19 +63,20 @@ class InterruptGuard:
         self.uninstall()
 
     def _handle(self, signum, frame) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self._in_save:
             if self.save_on_interrupt and not self.requested:
-                self.requested = True
+                self.requested, self.signum = True, signum
             else:
-                self._held = True
-            print("\nCtrl-C: finishing the checkpoint being written first", file=sys.stderr, flush=True)
+                self._held = signum
+            print(f"\n{name}: finishing the checkpoint being written first", file=sys.stderr, flush=True)
             return
         if self.save_on_interrupt and not self.requested:
-            self.requested = True
-            print("\nCtrl-C: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)",
+            self.requested, self.signum = True, signum
+            print(f"\n{name}: stopping after this step and saving a checkpoint ({name} again to stop at once)",
                   file=sys.stderr, flush=True)
             return
-        raise KeyboardInterrupt
+        raise _interrupt(signum)
 
     @contextlib.contextmanager
     def saving(self):
@@ -71,5 +87,12 @@ class InterruptGuard:
         finally:
             self._in_save = False
         if self._held:
-            self._held = False
-            raise KeyboardInterrupt
+            signum, self._held = self._held, 0
+            raise _interrupt(signum)
+
+
+def _interrupt(signum: int) -> KeyboardInterrupt:
+    """The KeyboardInterrupt a signal raises at once, naming it (the command exits with 128 + signum)."""
+    error = KeyboardInterrupt("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+    error.signum = signum
+    return error

@@ -449,7 +449,7 @@ class Trainer:
                     stop = stop or self._stop_requested(interrupt)  # a Ctrl-C during the save: stop now
                 if stop and step < cfg.train.total_steps:
                     raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
-                                              "with train.resume=auto")
+                                              "with train.resume=auto", interrupt.signum)
         finally:
             interrupt.uninstall()
             if self.logger is not None:
@@ -457,7 +457,7 @@ class Trainer:
         return history
 
     def _stop_requested(self, interrupt: InterruptGuard) -> bool:
-        """Whether a Ctrl-C on any rank asked to save and stop (all ranks agree, so all save together)."""
+        """Whether a Ctrl-C or SIGTERM on any rank asked to save and stop (all ranks agree, so all save together)."""
         if not interrupt.save_on_interrupt:
             return False
         return self.max_reduce(torch.tensor([float(interrupt.requested)])).item() > 0
