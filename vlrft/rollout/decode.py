@@ -179,7 +179,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     for prompt + max_new_tokens positions and written in place each step (rows that stop are
     dropped by one index_select); `compile_step` compiles the per-token backbone call. With
     `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
-    `vlrft.rollout.lean_decode` (same arithmetic, a tenth of the ops); other models through transformers.
+    `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
+    Python); other models through transformers.
     """
     backbone, head = split_head(model)
     device = head.weight.device
