@@ -101,8 +101,21 @@ def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strateg
     return exp, stats, actor
 
 
+def _strategy(name: str):
+    """ddp, fsdp2, or zero2/zero3: DeepSpeed clipping at train_step's 1e9 (i.e. not), and taking its plain SGD
+    (DeepSpeed refuses optimizers it has not tested with ZeRO unless told; the trainer's AdamW it knows)."""
+    if not name.startswith("zero"):
+        return make_strategy(name)
+    cfg = load_config(None, ["train.strategy=deepspeed", f"train.deepspeed.zero_stage={name[-1]}",
+                             "train.max_grad_norm=1e9", "train.micro_batch_completions_per_rank=4"], validate=False)
+    strategy = make_strategy("deepspeed", cfg)
+    ds_config = strategy.ds_config
+    strategy.ds_config = lambda **kw: {**ds_config(**kw), "zero_allow_untested_optimizer": True}
+    return strategy
+
+
 def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: str = "120") -> None:
-    strategy = make_strategy(strategy_name)
+    strategy = _strategy(strategy_name)
     groups = list(range(strategy.rank, len(LENGTHS), strategy.world_size))
     collected, tokens = make_collected(Path(model_dir), Path(images), groups)
     counts = []

@@ -192,7 +192,7 @@ def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.distributed
 @pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
 def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tmp_path, strategy):
     from vlrft.dist.strategy import Strategy
 
