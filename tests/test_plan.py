@@ -108,6 +108,32 @@ def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():
     assert engine.phase_total("rollout") - base.phase_total("rollout") == pytest.approx(0.3 * 80 * GiB, abs=1)
 
 
+def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    cfg = load_config(CONFIG_7B, validate=False)
+    hw, fsdp = Hardware(), StrategyChoice("fsdp2")
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    def budget(tokens, images_per_prompt=1):
+        return plan_memory(replace(cfg, train=replace(cfg.train, max_tokens_per_micro_batch=tokens)), shape, hw, fsdp,
+                           images_per_prompt=images_per_prompt)
+
+    # text: as many tokens as the row-count micro-batch at its longest gives the same activations
+    full = cfg.train.micro_batch_completions_per_rank * seq_len
+    rows = plan_memory(cfg, shape, hw, fsdp, images_per_prompt=0)
+    assert budget(full, 0).component("activations") == rows.component("activations")
+    assert budget(4 * seq_len, 0).component("activations") > 1.9 * budget(2 * seq_len, 0).component("activations")
+    # with images, the budget admits more prompts' images than the rows did (short completions of many prompts)
+    assert budget(full).component("activations") >= plan_memory(cfg, shape, hw, fsdp).component("activations")
+    # a budget under one row: that row runs alone, so one full row is the least the plan can assume
+    assert budget(1).component("activations") == budget(seq_len).component("activations")
+    assert "token budget" in next(c.note for c in budget(seq_len).components if c.name == "activations")
+    # too much: the suggestion lowers the budget (the row count does not bound such a forward)
+    big = plan_memory(replace(cfg, train=replace(cfg.train, max_tokens_per_micro_batch=65536)), shape, hw,
+                      StrategyChoice("ddp"))
+    assert any("lower train.max_tokens_per_micro_batch" in line for line in big.suggestions)
+    assert not any("micro_batch_completions_per_rank" in line for line in big.suggestions)
+
+
 def test_ddp_7b_does_not_fit_and_the_suggestions_say_what_would():
     cfg = load_config(CONFIG_7B, ["train.strategy=ddp"], validate=False)
     plan = plan_memory(cfg, load_model_shape(cfg.model.path), Hardware(), StrategyChoice("ddp"))

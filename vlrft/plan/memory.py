@@ -275,12 +275,24 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
     seq_len = d.max_prompt_length + r.max_new_tokens
     patches = d.max_pixels // (shape.vision.patch_size ** 2)
-    images = t.micro_batch_completions_per_rank * images_per_prompt
-    acts = activation_bytes(shape, t.micro_batch_completions_per_rank, seq_len, images, patches, m.gradient_checkpointing, hi)
+    if t.max_tokens_per_micro_batch > 0:
+        # A token budget bounds the forward's tokens, not its rows (a row longer than the budget runs alone). Each
+        # prompt's image tokens count in the budget, which so bounds the images one forward can encode.
+        rows, tokens_per_row = 1, max(t.max_tokens_per_micro_batch, seq_len)
+        image_tokens = max(1, patches // shape.vision.spatial_merge_size ** 2)
+        prompts = max(1, cfg.prompts_per_step // world)
+        images = min(prompts * images_per_prompt, tokens_per_row // image_tokens) if images_per_prompt else 0
+        what = f"token budget {tokens_per_row} tokens per micro-batch (train.max_tokens_per_micro_batch)"
+    else:
+        rows, tokens_per_row = t.micro_batch_completions_per_rank, seq_len
+        images = rows * images_per_prompt
+        what = f"micro-batch {rows} x {seq_len} tokens"
+    acts = activation_bytes(shape, rows, tokens_per_row, images, patches, m.gradient_checkpointing, hi)
     comps.append(Component("activations", acts, train,
-                           f"micro-batch {t.micro_batch_completions_per_rank} x {seq_len} tokens, {images} image(s) of {patches} "
+                           f"{what}, {images} image(s) of {patches} "
                            f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
-    comps.append(Component("logits", logits_bytes(shape, t.micro_batch_completions_per_rank, r.max_new_tokens), train,
+    completion_tokens = min(rows * r.max_new_tokens, rows * tokens_per_row)
+    comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None
     if r.engine == "hf":
@@ -346,7 +358,15 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if not strategy.offload_optimizer and strategy.name in ("fsdp2", "deepspeed"):
         key = "train.fsdp.cpu_offload: true" if strategy.name == "fsdp2" else "train.deepspeed.offload_optimizer: true"
         add(f"offload to the CPU ({key})", trial(s=dataclasses.replace(strategy, offload_optimizer=True)))
-    mb = cfg.train.micro_batch_completions_per_rank
+    budget = cfg.train.max_tokens_per_micro_batch
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    while budget > seq_len:  # with a token budget the rows do not bound a forward; the budget does
+        budget = max(seq_len, budget // 2)
+        p = trial(c=_with(cfg, "train", max_tokens_per_micro_batch=budget))
+        if p.fits or budget == seq_len:
+            add(f"lower train.max_tokens_per_micro_batch to {budget}", p)
+            break
+    mb = cfg.train.micro_batch_completions_per_rank if not cfg.train.max_tokens_per_micro_batch else 1
     while mb > 1:
         mb //= 2
         p = trial(c=_with(cfg, "train", micro_batch_completions_per_rank=mb))
