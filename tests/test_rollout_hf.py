@@ -3,35 +3,24 @@
 import pytest
 import torch
 
-from vlrft.config import DataConfig
-from vlrft.data import PromptEncoder, Sample
+from _rollout_helpers import engine_setup, solid_png
+from vlrft.data import Sample
 from vlrft.models.actor import ActorVL
-from vlrft.models.loading import load_policy, load_processor
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, cut_at_stop
 from vlrft.rollout.hf import HFEngine
-from vlrft.tokens import TokenSpec
 from vlrft.batch import build_sequences
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_vlm_dir, tmp_path_factory):
-    from PIL import Image
-
-    folder = tiny_vlm_dir("qwen2_vl")
-    processor = load_processor(folder)
-    model = load_policy(folder).eval()
-    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     root = tmp_path_factory.mktemp("imgs")
-    for name, color in (("red", (220, 30, 30)), ("blue", (30, 70, 220))):
-        Image.new("RGB", (56, 56), color).save(root / f"{name}.png")
+    red, blue = solid_png(root, "red", (220, 30, 30)), solid_png(root, "blue", (30, 70, 220))
     samples = [
-        Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")], answer="red"),
+        Sample(id="a", prompt="<image>What color is the shape?", images=[red], answer="red"),
         Sample(id="b", prompt="Say something.", answer="x"),
-        Sample(id="c", prompt="<image><image>Which is blue?", images=[str(root / "red.png"), str(root / "blue.png")],
-               answer="second"),
+        Sample(id="c", prompt="<image><image>Which is blue?", images=[red, blue], answer="second"),
     ]
-    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=3136)).encode(samples).batch
-    return processor, model, tokens, batch
+    return engine_setup(tiny_vlm_dir("qwen2_vl"), samples)
 
 
 def test_cut_at_stop_keeps_the_stop_token_and_names_the_reason():

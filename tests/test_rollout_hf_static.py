@@ -7,29 +7,20 @@ its own tests (test_rollout_lean_decode.py).
 import pytest
 import torch
 
-from vlrft.config import DataConfig
-from vlrft.data import PromptEncoder, Sample
-from vlrft.models.loading import load_policy, load_processor
+from _rollout_helpers import engine_setup, solid_png
+from vlrft.data import Sample
+from vlrft.models.loading import load_policy
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.rollout.hf import HFEngine
-from vlrft.tokens import TokenSpec
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_vlm_dir, tmp_path_factory):
-    from PIL import Image
-
-    folder = tiny_vlm_dir("qwen2_5_vl")
-    processor = load_processor(folder)
-    model = load_policy(folder).eval()
-    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
-    root = tmp_path_factory.mktemp("imgs")
-    Image.new("RGB", (56, 56), (220, 30, 30)).save(root / "red.png")
-    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")]),
+    red = solid_png(tmp_path_factory.mktemp("imgs"), "red", (220, 30, 30))
+    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[red]),
                Sample(id="b", prompt="Say something rather longer than the others."),
                Sample(id="c", prompt="Hi")]
-    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=3136)).encode(samples).batch
-    return processor, model, tokens, batch
+    return engine_setup(tiny_vlm_dir("qwen2_5_vl"), samples)
 
 
 def _run(setup, sampling, **engine_options):

@@ -3,34 +3,24 @@
 import pytest
 import torch
 
-from vlrft.config import DataConfig
-from vlrft.data import PromptEncoder, Sample
+from _rollout_helpers import engine_setup, solid_png
+from vlrft.data import Sample
 from vlrft.models.actor import apply_lora, split_head
-from vlrft.models.loading import load_policy, load_processor
 from vlrft.rollout import decode as decode_module
 from vlrft.rollout.base import FINISH_STOP, SamplingParams
 from vlrft.rollout.hf import HFEngine
 from vlrft.rollout.lean_decode import unsupported_reason
-from vlrft.tokens import TokenSpec
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def setup(request, tiny_vlm_dir, tmp_path_factory):
-    from PIL import Image
-
-    folder = tiny_vlm_dir(request.param)
-    processor = load_processor(folder)
-    model = load_policy(folder).eval()
-    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
-    root = tmp_path_factory.mktemp("imgs")
-    Image.new("RGB", (64, 64), (220, 30, 30)).save(root / "red.png")
-    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[str(root / "red.png")]),
+    red = solid_png(tmp_path_factory.mktemp("imgs"), "red", (220, 30, 30), size=64)
+    samples = [Sample(id="a", prompt="<image>What color is the shape?", images=[red]),
                Sample(id="b", prompt="Say something rather longer than the others, please."),
                Sample(id="c", prompt="Hi")]
-    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=4096)).encode(samples).batch
-    return processor, model, tokens, batch
+    return engine_setup(tiny_vlm_dir(request.param), samples, max_pixels=4096)
 
 
 def _run(setup, sampling, lean: bool, model=None):
