@@ -52,7 +52,8 @@ def main() -> int:
     out = REPO / args.output_dir
     if not (REPO / "datasets" / "zoom_demo" / "train.jsonl").is_file():
         run("datasets/make_zoom_marks.py")
-    overrides = [f"model.path={args.output_dir}/base_model", "logging.progress=false", *args.overrides]
+    overrides = [f"model.path={args.output_dir}/base_model", "logging.progress=false",
+                 "train.overwrite=true", *args.overrides]  # a re-run replaces the last one's runs
     start = time.perf_counter()  # the starting model, built once for both runs (recipe zoom-demo)
     built = run("-c", f"from vlrft.models.recipes import ensure_model; ensure_model({str(out / 'base_model')!r}, "
                 "'zoom-demo')")
