@@ -34,6 +34,21 @@ def sync_weights(trainer, out: Path) -> None:
         torch.save({"received": engine.received, "duplicates": engine.duplicates}, out)
 
 
+def _count_lean_decode_steps() -> list[int]:
+    """Counts the hf engine's lean decode steps (vlrft.rollout.lean_decode), to show which decode path a run took."""
+    from vlrft.rollout.lean_decode import LeanDecoder
+
+    counter = [0]
+    step = LeanDecoder.step
+
+    def counted(self, tokens, index):
+        counter[0] += 1
+        return step(self, tokens, index)
+
+    LeanDecoder.step = counted
+    return counter
+
+
 def run_plan(plan_file: str) -> None:
     from vlrft.trainer import Trainer
 
@@ -43,7 +58,9 @@ def run_plan(plan_file: str) -> None:
     configured_engine = trainer_module.make_engine
     strategy = None
     results = []
+    lean_steps = _count_lean_decode_steps()
     for run in plan["runs"]:
+        lean_steps[0] = 0
         trainer_module.make_engine = configured_engine
         if run.get("scripted", True):
             use_scripted_engine()
@@ -58,7 +75,7 @@ def run_plan(plan_file: str) -> None:
             continue
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
-        results.append({"history": history, "world_size": strategy.world_size})
+        results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0]})
     if strategy.is_main:
         Path(plan["out"]).write_text(json.dumps(results))
     strategy.close()

@@ -103,9 +103,11 @@ def test_ranks_with_and_without_tool_images_train_like_one_process(setup, single
                                    _run(setup, "MTPPO", *PPO),
                                    _run(setup, "MTHF", "train.total_steps=1", scripted=False)])
     seconds = time.perf_counter() - start
-    hf = results.pop()["history"]
+    hf_run = results.pop()
+    hf = hf_run["history"]
     _assert_same_ppo(setup, "MTPPO", results.pop()["history"], single_ppo)
     assert hf[-1]["step"] == 1 and hf[-1]["tools/calls"] > 0 and hf[-1]["actor/grad_norm"] > 0
+    assert hf_run["lean_decode_steps"] > 0  # the unsharded FSDP2 weights are whole tensors: the lean step decodes
     assert all(h["tools/images_returned"] > 0 for h in single)
     assert_runs_match_single(setup, "MT-single", ("MT4", "MT8"), steps=(1, 2))
     for run in results:
@@ -140,5 +142,6 @@ def test_zero3_ranks_with_and_without_tool_images_train_like_one_process(setup, 
     _assert_same_ppo(setup, "MTZ3PPO", results[2]["history"], single_ppo)
     hf = results[1]["history"]
     assert hf[-1]["step"] == 1 and hf[-1]["tools/calls"] > 0 and hf[-1]["actor/grad_norm"] > 0
+    assert results[1]["lean_decode_steps"] > 0  # the gathered ZeRO-3 weights are whole: the lean step decodes
     assert_close(weights(setup, "MTZ3", 1), weights(setup, "MT-single", 1))
     _assert_same_history(results[0]["history"], single[:1])
