@@ -100,20 +100,52 @@ def _select_rows(cache, index: torch.Tensor) -> None:
             layer.batch_size = len(index)
 
 
-class _DecodeStep:
-    """One decode step of the backbone, optionally `torch.compile`d; falls back to eager if compiling fails."""
+class _TransformersDecoder:
+    """Decode steps through transformers' layers (any model), optionally `torch.compile`d.
 
-    def __init__(self, backbone, compile_step: bool):
+    Holds what the steps carry: the group's KV cache, the attention mask buffer and the rows' M-RoPE
+    positions. The same interface as `LeanDecoder` (`keep`, `step`). Falls back to eager if compiling fails.
+    """
+
+    def __init__(self, backbone, cache, rows: torch.Tensor, prompt_mask: torch.Tensor, position: torch.Tensor,
+                 max_new_tokens: int, mm_dtype: torch.dtype, static_cache: bool, compile_step: bool):
         self.backbone = backbone
         # A decode step carries no image or video: the multimodal wrapper would only embed the ids and
         # pass them on, so the text decoder is called directly (same modules, one wrapper less per token).
         self.text_model = getattr(backbone, "language_model", None)
+        self.cache, self.static_cache = cache, static_cache
+        _select_rows(cache, rows)
+        self.prompt_len = prompt_mask.shape[1]
+        # With a static cache the model attends over every preallocated position (future ones masked);
+        # a dynamic one holds exactly the positions so far.
+        self.attention = _step_mask_buffer(backbone, prompt_mask, self.prompt_len + max_new_tokens)
+        self.position = position  # [3, rows]: the last position; each new token adds 1 on all axes
+        self.mm = torch.zeros(len(rows), 1, dtype=mm_dtype, device=position.device)
         self.compiled = None
         if compile_step:
             try:
                 self.compiled = torch.compile(self._eager, dynamic=True)
             except Exception as error:  # noqa: BLE001 - no compiler / unsupported platform: decode eagerly
                 _warn_compile(error)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Drop every row not in `index` (rows that stopped)."""
+        _select_rows(self.cache, index)
+        self.attention, self.position, self.mm = self.attention[index], self.position[:, index], self.mm[:len(index)]
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed `tokens` [rows] as generated token number `step` (0-based); the new hidden states [rows, hidden]."""
+        self.position += 1  # as vlrft.models.positions.positions_after places them
+        self.attention[..., self.prompt_len + step] = True
+        mask = self.attention if self.static_cache else self.attention[..., :self.prompt_len + step + 1]
+        args = (tokens[:, None], mask, self.position[:, :, None], self.mm, self.cache)
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - e.g. inductor without a C++ compiler
+                _warn_compile(error)
+                self.compiled = None
+        return self._eager(*args)
 
     def _eager(self, tokens, attention, position, mm, cache):
         if self.text_model is not None:
@@ -123,15 +155,6 @@ class _DecodeStep:
             out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
                                 past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
         return out.last_hidden_state[:, -1]
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as error:  # noqa: BLE001 - e.g. inductor without a C++ compiler
-                _warn_compile(error)
-                self.compiled = None
-        return self._eager(*args)
 
 
 def _warn_compile(error: Exception) -> None:
@@ -196,25 +219,20 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
         cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)
     out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions, use_cache=True,
                    past_key_values=cache, **visual_inputs)
-    n = sampling.n
-    rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)
-    cache = out.past_key_values
+    rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
     hidden = out.last_hidden_state[rows, -1]
-    position = positions[:, rows, -1]  # [3, rows]: the last prompt position; each new token adds 1 on all axes
-    lean = None
+    position = positions[:, rows, -1]  # [3, rows]: the last prompt position
     if use_lean:
-        lean = LeanDecoder(backbone.language_model, cache, rows, mask[rows], position[0], max_new)
-        out = cache = None  # the prefill's cache now lives in the lean decoder's buffers
+        decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new)
     else:
-        _select_rows(cache, rows)
+        decoder = _TransformersDecoder(backbone, out.past_key_values, rows, mask[rows], position, max_new, mm.dtype,
+                                       static_cache, compile_step)
+    out = None  # the prefill's cache now lives in the decoder
     total = len(rows)
-    # Buffers for every position the group can reach, written in place: the attention mask (with a
-    # static cache the model attends over all of them, future ones masked), the history (prompt +
-    # generated ids: what repetition penalty and stop strings look at), and the outputs.
-    attention = _step_mask_buffer(backbone, mask[rows], prompt_len + max_new)
+    # Buffers for every position the group can reach, written in place: the history (prompt + generated
+    # ids: what repetition penalty and stop strings look at), and the outputs.
     history = torch.full((total, prompt_len + max_new), pad_id, dtype=ids.dtype, device=device)
     history[:, :prompt_len] = ids[rows]
-    mm_step = torch.zeros(total, 1, dtype=mm.dtype, device=device)
     out_ids = torch.full((total, max_new), pad_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros(total, max_new, dtype=torch.float32, device=device)
     lengths = torch.zeros(total, dtype=torch.long, device=device)
@@ -226,7 +244,6 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
 
         stop_strings = StopStringCriteria(tokenizer, list(sampling.stop))
     stop_tensor = torch.tensor(sorted(stop_ids), device=device)
-    step_fn = _DecodeStep(backbone, compile_step)
 
     alive = torch.arange(total, device=device)  # original row of each running row
     for step in range(max_new):
@@ -254,20 +271,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             break
         if not bool(keep.all()):  # drop the rows that stopped from every later step
             index = keep.nonzero().squeeze(1)
-            alive, tokens, position, history = alive[index], tokens[index], position[:, index], history[index]
-            attention, mm_step = attention[index], mm_step[: len(index)]
-            if lean is not None:
-                lean.keep(index)
-            else:
-                _select_rows(cache, index)
-        if lean is not None:
-            hidden = lean.step(tokens, step)
-            continue
-        position += 1  # as vlrft.models.positions.positions_after places them
-        attention[..., prompt_len + step] = True
-        # a static cache attends over every preallocated position; a dynamic one holds exactly those so far
-        step_mask = attention if static_cache else attention[..., :prompt_len + step + 1]
-        hidden = step_fn(tokens[:, None], step_mask, position[:, :, None], mm_step, cache)
+            alive, tokens, history = alive[index], tokens[index], history[index]
+            decoder.keep(index)
+        hidden = decoder.step(tokens, step)
     ids_out, lp_out = out_ids.tolist(), out_logprobs.tolist()
     lengths_out, stopped_out = lengths.tolist(), stopped.tolist()
     return DecodedRows([row[:k] for row, k in zip(ids_out, lengths_out)],
