@@ -207,6 +207,7 @@ def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path
     from vlrft.trainer.update import parameters_finite
 
     assert parameters_finite([torch.zeros(2), torch.ones(3)]) and not parameters_finite([torch.tensor([1.0, math.inf])])
+    assert parameters_finite([]) and parameters_finite([torch.zeros(0)])  # nothing on this rank: nothing diverged
     bf16 = torch.ones(4, dtype=torch.bfloat16)
     assert parameters_finite([bf16, torch.ones(3)]) and not parameters_finite([bf16, torch.tensor([math.nan, 1.0])])
     assert not parameters_finite([torch.ones(3), torch.tensor([-math.inf]).to(torch.bfloat16)])

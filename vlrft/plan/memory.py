@@ -283,15 +283,16 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         prompts = max(1, cfg.prompts_per_step // world)
         images = min(prompts * images_per_prompt, tokens_per_row // image_tokens) if images_per_prompt else 0
         what = f"token budget {tokens_per_row} tokens per micro-batch (train.max_tokens_per_micro_batch)"
+        completion_tokens = tokens_per_row  # short completions of many rows can fill the budget
     else:
         rows, tokens_per_row = t.micro_batch_completions_per_rank, seq_len
         images = rows * images_per_prompt
         what = f"micro-batch {rows} x {seq_len} tokens"
+        completion_tokens = rows * r.max_new_tokens
     acts = activation_bytes(shape, rows, tokens_per_row, images, patches, m.gradient_checkpointing, hi)
     comps.append(Component("activations", acts, train,
                            f"{what}, {images} image(s) of {patches} "
                            f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
-    completion_tokens = min(rows * r.max_new_tokens, rows * tokens_per_row)
     comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None

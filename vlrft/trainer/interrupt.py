@@ -63,7 +63,7 @@ class InterruptGuard:
         self.uninstall()
 
     def _handle(self, signum, frame) -> None:
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        name = _signal_name(signum)
         if self._in_save:
             if self.save_on_interrupt and not self.requested:
                 self.requested, self.signum = True, signum
@@ -93,6 +93,10 @@ class InterruptGuard:
 
 def _interrupt(signum: int) -> KeyboardInterrupt:
     """The KeyboardInterrupt a signal raises at once, naming it (the command exits with 128 + signum)."""
-    error = KeyboardInterrupt("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+    error = KeyboardInterrupt(_signal_name(signum))
     error.signum = signum
     return error
+
+
+def _signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name

@@ -134,8 +134,10 @@ def parameters_finite(params) -> bool:
     """
     values = [_local_values(p).detach() for p in params]
     values = [v for v in values if v.numel()]
+    if not values:
+        return True
     largest = torch._foreach_norm(values, float("inf"))
-    return not values or bool(torch.isfinite(torch.stack([m.float() for m in largest])).all())
+    return bool(torch.isfinite(torch.stack([m.float() for m in largest])).all())
 
 
 def _stop_if_weights_diverged(deps: UpdateDeps) -> None:
