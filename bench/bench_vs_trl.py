@@ -435,6 +435,33 @@ def matmul_rate(threads: int, size: int = 512, repeats: int = 10) -> float:
     return 2 * size * size * 4 * size / best
 
 
+@dataclass(frozen=True)
+class TextShape:
+    """The text decoder's matmul weights, from the model's config.json."""
+
+    layer_weights: list[tuple[int, int]]  # (out, in) of q, k, v, o, gate, up, down in one layer
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, spec: BenchSpec) -> "TextShape":
+        config = json.loads((spec.model_dir / "config.json").read_text())
+        text = config.get("text_config", config)
+        h, inter = text["hidden_size"], text["intermediate_size"]
+        kv_width = text["num_key_value_heads"] * (h // text["num_attention_heads"])
+        weights = [(h, h), (kv_width, h), (kv_width, h), (h, h), (inter, h), (inter, h), (h, inter)]
+        return cls(weights, text["num_hidden_layers"], h, text["vocab_size"])
+
+    @property
+    def layer_params(self) -> int:
+        return self.num_layers * sum(out * into for out, into in self.layer_weights)
+
+    @property
+    def head_params(self) -> int:
+        return self.hidden_size * self.vocab_size
+
+
 def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None = None) -> float:
     """Matmul FLOPs one GRPO step cannot avoid, from the model's layer shapes (attention scores left out).
 
@@ -443,14 +470,9 @@ def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None
     Training: forward + backward (3x a forward) over each prompt once and every completion token; with
     beta > 0 one more forward for the reference model. The LM head only for completion tokens.
     """
-    config = json.loads((spec.model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    vision = config["vision_config"]
-    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
-    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
-    head_dim = h // heads
-    layer = h * h * 2 + 2 * h * kv * head_dim + 3 * h * inter  # q, o, k, v, gate/up/down weights
-    text_params, head = layers * layer, h * text["vocab_size"]
+    vision = json.loads((spec.model_dir / "config.json").read_text())["vision_config"]
+    shape = TextShape.of(spec)
+    text_params, head = shape.layer_params, shape.head_params
     vh = vision.get("embed_dim", vision.get("hidden_size"))
     vmlp = int(vision.get("mlp_ratio", 4) * vh) if "mlp_ratio" in vision else vision.get("intermediate_size", 4 * vh)
     vision_params = vision["depth"] * (4 * vh * vh + 2 * vh * vmlp)
@@ -488,13 +510,9 @@ def decode_matmul_rate(spec: BenchSpec, repeats: int = 5) -> float:
 
     previous = torch.get_num_threads()
     torch.set_num_threads(spec.threads or previous)
-    config = json.loads((spec.model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    h, inter, heads, kv = (text[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                             "num_key_value_heads"))
-    kv_width = kv * (h // heads)
-    shapes = [(h, h), (kv_width, h), (kv_width, h), (h, h), (inter, h), (inter, h), (h, inter)]
-    weights = [torch.randn(out, into) for _ in range(16 * text["num_hidden_layers"]) for out, into in shapes]
+    shape = TextShape.of(spec)
+    shapes = shape.layer_weights
+    weights = [torch.randn(out, into) for _ in range(16 * shape.num_layers) for out, into in shapes]
     x = {into: torch.randn(spec.batch_size, into) for _, into in shapes}
     flops = sum(2 * spec.batch_size * w.shape[0] * w.shape[1] for w in weights)
     best = float("inf")
@@ -509,13 +527,9 @@ def decode_matmul_rate(spec: BenchSpec, repeats: int = 5) -> float:
 
 def decode_flops(spec: BenchSpec, completion_length: float | None = None) -> float:
     """The decode steps' matmul FLOPs of one step (every completion token one forward, LM head included)."""
-    config = json.loads((spec.model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
-    head_dim = h // text["num_attention_heads"]
-    layer = h * h * 2 + 2 * h * text["num_key_value_heads"] * head_dim + 3 * h * inter
+    shape = TextShape.of(spec)
     tokens = spec.batch_size * (completion_length or spec.completion_length)
-    return 2 * tokens * (layers * layer + h * text["vocab_size"])
+    return 2 * tokens * (shape.layer_params + shape.head_params)
 
 
 def print_table(spec: BenchSpec, prompt_len: int, comparisons: list[Comparison]) -> None:
