@@ -174,8 +174,8 @@ class LeanDecoder:
             values = v_cache.view(rows * kv_heads, -1, dim)[:, :slot + 1]
             grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
             scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
-            weights_ = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.bmm(weights_, values).view(rows, -1)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            attended = torch.bmm(probs, values).view(rows, -1)
             hidden = _linear(attended, *weights.o, residual=hidden)
             x = _rms_norm(hidden, weights.norm2)
             gated = F.silu(_linear(x, *weights.gate)) * _linear(x, *weights.up)
