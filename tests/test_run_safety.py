@@ -211,6 +211,8 @@ def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path
     bf16 = torch.ones(4, dtype=torch.bfloat16)
     assert parameters_finite([bf16, torch.ones(3)]) and not parameters_finite([bf16, torch.tensor([math.nan, 1.0])])
     assert not parameters_finite([torch.ones(3), torch.tensor([-math.inf]).to(torch.bfloat16)])
+    huge = torch.tensor([3e38, -3e38])  # finite, though its L2 norm overflows
+    assert parameters_finite([huge]) and not parameters_finite([huge, torch.tensor([math.nan])])
     out = tmp_path / "run"
     with pytest.raises(UserError, match=r"step 1: the optimizer step made the weights non-finite .*train.lr"):
         fit(config(out, tiny_vlm_dir(), shapes, "train.lr=1e39", "train.total_steps=1"))

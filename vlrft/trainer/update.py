@@ -129,15 +129,23 @@ def _local_values(p: torch.Tensor) -> torch.Tensor:
 def parameters_finite(params) -> bool:
     """Whether every value of these tensors (this rank's shards of them) is finite, with one device sync.
 
-    One pass over the weights: each tensor's largest magnitude (NaN and inf propagate into it), all
-    tensors in one foreach call, as `clip_grad_norm_` takes the gradients' norms.
+    One pass over the weights: each tensor's L2 norm, all tensors in one foreach call (as
+    `clip_grad_norm_` takes the gradients' norms); NaN and inf propagate into it. On CPU the L2
+    norm is vectorised and the inf-norm is not (5M float32 values: 0.7 ms vs 13 ms). Only where an
+    L2 norm is not finite is the inf-norm taken, since squares of huge finite values (|x| > 1.8e19
+    in float32) overflow too.
     """
     values = [_local_values(p).detach() for p in params]
     values = [v for v in values if v.numel()]
     if not values:
         return True
-    largest = torch._foreach_norm(values, float("inf"))
-    return bool(torch.isfinite(torch.stack([m.float() for m in largest])).all())
+    if _all_finite(torch._foreach_norm(values, 2.0)):
+        return True
+    return _all_finite(torch._foreach_norm(values, float("inf")))
+
+
+def _all_finite(norms: list[torch.Tensor]) -> bool:
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
 def _stop_if_weights_diverged(deps: UpdateDeps) -> None:
