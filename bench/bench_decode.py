@@ -15,6 +15,7 @@ jobs held the core). One thread (`--threads`). Compare ratios from the same run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -62,7 +63,8 @@ def main() -> None:
     variants = {"generate": dict(share_prompts=False),
                 "group, dynamic cache": dict(static_cache=False, lean_decode=False),
                 "group, static cache": dict(static_cache=True, lean_decode=False),
-                "group, lean step": dict(lean_decode=True)}
+                "group, lean step": dict(lean_decode=True),
+                "group, lean, unpacked": dict(lean_decode=True)}  # weights as views: see `unpacked`
     if args.compile:
         variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True)
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]
@@ -74,14 +76,16 @@ def main() -> None:
         batch = PromptEncoder(processor, DataConfig(min_pixels=112 * 112, max_pixels=112 * 112)).encode(samples).batch
         sampling = SamplingParams(n=group, max_new_tokens=args.tokens, min_new_tokens=args.tokens, temperature=1.0)
         engines = {v: HFEngine(lambda: model, processor, tokens, **opts) for v, opts in variants.items()}
-        for engine in engines.values():  # warm-up (and compile) outside the timing
-            engine.generate(batch, sampling)
+        for variant, engine in engines.items():  # warm-up (and compile) outside the timing
+            with unpacked(variant.endswith("unpacked")):
+                engine.generate(batch, sampling)
         rates: dict[str, list[float]] = {v: [] for v in engines}
         cpu_rates: dict[str, list[float]] = {v: [] for v in engines}
         for _ in range(args.repeats):
             for variant, engine in engines.items():
                 start, start_cpu = time.perf_counter(), time.process_time()
-                out = engine.generate(batch, sampling)
+                with unpacked(variant.endswith("unpacked")):
+                    out = engine.generate(batch, sampling)
                 elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 generated = sum(len(ids) for ids in out.completion_ids)
                 rates[variant].append(generated / elapsed)
@@ -93,6 +97,20 @@ def main() -> None:
             print(f"  {variant:<24} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
                   f"{statistics.median(wall) / base:5.2f}x | {min(cpu):6.0f}/{statistics.median(cpu):6.0f}/"
                   f"{max(cpu):6.0f} {statistics.median(cpu) / cpu_base:5.2f}x")
+
+
+@contextlib.contextmanager
+def unpacked(active: bool):
+    """The lean step with the model's weights read in place (as on CUDA), not packed for oneDNN (CPU float32)."""
+    from vlrft.rollout import lean_decode
+
+    packing_applies = lean_decode.packing_applies
+    if active:
+        lean_decode.packing_applies = lambda weight: False
+    try:
+        yield
+    finally:
+        lean_decode.packing_applies = packing_applies
 
 
 if __name__ == "__main__":

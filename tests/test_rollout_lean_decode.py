@@ -74,8 +74,12 @@ def test_sampling_with_rows_stopping_early_equals_transformers_layers(setup, lea
     assert len(set(lean_steps)) > 1, "no row stopped early, so dropping rows was not exercised"
 
 
-def test_lean_hidden_states_equal_the_text_model_at_every_step(setup):
-    """Step by step against the text model with its own KV cache: new tokens' hidden states within 1e-5."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "in_place"])
+def test_lean_hidden_states_equal_the_text_model_at_every_step(setup, packed, monkeypatch):
+    """Step by step against the text model with its own KV cache: new tokens' hidden states within 1e-5,
+    with the projections packed for oneDNN (CPU float32) and with the weights read in place (as on CUDA)."""
+    from vlrft.rollout import lean_decode
+
     from vlrft.data.processor import left_pad
     from vlrft.models.positions import prompt_positions
     from vlrft.rollout.lean_decode import LeanDecoder
@@ -92,7 +96,10 @@ def test_lean_hidden_states_equal_the_text_model_at_every_step(setup):
         out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
                        use_cache=True, **visual)
         rows = torch.arange(len(ids))
+        if not packed:
+            monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
         lean = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=5)
+        assert (lean.layers[0].qkv.packed is not None) == packed
         cache, attention, position = out.past_key_values, mask.clone(), positions[:, :, -1:].clone()
         generator = torch.Generator().manual_seed(0)
         for step in range(5):

@@ -4,12 +4,17 @@ A decode step feeds one token per row through the text decoder. Through transfor
 layer costs about 75 dispatched ops per token plus the Python of module calls, cache objects, mask
 and rotary bookkeeping and output records; on a small model that fixed cost is most of the step
 (CPU, hidden 64: 0.36 ms per layer per token). Here a step is the layers' arithmetic and nothing
-else, about 42 ops per layer (0.23 ms): the model's own weights read in place as transposed views
-(never copied, so no weight sync is needed), residual adds folded into the output matmuls, a KV
+else, about 42 ops per layer (0.23 ms): the model's own weights read at each decode call (so no
+weight sync is needed), residual adds folded into the output matmuls, a KV
 cache preallocated for prompt + max_new_tokens positions and written in place, an additive mask
 kept as one buffer, and the rotary cos/sin taken from a table the model's own rotary module
 computed once (decoded tokens are text, whose M-RoPE positions are equal on all three axes, so the
 table is indexed by one position per row).
+
+On CPU in float32 the projections sharing an input (q/k/v, gate/up) are concatenated and reordered
+once per decode call into oneDNN's blocked layout, which is what a matmul of a few rows needs: MKL
+repacks a plain weight on every call, and the weights do not stay in cache from one step to the
+next (bench/bench_decode.py: see docs/design.md). Elsewhere (CUDA, bf16) they are read in place.
 
 Only architectures whose layers are known to be exactly this arithmetic are taken
 (`unsupported_reason` says why another is not); anything else, an adapter-wrapped projection
@@ -68,32 +73,61 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
+class _Projections:
+    """Linear projections of one input (a layer's q/k/v, its gate/up, or one projection alone).
+
+    Packed (CPU, float32): the weights concatenated and reordered once into oneDNN's layout for
+    matmuls of `rows` rows (the op inductor's CPU weight freezing uses), one matmul for all; a copy
+    of the weights, rebuilt for every decode call since training changes them. Else the model's own
+    weights as transposed views, one matmul each, nothing copied.
+    """
+
+    def __init__(self, linears: list[nn.Linear], rows: int, pack: bool):
+        self.sizes = [linear.out_features for linear in linears]
+        self.views = [(linear.weight.t(), linear.bias) for linear in linears]
+        self.packed, self.bias = None, None
+        if pack:
+            weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
+            if any(linear.bias is not None for linear in linears):
+                self.bias = torch.cat([linear.bias if linear.bias is not None else linear.weight.new_zeros(size)
+                                       for linear, size in zip(linears, self.sizes)])
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each projection of `x` [rows, in] (plus `residual`, for a single projection)."""
+        if self.packed is None:
+            return [_linear(x, weight_t, bias, residual) for weight_t, bias in self.views]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if residual is not None:
+            out.add_(residual)
+        return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+
+
+def packing_applies(weight: torch.Tensor) -> bool:
+    """Whether decode steps pack the projections (`_Projections`): float32 on a CPU with oneDNN."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 @dataclass(frozen=True)
 class _LayerWeights:
-    """One decoder layer's weights as the step uses them: views of the model's own tensors, never copies."""
+    """One decoder layer's weights as the step uses them."""
 
     norm1: nn.Module
-    q: tuple[torch.Tensor, torch.Tensor | None]  # (weight.T, bias)
-    k: tuple[torch.Tensor, torch.Tensor | None]
-    v: tuple[torch.Tensor, torch.Tensor | None]
+    qkv: _Projections
     q_norm: nn.Module | None  # Qwen3: RMSNorm over each head before the rotary
     k_norm: nn.Module | None
-    o: tuple[torch.Tensor, torch.Tensor | None]
+    o: _Projections
     norm2: nn.Module
-    gate: tuple[torch.Tensor, torch.Tensor | None]
-    up: tuple[torch.Tensor, torch.Tensor | None]
-    down: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: _Projections
+    down: _Projections
 
     @classmethod
-    def of(cls, layer: nn.Module) -> "_LayerWeights":
+    def of(cls, layer: nn.Module, rows: int, pack: bool) -> "_LayerWeights":
         attn, mlp = layer.self_attn, layer.mlp
-
-        def t(linear: nn.Linear):
-            return linear.weight.t(), linear.bias
-
-        return cls(layer.input_layernorm, t(attn.q_proj), t(attn.k_proj), t(attn.v_proj), getattr(attn, "q_norm", None),
-                   getattr(attn, "k_norm", None), t(attn.o_proj), layer.post_attention_layernorm, t(mlp.gate_proj),
-                   t(mlp.up_proj), t(mlp.down_proj))
+        return cls(layer.input_layernorm, _Projections([attn.q_proj, attn.k_proj, attn.v_proj], rows, pack),
+                   getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _Projections([attn.o_proj], rows, pack),
+                   layer.post_attention_layernorm, _Projections([mlp.gate_proj, mlp.up_proj], rows, pack),
+                   _Projections([mlp.down_proj], rows, pack))
 
 
 class LeanDecoder:
@@ -111,7 +145,8 @@ class LeanDecoder:
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
                  last_position: torch.Tensor, max_new_tokens: int):
         self.model = text_model
-        self.layers = [_LayerWeights.of(layer) for layer in text_model.layers]
+        pack = packing_applies(text_model.embed_tokens.weight)
+        self.layers = [_LayerWeights.of(layer, len(rows), pack) for layer in text_model.layers]
         first = text_model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.prompt_len = prompt_mask.shape[1]
@@ -163,9 +198,8 @@ class LeanDecoder:
         hidden = F.embedding(tokens, self.embed)  # [rows, hidden]
         for weights, k_cache, v_cache in zip(self.layers, self.keys, self.values):
             x = _rms_norm(hidden, weights.norm1)
-            q = _linear(x, *weights.q).view(rows, -1, dim)
-            k = _linear(x, *weights.k).view(rows, kv_heads, dim)
-            v = _linear(x, *weights.v).view(rows, kv_heads, dim)
+            q, k, v = weights.qkv(x)
+            q, k, v = q.view(rows, -1, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if weights.q_norm is not None:
                 q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
             k_cache[:, :, slot] = self._rotate(k, cos, sin)
@@ -176,8 +210,7 @@ class LeanDecoder:
             scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             attended = torch.bmm(probs, values).view(rows, -1)
-            hidden = _linear(attended, *weights.o, residual=hidden)
-            x = _rms_norm(hidden, weights.norm2)
-            gated = F.silu(_linear(x, *weights.gate)) * _linear(x, *weights.up)
-            hidden = _linear(gated, *weights.down, residual=hidden)
+            [hidden] = weights.o(attended, residual=hidden)
+            gate, up = weights.gate_up(_rms_norm(hidden, weights.norm2))
+            [hidden] = weights.down(F.silu(gate) * up, residual=hidden)
         return _rms_norm(hidden, self.model.norm)
