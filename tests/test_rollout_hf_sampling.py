@@ -97,3 +97,19 @@ def test_every_vision_special_token_is_suppressed_including_vision_pad(tiny_vlm_
     names = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
     assert set(tokens.suppressed_ids) == {vocab[name] for name in names}
     assert not {vocab["<|im_end|>"], vocab["<|endoftext|>"]} & set(tokens.suppressed_ids)
+
+
+def test_sample_tokens_draws_each_row_from_its_own_distribution_never_a_zero_probability_token():
+    from vlrft.rollout.decode import sample_tokens
+
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],  # zeros at both ends and between
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                          [0.25, 0.25, 0.25, 0.25, 0.0, 0.0]])
+    draws = torch.stack([sample_tokens(probs) for _ in range(20000)])  # [draws, rows]
+    assert (draws[:, 1] == 5).all() and (draws[:, 2] == 0).all()
+    for row in (0, 3):
+        frequencies = torch.bincount(draws[:, row], minlength=6) / len(draws)
+        assert torch.allclose(frequencies, probs[row], atol=0.015), (row, frequencies)
+    assert draws.min() >= 0 and draws.max() <= 5

@@ -86,6 +86,19 @@ def step_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...], v
             for p in sampling_processors(sampling, suppressed_ids, device)]
 
 
+def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], by inverse CDF: one uniform number per row.
+
+    The first token whose cumulative probability reaches u, for u uniform in (0, total]: a token of
+    probability 0 is never taken (its cumulative sum equals its predecessor's) and the index stays in
+    range whatever the rounding. `torch.multinomial` draws an exponential per vocabulary entry instead
+    (CPU: 0.27 ms for 16 x 512, most of the sampling bookkeeping of a decode step).
+    """
+    cdf = probs.cumsum(dim=-1)
+    u = (1.0 - torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1)
+
+
 def _select_rows(cache, index: torch.Tensor) -> None:
     """Keep only `index` rows of a KV cache (static layers have no batch_select_indices of their own)."""
     from transformers import StaticCache
@@ -256,7 +269,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
         if sampling.greedy:
             tokens = scores.argmax(dim=-1)
         else:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            tokens = sample_tokens(torch.softmax(scores, dim=-1))
         token_logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         history[:, prompt_len + step] = tokens
         out_ids[alive, step] = tokens
