@@ -28,7 +28,10 @@ a reference forward when beta > 0; attention scores left out), divided by the fl
 measured in the same run at the same thread count, and each framework's distance to it. Next to it
 a memory-aware floor: the same, except that the decode steps' matmuls count at the rate measured
 for their shape (`batch_size` rows through every weight, the weights read from memory each step:
-`decode_matmul_rate`), which on a small CPU is bandwidth-bound and well below the matmul rate.
+`decode_matmul_rate`, the faster of MKL on plain weights and oneDNN on packed ones), which on a
+small CPU is well below the matmul rate. And each framework's floor of its own work (TRL processes
+each prompt once per completion, in generation and in training): their ratio is what vlrft / TRL
+would be if both ran at their floors.
 
     PYTHONPATH=. python bench/bench_vs_trl.py --out bench_vs_trl.json
     PYTHONPATH=. python bench/bench_vs_trl.py --settings text images3 default long natural --repeats 3 --betas 0
@@ -382,11 +385,14 @@ FLOOR_TARGET = 1.5  # a default step at most this many times the FLOP floor
 def summary_markdown(results: dict) -> str:
     """One markdown row per setting and beta, from `--out`'s JSON: what the README's speed table shows."""
     rows = ["| setting | beta | CPU s/step vlrft | TRL | CPU-time ratio min/median/max | wall ratio min/median/max "
-            "| x FLOP floor (CPU) vlrft / TRL | x memory-aware floor vlrft / TRL | peak RSS ratio | target |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "| x FLOP floor (CPU) vlrft / TRL | x memory-aware floor vlrft / TRL | ratio of own floors (memory-aware) "
+            "| peak RSS ratio | target |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, result in results.items():
         spec, floor = result["spec"], result["floor_s_per_step"]
         memory_floor = result.get("memory_floor_s_per_step", float("nan"))
+        own_floors = (f"{floor / result['trl_floor_s_per_step']:.2f} ({memory_floor / result['trl_memory_floor_s_per_step']:.2f})"
+                      if "trl_floor_s_per_step" in result else "-")
         images = "text-only" if spec["images_per_prompt"] == 0 else f"{spec['images_per_prompt']} x {spec['image_size']} px"
         what = (f"{name}: {images}, {result['prompt_length']}-token prompt, group {spec['group_size']}, {spec['batch_size']} x "
                 f"{spec['completion_length']} tokens{' (natural lengths)' if spec['natural_length'] else ''}")
@@ -397,7 +403,7 @@ def summary_markdown(results: dict) -> str:
                         f"| {_spread(pair_ratios(runs, 'median_step_cpu_s'))} | {_spread(pair_ratios(runs, 'median_step_s'))} "
                         f"| {c['vlrft_median_step_cpu_s'] / floor:.2f} / {c['trl_median_step_cpu_s'] / floor:.2f} "
                         f"| {c['vlrft_median_step_cpu_s'] / memory_floor:.2f} / "
-                        f"{c['trl_median_step_cpu_s'] / memory_floor:.2f} "
+                        f"{c['trl_median_step_cpu_s'] / memory_floor:.2f} | {own_floors} "
                         f"| {c['rss_ratio']:.2f} | {'-' if target is None else f'<= {target:g}'} |")
     return "\n".join(rows)
 
@@ -462,13 +468,16 @@ class TextShape:
         return self.hidden_size * self.vocab_size
 
 
-def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None = None) -> float:
+def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None = None,
+               prompt_copies: int = 1) -> float:
     """Matmul FLOPs one GRPO step cannot avoid, from the model's layer shapes (attention scores left out).
 
     Generation: each prompt (vision tower included) once, then every completion token one forward.
     `completion_length`: the mean measured one with natural lengths (default: the forced length).
     Training: forward + backward (3x a forward) over each prompt once and every completion token; with
     beta > 0 one more forward for the reference model. The LM head only for completion tokens.
+    `prompt_copies`: how many times each prompt is processed instead (TRL: once per completion, so the
+    group size), for the floor of a framework's own work.
     """
     vision = json.loads((spec.model_dir / "config.json").read_text())["vision_config"]
     shape = TextShape.of(spec)
@@ -477,7 +486,7 @@ def step_flops(spec: BenchSpec, prompt_len: int, completion_length: float | None
     vmlp = int(vision.get("mlp_ratio", 4) * vh) if "mlp_ratio" in vision else vision.get("intermediate_size", 4 * vh)
     vision_params = vision["depth"] * (4 * vh * vh + 2 * vh * vmlp)
     patches = spec.images_per_prompt * (spec.image_size // 14) ** 2
-    prompts = spec.batch_size // spec.group_size
+    prompts = spec.batch_size // spec.group_size * prompt_copies
     completion_tokens = spec.batch_size * (completion_length or spec.completion_length)
     forward = 2 * (text_params * (prompts * prompt_len + completion_tokens) + head * completion_tokens
                    + vision_params * prompts * patches)
@@ -515,12 +524,17 @@ def decode_matmul_rate(spec: BenchSpec, repeats: int = 5) -> float:
     weights = [torch.randn(out, into) for _ in range(16 * shape.num_layers) for out, into in shapes]
     x = {into: torch.randn(spec.batch_size, into) for _, into in shapes}
     flops = sum(2 * spec.batch_size * w.shape[0] * w.shape[1] for w in weights)
+    kernels = {"mkl": (weights, lambda w: F.linear(x[w.shape[1]], w))}
+    if torch.backends.mkldnn.is_available():  # what the lean decode step uses on CPU (vlrft.rollout.lean_decode)
+        packed = [(torch.ops.mkldnn._reorder_linear_weight(w, spec.batch_size), w.shape[1]) for w in weights]
+        kernels["onednn"] = (packed, lambda p: torch.ops.mkldnn._linear_pointwise(x[p[1]], p[0], None, "none", [], ""))
     best = float("inf")
     for _ in range(repeats):
-        start = time.process_time()
-        for w in weights:
-            F.linear(x[w.shape[1]], w)
-        best = min(best, time.process_time() - start)
+        for operands, multiply in kernels.values():
+            start = time.process_time()
+            for operand in operands:
+                multiply(operand)
+            best = min(best, time.process_time() - start)
     torch.set_num_threads(previous)
     return flops / best
 
@@ -656,6 +670,9 @@ def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
     floor = step_flops(base, prompt_len, length) / rate
     decode = decode_flops(base, length)
     memory_floor = floor - decode / rate + decode / decode_rate
+    # TRL's own work: the same, with each prompt processed once per completion (generation and training)
+    trl_floor = step_flops(base, prompt_len, length, prompt_copies=base.group_size) / rate
+    trl_memory_floor = trl_floor - decode / rate + decode / decode_rate
     if comparisons:
         print_table(base, prompt_len, comparisons)
         print_floor(base, prompt_len, comparisons, rate, length)
@@ -665,13 +682,21 @@ def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
         for c in comparisons:
             print(f"  beta={c.beta:g}: vlrft {c.vlrft_median_step_cpu_s / memory_floor:.2f}x it (CPU time), "
                   f"TRL {c.trl_median_step_cpu_s / memory_floor:.2f}x")
+        print(f"Floor of each framework's own work (TRL processes each prompt once per completion): vlrft "
+              f"{floor:.3f} s, TRL {trl_floor:.3f} s; memory-aware vlrft {memory_floor:.3f} s, TRL "
+              f"{trl_memory_floor:.3f} s. vlrft / TRL if both ran at their floors: {floor / trl_floor:.2f} "
+              f"(memory-aware {memory_floor / trl_memory_floor:.2f})")
+        for c in comparisons:
+            print(f"  beta={c.beta:g}: each at x its own memory-aware floor (CPU time): vlrft "
+                  f"{c.vlrft_median_step_cpu_s / memory_floor:.2f}, TRL {c.trl_median_step_cpu_s / trl_memory_floor:.2f}")
     else:
         for r in all_runs:
             print(f"{r.framework} beta={r.beta:g}: {r.median_step_s:.3f} s/step = {r.median_step_s / floor:.2f}x the "
                   f"FLOP floor ({floor:.3f} s at {rate / 1e9:.1f} GFLOP/s)")
     return {"spec": asdict(base), "prompt_length": prompt_len, "matmul_flops_per_s": rate,
             "floor_s_per_step": floor, "decode_matmul_flops_per_s": decode_rate,
-            "memory_floor_s_per_step": memory_floor,
+            "memory_floor_s_per_step": memory_floor, "trl_floor_s_per_step": trl_floor,
+            "trl_memory_floor_s_per_step": trl_memory_floor,
             "comparisons": [asdict(c) for c in comparisons], "runs": [asdict(r) for r in all_runs]}
 
 
