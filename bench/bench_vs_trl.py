@@ -5,7 +5,7 @@ shapes data (one image per prompt) with GRPO: same group size, completions per o
 micro-batch size, completion length, learning rate, beta, one policy update per generation batch
 (num_iterations / ppo_epochs = 1), float32 on CPU, sampling at temperature 1, no vLLM, and an
 exact-match reward. Each (framework, beta) run is its own subprocess, so its peak RSS
-(`ru_maxrss`) is clean; the runs are interleaved (vlrft, TRL, vlrft, TRL, ...) so that load from
+(VmHWM) is its own; the runs are interleaved (vlrft, TRL, vlrft, TRL, ...) so that load from
 other processes on the machine hits both alike. A step's time is the wall-clock interval between
 two consecutive optimizer-step completions (data, generation, reward, logprobs, backward,
 optimizer, the framework's own bookkeeping); warm-up steps are dropped and medians reported.
@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -108,7 +107,7 @@ class RunResult:
     median_step_s: float
     step_cpu_s: list[float]  # this process's CPU time (user + sys) per measured step: robust to other load
     median_step_cpu_s: float
-    peak_rss_mib: float  # ru_maxrss of the worker process (model load and setup included)
+    peak_rss_mib: float  # VmHWM of the worker process (model load and setup included)
     rss_before_training_mib: float
     mean_completion_length: float
     setup_s: float  # process start to first step (imports, model load, trainer construction)
@@ -199,16 +198,22 @@ def check_same_prompt(spec: BenchSpec) -> int:
 # ---------------------------------------------------------------------------------------------- workers
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
+def _rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak RSS (VmHWM). Not `ru_maxrss`: Linux carries that across fork and exec, so a
+    worker would report the parent's peak whenever the parent had grown larger than the worker."""
+    return _status_mib("VmHWM")
 
 
 def _intervals(ends: list[float], warmup: int) -> list[float]:
