@@ -105,7 +105,8 @@ class _Projections:
 
 def packing_applies(weight: torch.Tensor) -> bool:
     """Whether decode steps pack the projections (`_Projections`): float32 on a CPU with oneDNN."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 @dataclass(frozen=True)
