@@ -51,7 +51,7 @@ def write_config(folder: Path, model: Path, strategy: str) -> Path:
                  "min_pixels": 3136, "max_pixels": 3136, "max_prompt_length": 256},
         "rollout": {"engine": "hf", "n": 2, "global_batch_completions": 8, "max_new_tokens": 4, "min_new_tokens": 4},
         "reward": {"functions": [{"name": "exact_match"}]},
-        "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": 1, "micro_batch_completions_per_rank": 4,
+        "train": {"output_dir": str(folder / f"run_{strategy}"), "skip_zero_advantage_rows": False, "total_steps": 1, "micro_batch_completions_per_rank": 4,
                   "strategy": strategy, "eval_before_training": False},
         "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
     }

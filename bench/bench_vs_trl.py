@@ -3,8 +3,8 @@
 Both frameworks train the same tiny Qwen2-VL (built locally, random weights) on the same synthetic
 shapes data (one image per prompt) with GRPO: same group size, completions per optimizer step,
 micro-batch size, completion length, learning rate, beta, one policy update per generation batch
-(num_iterations / ppo_epochs = 1), float32 on CPU, sampling at temperature 1, no vLLM, and an
-exact-match reward. Each (framework, beta) run is its own subprocess, so its peak RSS
+(num_iterations / ppo_epochs = 1), float32 on CPU, sampling at temperature 1, no vLLM, and a
+reward that varies within every group (`text_hash_reward`), so both train on every row. Each (framework, beta) run is its own subprocess, so its peak RSS
 (VmHWM) is its own; the runs are interleaved (vlrft, TRL, vlrft, TRL, ...) so that load from
 other processes on the machine hits both alike. A step's time is the wall-clock interval between
 two consecutive optimizer-step completions (data, generation, reward, logprobs, backward,
@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -233,6 +234,17 @@ def _result(framework: str, spec: BenchSpec, clocks: list[tuple[float, float]], 
                      rss_before, mean_length, setup, phases or {})
 
 
+def text_hash_reward(completions, **kwargs) -> list[float]:
+    """Both frameworks' reward: a deterministic score in [0, 1) from each completion's text.
+
+    It varies within every group, so every row has an advantage and both frameworks train on all of
+    them. (An exact-match reward is 0 on every completion of a random model: every group would have
+    zero variance, and vlrft would leave all its rows out of the update, `train.skip_zero_advantage_rows`.)
+    """
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [zlib.crc32(text.encode()) % 1000 / 1000 for text in texts]
+
+
 def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
     import yaml
 
@@ -247,7 +259,7 @@ def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
         "rollout": {"engine": "hf", "n": spec.group_size, "global_batch_completions": spec.batch_size,
                     "max_new_tokens": spec.completion_length, "temperature": 1.0,
                     "min_new_tokens": 0 if spec.natural_length else spec.completion_length},
-        "reward": {"functions": [{"name": "exact_match"}]},
+        "reward": {"functions": [{"name": f"{Path(__file__).resolve()}:text_hash_reward"}]},
         "algorithm": {"advantage": "grpo", "scale_rewards": "group", "loss_agg": "token-mean",
                       "kl_coef": spec.beta, "kl_estimator": "k3", "kl_in": "loss"},
         "train": {"output_dir": str(Path(spec.workdir) / f"vlrft_out_beta{spec.beta}"), "total_steps": spec.total_steps,
@@ -276,13 +288,6 @@ def run_trl(spec: BenchSpec, t_start: float) -> RunResult:
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-
-    from vlrft.rewards.text import find_answer, normalize
-
-    def exact_match(completions, answer, **kwargs) -> list[float]:
-        """vlrft's built-in exact_match: normalised final answer == normalised reference."""
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(normalize(find_answer(t)[0]) == normalize(a)) for t, a in zip(texts, answer)]
 
     class StepClock(TrainerCallback):
         """Step-end timestamps and each step's mean completion length (TRL clears its metrics when it logs)."""
@@ -316,7 +321,7 @@ def run_trl(spec: BenchSpec, t_start: float) -> RunResult:
         generation_kwargs=None if spec.natural_length else {"min_new_tokens": spec.completion_length},
     )
     clock = StepClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=[exact_match], args=args, train_dataset=dataset,
+    trainer = GRPOTrainer(model=model, reward_funcs=[text_hash_reward], args=args, train_dataset=dataset,
                           processing_class=processor, callbacks=[clock])
     clock.trainer = trainer
     rss_before = _rss_mib()

@@ -40,8 +40,10 @@ def write_images(folder: Path) -> Path:
     return folder
 
 
-def make_collected(model_dir: Path, images: Path, groups: list[int]) -> tuple[Collected, TokenSpec]:
-    """Fixed rollouts of these groups: image and text prompts, completion lengths from `LENGTHS`."""
+def make_collected(model_dir: Path, images: Path, groups: list[int],
+                   constant_groups: tuple[int, ...] = ()) -> tuple[Collected, TokenSpec]:
+    """Fixed rollouts of these groups: image and text prompts, completion lengths from `LENGTHS`; the groups in
+    `constant_groups` score 1 on every row (zero advantage under GRPO)."""
     processor = load_processor(str(model_dir))
     samples = [Sample(id="two", prompt="<image><image>Same shapes?",
                       images=[str(images / "a.png"), str(images / "b.png")]),
@@ -57,7 +59,8 @@ def make_collected(model_dir: Path, images: Path, groups: list[int]) -> tuple[Co
         gen = torch.Generator().manual_seed(7 + g)
         for length in LENGTHS[g]:
             completions.append(torch.randint(100, 400, (length,), generator=gen).tolist())
-        rewards += torch.rand(GROUP, generator=torch.Generator().manual_seed(100 + g)).tolist()
+        rewards += ([1.0] * GROUP if g in constant_groups else
+                    torch.rand(GROUP, generator=torch.Generator().manual_seed(100 + g)).tolist())
     rollouts = Rollouts(n=GROUP, completion_ids=completions, finish_reasons=["stop"] * len(completions))
     collected = Collected(prompts, rollouts, torch.tensor(rewards), {}, groups_seen=len(groups), zero_std_groups=0,
                           filled_zero_std=0, skipped_prompts=0, rounds=1)
@@ -66,14 +69,17 @@ def make_collected(model_dir: Path, images: Path, groups: list[int]) -> tuple[Co
 
 def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strategy, *, max_tokens: int,
                micro_batch: int = 4, loss_agg: str = "token-mean", mini_batches: int = 2, agree=None,
-               split: bool | None = None):
+               split: bool | None = None, plain: bool = False, skip_zero_advantage: bool = True):
     """(experience, loss statistics, trained actor) of one step: old and reference logprobs, `mini_batches` SGD
     steps (the second with a ratio != 1), KL in the loss. `split`: completions in classes of similar length
-    (`ActorVL.split_completion_widths`); None: as the trainer sets it (off under sharding strategies)."""
+    (`ActorVL.split_completion_widths`); None: as the trainer sets it (off under sharding strategies).
+    `plain`: no KL and no entropy bonus, so rows of zero advantage add nothing to the loss and
+    `skip_zero_advantage` leaves them out."""
     split = not strategy.balances_vision_calls if split is None else split
     torch.manual_seed(0)
-    cfg = load_config(None, [f"model.path={model_dir}", f"algorithm.loss_agg={loss_agg}", "algorithm.kl_coef=0.1",
-                             "algorithm.kl_in=loss", "algorithm.entropy_coef=0.01"], validate=False)
+    kl_coef, entropy_coef = (0.0, 0.0) if plain else (0.1, 0.01)
+    cfg = load_config(None, [f"model.path={model_dir}", f"algorithm.loss_agg={loss_agg}", f"algorithm.kl_coef={kl_coef}",
+                             "algorithm.kl_in=loss", f"algorithm.entropy_coef={entropy_coef}"], validate=False)
     model = load_policy(model_dir)
     model.config.use_cache = False
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
@@ -84,19 +90,20 @@ def train_step(model_dir: Path, collected: Collected, tokens: TokenSpec, strateg
     actor.split_completion_widths = ref.split_completion_widths = split
     policy, optimizer = strategy.prepare_trainable(actor, lambda params: torch.optim.SGD(params, lr=0.05))
     strategy.balance_vision_calls([actor, ref])  # as the trainer does: sharded ranks run the vision tower together
-    if max_tokens > 0 and strategy.balances_vision_calls:
-        share_every_forward([actor, ref])  # ... and their blocks equally often
+    if (max_tokens > 0 or plain) and strategy.balances_vision_calls:
+        share_every_forward([actor, ref])  # ... and their blocks equally often (as the trainer does)
     batching = Batching(pad_id=tokens.pad_id, device=strategy.device, micro_batch=micro_batch, max_tokens=max_tokens,
                         agree_count=agree, split_widths=split)
     reduce = lambda t: strategy.all_reduce(t, "sum")  # noqa: E731
     exp = make_experience(ExperienceDeps(algo=cfg.algorithm, group_size=GROUP, batching=batching, temperature=1.0,
-                                         kl_coef=0.1, old_policy=actor, ref=ref, reduce=reduce), collected)
+                                         kl_coef=kl_coef, old_policy=actor, ref=None if plain else ref, reduce=reduce),
+                          collected)
     n_rows = len(collected.rollouts)
     stats, skipped = update(UpdateDeps(
         algo=cfg.algorithm, strategy=strategy, batching=batching, policy=policy,
         trained_parts=[TrainedModel(policy, optimizer)], watched_params=list(actor.parameters()), ppo_epochs=1,
         mini_batch_per_rank=n_rows // mini_batches, max_grad_norm=1e9, max_new_tokens=40, temperature=1.0,
-        kl_coef=0.1, step=1, lr=0.05), collected, exp)
+        kl_coef=kl_coef, step=1, lr=0.05, skip_zero_advantage_rows=skip_zero_advantage), collected, exp)
     assert skipped == 0
     return exp, stats, actor
 
@@ -114,10 +121,14 @@ def _strategy(name: str):
     return strategy
 
 
-def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: str = "120") -> None:
+def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: str = "120",
+         scenario: str = "budget") -> None:
+    """`scenario` "zero_advantage": rank 0's groups (0 and 2) all score alike, so with no KL and no entropy
+    bonus rank 0 has no row to train and runs a filler beside rank 1's micro-batches."""
     strategy = _strategy(strategy_name)
     groups = list(range(strategy.rank, len(LENGTHS), strategy.world_size))
-    collected, tokens = make_collected(Path(model_dir), Path(images), groups)
+    plain = scenario == "zero_advantage"
+    collected, tokens = make_collected(Path(model_dir), Path(images), groups, constant_groups=(0, 2) if plain else ())
     counts = []
 
     def agree(count: int) -> int:  # what the trainer passes (Trainer.max_count), recording each rank's own count
@@ -125,7 +136,7 @@ def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: 
         return int(strategy.all_reduce(torch.tensor([count]), "max").item())
 
     _, stats, actor = train_step(Path(model_dir), collected, tokens, strategy, max_tokens=int(max_tokens),
-                                 mini_batches=1, agree=agree)
+                                 mini_batches=1, agree=agree, plain=plain)
     all_counts = strategy.all_gather_object(counts)
     weights = {}
     with strategy.gathered(list(actor.parameters())):  # ZeRO-3: whole parameters on every rank
@@ -139,4 +150,4 @@ def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

@@ -22,7 +22,7 @@ def test_ddp_training_keeps_ranks_identical_and_reduces_metrics(tmp_path, tiny_v
 model: {{path: {tiny_vlm_dir('qwen2_vl')}, dtype: float32}}
 data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
 rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 4}}
-reward: {{functions: [{{name: exact_match}}]}}
+reward: {{functions: [{{name: '{REPO / 'tests' / 'data' / 'trainer_rewards.py'}:text_hash'}}]}}
 train: {{output_dir: {tmp_path / 'run'}, total_steps: 2, lr: 1.0e-3, micro_batch_completions_per_rank: 4, eval_every: 2, strategy: ddp}}
 logging: {{progress: false, completions_every: 0}}
 """)

@@ -236,3 +236,97 @@ def test_trainer_step_with_a_token_budget_equals_the_row_count_step(tmp_path, ti
     assert any(1 < len(m) < 16 for m in plans[-1])  # rows grouped, and not all in one forward
     assert_same_step(rows, budget)
     assert rows[2]["actor/pg_loss"] == pytest.approx(budget[2]["actor/pg_loss"], abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def zero_advantage_case(case):
+    """The same rollouts, with groups 0 and 2 scoring alike on every row (zero advantage under GRPO)."""
+    model, images, _, _ = case
+    collected, tokens = make_collected(model, images, list(range(len(LENGTHS))), constant_groups=(0, 2))
+    return model, images, collected, tokens
+
+
+@pytest.mark.parametrize("max_tokens", [0, 120])
+def test_rows_of_zero_advantage_are_left_out_and_the_update_is_the_same(zero_advantage_case, max_tokens,
+                                                                        monkeypatch):
+    """With no KL and no entropy bonus a zero-advantage row's loss and gradient are exactly 0: leaving it out of the
+    forward/backward (the loss denominators still count it) gives the weights of training on every row."""
+    import vlrft.trainer.update as update_module
+    from vlrft.dist.strategy import Strategy
+
+    model, _, collected, tokens = zero_advantage_case
+    forwarded = []
+    planned = update_module.plan_micro_batches
+
+    def recorded(*args, **kwargs):
+        micro = planned(*args, **kwargs)
+        forwarded.append(sorted(r for m in micro if not m.filler for r in m.rows))
+        return micro
+
+    monkeypatch.setattr(update_module, "plan_micro_batches", recorded)
+    _, stats, skipped = train_step(model, collected, tokens, Strategy(), max_tokens=max_tokens, plain=True)
+    assert forwarded == [[4, 5, 6, 7], [12, 13, 14, 15]]  # each mini-batch's varied group only (groups 1 and 3)
+    assert stats.means()["actor/zero_advantage_rows_skipped"] == 0.5
+    forwarded.clear()
+    _, full_stats, full = train_step(model, collected, tokens, Strategy(), max_tokens=max_tokens, plain=True,
+                                     skip_zero_advantage=False)
+    assert forwarded == [list(range(8)), list(range(8, 16))] and "actor/zero_advantage_rows_skipped" not in full_stats.means()
+    for (name, a), b in zip(full.named_parameters(), skipped.parameters()):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=name)
+    assert stats.means()["actor/grad_norm"] == pytest.approx(full_stats.means()["actor/grad_norm"], rel=1e-5)
+    assert stats.means()["actor/grad_norm"] > 0  # the varied groups trained: the comparison is not vacuous
+
+
+def test_rows_are_kept_where_a_zero_advantage_row_still_has_a_loss(zero_advantage_case):
+    """KL in the loss and an entropy bonus train every row: nothing is left out (train_step's default losses)."""
+    from vlrft.dist.strategy import Strategy
+
+    model, _, collected, tokens = zero_advantage_case
+    _, stats, _ = train_step(model, collected, tokens, Strategy(), max_tokens=0)
+    assert "actor/zero_advantage_rows_skipped" not in stats.means()
+
+
+def test_which_losses_let_zero_advantage_rows_out():
+    from vlrft.algo import register_policy_loss, zero_advantage_rows_add_nothing
+    from vlrft.algo.losses import POLICY_LOSSES, ppo_surrogate
+
+    def cfg(*overrides):
+        return load_config(None, list(overrides), validate=False).algorithm
+
+    assert zero_advantage_rows_add_nothing(cfg(), kl_coef=0.0)
+    assert zero_advantage_rows_add_nothing(cfg("algorithm.policy_loss=gspo"), kl_coef=0.0)
+    assert zero_advantage_rows_add_nothing(cfg("algorithm.kl_in=reward"), kl_coef=0.1)  # KL already in the advantage
+    assert not zero_advantage_rows_add_nothing(cfg(), kl_coef=0.1)
+    assert not zero_advantage_rows_add_nothing(cfg("algorithm.entropy_coef=0.01"), kl_coef=0.0)
+    assert not zero_advantage_rows_add_nothing(cfg("algorithm.high_entropy_token_frac=0.2"), kl_coef=0.0)
+    assert zero_advantage_rows_add_nothing(cfg("algorithm.policy_loss=cpgd", "algorithm.cpgd_drift_coef=0"), 0.0)
+    assert not zero_advantage_rows_add_nothing(cfg("algorithm.policy_loss=cpgd", "algorithm.cpgd_drift_coef=0.1"), 0.0)
+    original = POLICY_LOSSES["ppo"]
+    try:  # a surrogate registered over a built-in name may add terms of its own
+        register_policy_loss("ppo", override=True)(lambda *args: ppo_surrogate(*args))
+        assert not zero_advantage_rows_add_nothing(cfg(), kl_coef=0.0)
+    finally:
+        POLICY_LOSSES["ppo"] = original
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
+def test_a_rank_with_only_zero_advantage_rows_keeps_step_and_trains_like_one_process(zero_advantage_case, tmp_path,
+                                                                                     strategy):
+    """Rank 0 holds the two zero-advantage groups: it trains no row, yet runs a filler beside each of rank 1's
+    micro-batches (no hang: sharded blocks gather on every rank), and the weights equal one process training on
+    every row."""
+    from vlrft.dist.strategy import Strategy
+
+    model, images, collected, tokens = zero_advantage_case
+    out = tmp_path / "out.pt"
+    proc = torchrun(str(model), str(images), strategy, str(out), "0", "zero_advantage")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(out)
+    assert result["counts"][0] == [0] and result["counts"][1][0] >= 1  # update's own micro-batch counts per rank
+    assert result["means"]["actor/zero_advantage_rows_skipped"] == 0.5
+    _, _, single = train_step(model, collected, tokens, Strategy(), max_tokens=0, mini_batches=1, split=False,
+                              plain=True, skip_zero_advantage=False)
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(result["weights"][name], p.detach(), atol=1e-5, rtol=0, msg=name)

@@ -269,7 +269,8 @@ def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
                  "rollout.max_new_tokens=6", f"rollout.stop_token_ids={cfg.rollout.stop_token_ids}",
                  f"rollout.tools=[{{name: '{TOOLS}:look'}}]", f"rollout.tool_parser={TOOLS}:always_call",
                  "rollout.max_turns=3", "rollout.max_trajectory_tokens=300",
-                 f"reward.functions=[{{name: exact_match}}]", f"train.output_dir={tmp_path / 'run'}",
+                 f"reward.functions=[{{name: '{repo / 'tests' / 'data' / 'trainer_rewards.py'}:text_hash'}}]",
+                 f"train.output_dir={tmp_path / 'run'}",
                  "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_completions_per_rank=2",
                  "train.eval_every=0", "train.strategy=ddp", "logging.progress=false", "logging.completions_every=0"]
     out, base = tmp_path / "result.json", tmp_path / "base.yaml"

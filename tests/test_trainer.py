@@ -173,6 +173,26 @@ def test_dynamic_sampling_replaces_zero_variance_groups(tmp_path, tiny_vlm_dir, 
         assert math.isfinite(m["actor/pg_loss"])
 
 
+def test_zero_advantage_rows_are_left_out_of_the_update_by_default_with_the_same_weights(tmp_path, tiny_vlm_dir,
+                                                                                          shapes):
+    """train.skip_zero_advantage_rows (on by default) reaches the update: groups whose rewards are all equal are
+    counted as left out, and the weights equal a run that trains on them."""
+    runs = {}
+    for skip in (True, False):
+        cfg = config(tmp_path / str(skip), tiny_vlm_dir("qwen2_vl"), shapes,
+                     f"reward.functions=[{{name: '{REWARDS}:constant_unless_yellow'}}]", "train.total_steps=1",
+                     "train.eval_every=0", "train.eval_before_training=false", f"train.skip_zero_advantage_rows={skip}")
+        trainer, history = run(cfg)
+        runs[skip] = (history[0], [p.detach().clone() for p in trainer.actor.parameters()])
+    (left_out, weights), (trained_all, full_weights) = runs[True], runs[False]
+    assert left_out["frac_reward_zero_std"] > 0
+    assert left_out["actor/zero_advantage_rows_skipped"] == pytest.approx(left_out["frac_reward_zero_std"])
+    assert "actor/zero_advantage_rows_skipped" not in trained_all
+    assert left_out["reward/mean"] == trained_all["reward/mean"]  # the same rollouts
+    for a, b in zip(weights, full_weights):  # AdamW's first step moves every weight by ~lr (1e-3) times a sign
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def test_over_long_prompts_are_skipped_and_counted_or_refused(tmp_path, tiny_vlm_dir, shapes):
     cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "data.max_prompt_length=10", "train.total_steps=1",
                  "train.eval_every=0", "train.eval_before_training=false")

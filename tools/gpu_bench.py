@@ -82,7 +82,7 @@ def write_config(folder: Path, model: Path, strategy: str, args) -> Path:
         "rollout": {"engine": "hf", "n": args.n, "global_batch_completions": args.prompts_per_rank * args.n * world,
                     "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
         "reward": {"functions": [{"name": "exact_match"}]},
-        "train": {"output_dir": str(folder / f"run_{strategy}"), "total_steps": args.steps, "lr": 1e-6,
+        "train": {"output_dir": str(folder / f"run_{strategy}"), "skip_zero_advantage_rows": False, "total_steps": args.steps, "lr": 1e-6,
                   "micro_batch_completions_per_rank": args.micro_batch, "strategy": strategy, "eval_before_training": False},
         "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
     }

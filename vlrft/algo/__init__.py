@@ -32,6 +32,7 @@ from vlrft.algo.losses import (
     policy_loss,
     register_policy_loss,
     value_loss,
+    zero_advantage_rows_add_nothing,
 )
 from vlrft.algo.shaping import RunningMoments, clip_rewards, expand_groups, overlong_penalty
 from vlrft.algo.stats import Stats
@@ -41,6 +42,6 @@ __all__ = [
     "register_advantage", "group_moments", "zero_variance_groups", "AdaptiveKLController", "FixedKLController",
     "kl_estimate", "kl_reward_penalty", "make_kl_controller", "LOSS_AGG_MODES", "POLICY_LOSSES",
     "LossDenominators", "LossOutput", "Surrogate", "aggregate", "loss_denominators", "policy_loss",
-    "register_policy_loss", "value_loss", "RunningMoments", "clip_rewards", "expand_groups", "overlong_penalty",
+    "register_policy_loss", "value_loss", "zero_advantage_rows_add_nothing", "RunningMoments", "clip_rewards", "expand_groups", "overlong_penalty",
     "Stats",
 ]

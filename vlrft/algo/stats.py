@@ -81,6 +81,13 @@ class Stats:
             out.add_max(name, value)
         return out
 
+    def emptied(self) -> "Stats":
+        """The same metric names with nothing recorded (sums and counts 0, no maximum): what a rank merges for a
+        forward whose statistics must not count (a filler), so that its key set still agrees in `reduce`."""
+        return Stats({n: torch.zeros_like(v) for n, v in self.sums.items()},
+                     {n: torch.zeros_like(v) for n, v in self.counts.items()},
+                     {n: torch.full_like(v, float("-inf")) for n, v in self.maxima.items()})
+
     def reduce(self, sum_fn: Reducer, max_fn: Reducer | None = None) -> "Stats":
         """Combine across ranks with one sum-all-reduce (and one max-all-reduce when `max_fn` is given).
 

@@ -90,10 +90,21 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 _oversized_noted = False
 
 
-def plan_micro_batches(batching: Batching, collected, rows: list[int]) -> list[MicroBatch]:
-    """This rank's forwards over `rows`: by row count, or by token budget with a count agreed over ranks."""
+def plan_micro_batches(batching: Batching, collected, rows: list[int], spare: list[int] | None = None,
+                       at_least_one: bool = False) -> list[MicroBatch]:
+    """This rank's forwards over `rows`: by row count, or by token budget with a count agreed over ranks.
+
+    `spare`: rows this rank holds but leaves out; when `rows` may differ in number between ranks (rows
+    whose loss is 0 left out), the count is agreed over ranks in both modes, and a rank short of rows
+    runs fillers (weight 0) from `rows`, else from `spare`. `at_least_one`: a filler even when no rank
+    has a row, so the backward still leaves every gradient (zero) as training on the rows would.
+    """
     if batching.max_tokens <= 0:
-        return [MicroBatch(m) for m in micro_batches(rows, batching.micro_batch)]
+        micro = [MicroBatch(m) for m in micro_batches(rows, batching.micro_batch)]
+        if spare is None:  # every rank has its full share of rows: the counts already agree
+            return micro
+        count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
+        return padded_to_count([m.rows for m in micro], max(count, int(at_least_one)), None, spare=spare)
     lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
                             collected.rollouts.prompt_index)
 
@@ -106,7 +117,8 @@ def plan_micro_batches(batching: Batching, collected, rows: list[int]) -> list[M
 
     micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note, batching.split_widths)
     count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
-    return padded_to_count(micro, count, lengths, batching.share_prompts, batching.split_widths)
+    return padded_to_count(micro, max(count, int(at_least_one)), lengths, batching.share_prompts,
+                           batching.split_widths, spare=spare)
 
 
 def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBatch:

@@ -154,10 +154,14 @@ def _cut_group(lengths: RowLengths, group: list[int], max_tokens: int, share_pro
 
 
 def padded_to_count(micro: list[list[int]], count: int, lengths: RowLengths | None,
-                    share_prompts: bool = True, split_widths: bool = True) -> list[MicroBatch]:
-    """`micro` grown to `count` micro-batches: the largest ones split in two, then fillers (module docstring)."""
-    micro = [list(m) for m in micro]
-    if count > len(micro) and not any(micro):
+                    share_prompts: bool = True, split_widths: bool = True,
+                    spare: list[int] | None = None) -> list[MicroBatch]:
+    """`micro` grown to `count` micro-batches: the largest ones split in two, then fillers (module docstring).
+
+    A filler repeats this rank's cheapest row; with no rows of its own to train, the cheapest of `spare`
+    (rows it holds but leaves out, e.g. rows whose loss is 0)."""
+    micro = [list(m) for m in micro if m]
+    if count > len(micro) and not micro and not spare:
         raise RuntimeError("a rank with no rows cannot take part in the other ranks' micro-batches")
     cost = (lambda m: forward_tokens(lengths, m, share_prompts, split_widths)) if lengths is not None else len
     while len(micro) < count:
@@ -172,7 +176,7 @@ def padded_to_count(micro: list[list[int]], count: int, lengths: RowLengths | No
         micro[i:i] = [sorted(rows[:half]), sorted(rows[half:])]
     out = [MicroBatch(m) for m in micro]
     if len(out) < count:
-        all_rows = [r for m in micro for r in m]
+        all_rows = [r for m in micro for r in m] or list(spare)
         cheapest = min(all_rows, key=lambda r: cost([r]))
         out += [MicroBatch([cheapest], filler=True)] * (count - len(out))
     return out

@@ -37,7 +37,7 @@ from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.micro_batches import share_every_forward
-from vlrft.trainer.update import UpdateDeps, update
+from vlrft.trainer.update import UpdateDeps, skips_zero_advantage_rows, update
 
 
 def seed_everything(seed: int) -> None:
@@ -103,7 +103,9 @@ class Trainer:
             self._build_critic()
         self.scheduler = self._build_scheduler()
         self.strategy.balance_vision_calls([self.actor, self.ref, self.critic])  # sharded: no rank skips the tower
-        if cfg.train.max_tokens_per_micro_batch > 0 and self.strategy.balances_vision_calls:
+        ranks_differ = cfg.train.max_tokens_per_micro_batch > 0 or skips_zero_advantage_rows(
+            cfg.train.skip_zero_advantage_rows, cfg.algorithm, cfg.algorithm.kl_coef, has_critic=self.critic is not None)
+        if ranks_differ and self.strategy.balances_vision_calls:
             share_every_forward([self.actor, self.ref])  # ranks' micro-batches differ: same block calls on each
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
@@ -303,7 +305,8 @@ class Trainer:
                           ppo_epochs=self.cfg.train.ppo_epochs, mini_batch_per_rank=self.mini_batch_per_rank,
                           max_grad_norm=self.cfg.train.max_grad_norm, max_new_tokens=self.cfg.rollout.max_new_tokens,
                           temperature=self.train_temperature, kl_coef=self.kl_controller.value, step=step,
-                          lr=self.cfg.train.lr, critic=self.critic_wrapped, message=self.message)
+                          lr=self.cfg.train.lr, critic=self.critic_wrapped, message=self.message,
+                          skip_zero_advantage_rows=self.cfg.train.skip_zero_advantage_rows)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy/pass@k/reward at `step` (see `vlrft.trainer.evaluate`)."""

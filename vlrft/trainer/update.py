@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss
+from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss, zero_advantage_rows_add_nothing
 from vlrft.config import AlgorithmConfig
 from vlrft.dist.strategy import Strategy, TrainedModel
 from vlrft.errors import UserError
@@ -42,6 +42,7 @@ class UpdateDeps:
     lr: float  # train.lr, named in the error when the weights diverge
     critic: torch.nn.Module | None = None  # the wrapped critic (PPO), else None
     message: Callable[[str], None] = print
+    skip_zero_advantage_rows: bool = True  # train.skip_zero_advantage_rows (applies where the loss allows it)
 
 
 def _slice(t: torch.Tensor | None, rows: list[int], width: int, device) -> torch.Tensor | None:
@@ -55,12 +56,19 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
     n_rows = len(collected.rollouts)
     stats = Stats()
     skipped = 0
+    skips_rows = skips_zero_advantage_rows(deps.skip_zero_advantage_rows, deps.algo, deps.kl_coef,
+                                           has_critic=deps.critic is not None)
     for _epoch in range(deps.ppo_epochs):
         for start in range(0, n_rows, deps.mini_batch_per_rank):
             mini = list(range(start, min(start + deps.mini_batch_per_rank, n_rows)))
             den = loss_denominators(exp.mask[mini], reduce=lambda t: strategy.all_reduce(t, "sum"))
             nonfinite = False
-            micro = plan_micro_batches(batching, collected, mini)
+            if skips_rows:
+                trained = rows_with_a_loss(exp, mini)
+                stats.add("actor/zero_advantage_rows_skipped", float(len(mini) - len(trained)), float(len(mini)))
+                micro = plan_micro_batches(batching, collected, trained, spare=mini, at_least_one=True)
+            else:
+                micro = plan_micro_batches(batching, collected, mini)
             for i, planned in enumerate(micro):
                 rows = planned.rows
                 # A filler only keeps this rank's forwards/backwards in step with the other ranks': weight 0.
@@ -81,7 +89,9 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                         kl_coef=deps.kl_coef, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
                         max_tokens=deps.max_new_tokens, world_size=world)
                     strategy.backward(result.loss if weight == 1.0 else result.loss * weight, deps.policy)
-                if not planned.filler:
+                if planned.filler:  # counts nothing, but keeps the metric names every rank reduces
+                    stats = stats.merge(result.stats.emptied())
+                else:
                     nonfinite |= not bool(torch.isfinite(result.loss.detach()))
                     stats = stats.merge(result.stats)
                 if deps.critic is not None:
@@ -91,6 +101,18 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                         stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
             skipped += _optimizer_step(deps, nonfinite, stats)
     return stats, skipped
+
+
+def skips_zero_advantage_rows(enabled: bool, algo: AlgorithmConfig, kl_coef: float, has_critic: bool) -> bool:
+    """Whether the update leaves zero-advantage rows out (`train.skip_zero_advantage_rows`): where their policy
+    loss is exactly 0 and no critic trains on them. Ranks then train different numbers of rows."""
+    return enabled and not has_critic and zero_advantage_rows_add_nothing(algo, kl_coef)
+
+
+def rows_with_a_loss(exp: Experience, rows: list[int]) -> list[int]:
+    """The rows among `rows` with a non-zero advantage at some token that trains (the others' loss is 0)."""
+    live = ((exp.advantages[rows] != 0) & exp.mask[rows].bool()).any(dim=1)
+    return [row for row, keep in zip(rows, live.tolist()) if keep]
 
 
 def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: bool,
