@@ -25,7 +25,7 @@ vlrft / TRL is printed per interleaved pair (each run's median step) as min/medi
 clock and CPU time, and so is the FLOP floor: the matmul FLOPs one step cannot avoid, counted from
 the model's layer shapes (`step_flops`: each prompt once, every completion token, forward+backward,
 a reference forward when beta > 0; attention scores left out), divided by the float32 matmul rate
-measured in the same run at the same thread count, and each framework's distance to it. Next to it
+measured in the same run at the same thread count (before and after the runs, the larger), and each framework's distance to it. Next to it
 a memory-aware floor: the same, except that the decode steps' matmuls count at the rate measured
 for their shape (`batch_size` rows through every weight, the weights read from memory each step:
 `decode_matmul_rate`, the faster of MKL on plain weights and oneDNN on packed ones), which on a
@@ -659,6 +659,9 @@ def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
         raise SystemExit(f"{setting}: batch size must be a multiple of the group size and of the micro-batch size")
     print(f"\n=== setting {setting}: {SETTINGS[setting] or 'the command line options'}", flush=True)
     build_assets(base)
+    # The machine's rates, measured before and after the runs; the larger counts (a disturbance while
+    # measuring lowers a rate, which would lower the floor's distance, never raise it).
+    rates_before = matmul_rate(base.threads), decode_matmul_rate(base)
     prompt_len = check_same_prompt(base) if not args.only else len(_vlrft_prompt_ids(base))
     frameworks = [args.only] if args.only else list(FRAMEWORKS)
     comparisons, all_runs = [], []
@@ -675,7 +678,7 @@ def run_setting(args: argparse.Namespace, setting: str, workdir: Path) -> dict:
         all_runs.extend(runs)
         if len(frameworks) == 2:
             comparisons.append(compare(beta, runs))
-    rate, decode_rate = matmul_rate(base.threads), decode_matmul_rate(base)
+    rate, decode_rate = max(rates_before[0], matmul_rate(base.threads)), max(rates_before[1], decode_matmul_rate(base))
     length = statistics.mean(r.mean_completion_length for r in all_runs) if base.natural_length else None
     floor = step_flops(base, prompt_len, length) / rate
     decode = decode_flops(base, length)

@@ -42,6 +42,6 @@ __all__ = [
     "register_advantage", "group_moments", "zero_variance_groups", "AdaptiveKLController", "FixedKLController",
     "kl_estimate", "kl_reward_penalty", "make_kl_controller", "LOSS_AGG_MODES", "POLICY_LOSSES",
     "LossDenominators", "LossOutput", "Surrogate", "aggregate", "loss_denominators", "policy_loss",
-    "register_policy_loss", "value_loss", "zero_advantage_rows_add_nothing", "RunningMoments", "clip_rewards", "expand_groups", "overlong_penalty",
-    "Stats",
+    "register_policy_loss", "value_loss", "zero_advantage_rows_add_nothing", "RunningMoments", "clip_rewards",
+    "expand_groups", "overlong_penalty", "Stats",
 ]
