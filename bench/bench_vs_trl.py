@@ -20,7 +20,8 @@ EOS is masked during sampling), so both do the same amount of generation and tra
 Settings (`--settings`, each its own model/data folder, run one after the other): `default` (one
 112 px image, group 4, 64 tokens), `text` (text-only prompts, group 8), `images3` (three images per
 prompt), `long` (256-token completions), `natural` (EOS may end completions), `image224` (one
-224 px image, group 8). For each, the ratio
+224 px image, group 8), `zerovar` (the default with about half the prompts scoring alike on
+every completion: zero-variance groups, which vlrft leaves out of the update). For each, the ratio
 vlrft / TRL is printed per interleaved pair (each run's median step) as min/median/max, in wall
 clock and CPU time, and so is the FLOP floor: the matmul FLOPs one step cannot avoid, counted from
 the model's layer shapes (`step_flops`: each prompt once, every completion token, forward+backward,
@@ -84,6 +85,7 @@ class BenchSpec:
     vision_hidden_size: int = 128
     image_size: int = 112  # pixels per side; 112x112 -> 64 patches -> 16 image tokens
     images_per_prompt: int = 1  # 0: text-only prompts; 3: the same image three times per prompt
+    constant_share: float = 0.0  # about this share of prompts score alike on every completion (zero-variance groups)
 
     @property
     def model_dir(self) -> Path:
@@ -234,15 +236,19 @@ def _result(framework: str, spec: BenchSpec, clocks: list[tuple[float, float]], 
                      rss_before, mean_length, setup, phases or {})
 
 
-def text_hash_reward(completions, **kwargs) -> list[float]:
+def text_hash_reward(completions, references=None, constant_share: float = 0.0, **kwargs) -> list[float]:
     """Both frameworks' reward: a deterministic score in [0, 1) from each completion's text.
 
     It varies within every group, so every row has an advantage and both frameworks train on all of
     them. (An exact-match reward is 0 on every completion of a random model: every group would have
     zero variance, and vlrft would leave all its rows out of the update, `train.skip_zero_advantage_rows`.)
+    With `constant_share` > 0 (setting `zerovar`), prompts whose reference answer hashes below it score
+    1 on every completion instead, as groups a policy always or never solves do.
     """
     texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [zlib.crc32(text.encode()) % 1000 / 1000 for text in texts]
+    references = references or [None] * len(texts)
+    return [1.0 if zlib.crc32(str(ref).encode()) % 1000 < constant_share * 1000 else zlib.crc32(text.encode()) % 1000 / 1000
+            for text, ref in zip(texts, references)]
 
 
 def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
@@ -259,7 +265,8 @@ def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
         "rollout": {"engine": "hf", "n": spec.group_size, "global_batch_completions": spec.batch_size,
                     "max_new_tokens": spec.completion_length, "temperature": 1.0,
                     "min_new_tokens": 0 if spec.natural_length else spec.completion_length},
-        "reward": {"functions": [{"name": f"{Path(__file__).resolve()}:text_hash_reward"}]},
+        "reward": {"functions": [{"name": f"{Path(__file__).resolve()}:text_hash_reward",
+                                  "kwargs": {"constant_share": spec.constant_share}}]},
         "algorithm": {"advantage": "grpo", "scale_rewards": "group", "loss_agg": "token-mean",
                       "kl_coef": spec.beta, "kl_estimator": "k3", "kl_in": "loss"},
         "train": {"output_dir": str(Path(spec.workdir) / f"vlrft_out_beta{spec.beta}"), "total_steps": spec.total_steps,
@@ -279,6 +286,7 @@ def run_vlrft(spec: BenchSpec, t_start: float) -> RunResult:
         clocks.append(_clock())
     measured = history[spec.warmup_steps:]
     phases = {k: statistics.median(m[k] for m in measured) for k in measured[0] if k.startswith("time/")}
+    phases["zero_std_groups"] = statistics.mean(m["frac_reward_zero_std"] for m in measured)  # share, not seconds
     return _result("vlrft", spec, clocks, rss_before, statistics.mean(m["completions/mean_length"] for m in measured),
                    setup, phases)
 
@@ -321,7 +329,10 @@ def run_trl(spec: BenchSpec, t_start: float) -> RunResult:
         generation_kwargs=None if spec.natural_length else {"min_new_tokens": spec.completion_length},
     )
     clock = StepClock()
-    trainer = GRPOTrainer(model=model, reward_funcs=[text_hash_reward], args=args, train_dataset=dataset,
+    def text_hash(completions, answer, **kwargs) -> list[float]:  # TRL passes the dataset's answer column
+        return text_hash_reward(completions, references=answer, constant_share=spec.constant_share)
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[text_hash], args=args, train_dataset=dataset,
                           processing_class=processor, callbacks=[clock])
     clock.trainer = trainer
     rss_before = _rss_mib()
@@ -385,6 +396,7 @@ SETTINGS = {  # name -> BenchSpec fields over the command line's
     "long": {"completion_length": 256},
     "natural": {"natural_length": True},
     "image224": {"image_size": 224, "group_size": 8},
+    "zerovar": {"constant_share": 0.5},  # the default, with about half the groups scoring alike (no target)
 }
 
 
