@@ -84,7 +84,7 @@ class _Projections:
 
     def __init__(self, linears: list[nn.Linear], rows: int, pack: bool):
         self.sizes = [linear.out_features for linear in linears]
-        self.views = [(linear.weight.t(), linear.bias) for linear in linears]
+        self.views = [] if pack else [(linear.weight.t(), linear.bias) for linear in linears]
         self.packed, self.bias = None, None
         if pack:
             weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight

@@ -90,34 +90,33 @@ def micro_batches(rows: list[int], size: int) -> list[list[int]]:
 _oversized_noted = False
 
 
-def plan_micro_batches(batching: Batching, collected, rows: list[int], spare: list[int] | None = None,
-                       at_least_one: bool = False) -> list[MicroBatch]:
+def plan_micro_batches(batching: Batching, collected, rows: list[int], spare: list[int] | None = None
+                       ) -> list[MicroBatch]:
     """This rank's forwards over `rows`: by row count, or by token budget with a count agreed over ranks.
 
-    `spare`: rows this rank holds but leaves out; when `rows` may differ in number between ranks (rows
-    whose loss is 0 left out), the count is agreed over ranks in both modes, and a rank short of rows
-    runs fillers (weight 0) from `rows`, else from `spare`. `at_least_one`: a filler even when no rank
+    `spare`: rows this rank holds but leaves out (rows whose loss is 0). Then `rows` may differ in
+    number between ranks, so the count is agreed over ranks in both modes, a rank short of rows runs
+    fillers (weight 0) from `rows`, else from `spare`, and at least one forward runs even when no rank
     has a row, so the backward still leaves every gradient (zero) as training on the rows would.
     """
     if batching.max_tokens <= 0:
-        micro = [MicroBatch(m) for m in micro_batches(rows, batching.micro_batch)]
+        micro, lengths = micro_batches(rows, batching.micro_batch), None
         if spare is None:  # every rank has its full share of rows: the counts already agree
-            return micro
-        count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
-        return padded_to_count([m.rows for m in micro], max(count, int(at_least_one)), None, spare=spare)
-    lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
-                            collected.rollouts.prompt_index)
+            return [MicroBatch(m) for m in micro]
+    else:
+        lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
+                                collected.rollouts.prompt_index)
 
-    def note(row: int, tokens: int) -> None:
-        global _oversized_noted
-        if not _oversized_noted:
-            _oversized_noted = True
-            batching.message(f"note: a training row needs {tokens} tokens, over train.max_tokens_per_micro_batch="
-                             f"{batching.max_tokens}; such rows form micro-batches of their own (said once)")
+        def note(row: int, tokens: int) -> None:
+            global _oversized_noted
+            if not _oversized_noted:
+                _oversized_noted = True
+                batching.message(f"note: a training row needs {tokens} tokens, over train.max_tokens_per_micro_batch="
+                                 f"{batching.max_tokens}; such rows form micro-batches of their own (said once)")
 
-    micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note, batching.split_widths)
+        micro = by_token_budget(lengths, rows, batching.max_tokens, batching.share_prompts, note, batching.split_widths)
     count = len(micro) if batching.agree_count is None else batching.agree_count(len(micro))
-    return padded_to_count(micro, max(count, int(at_least_one)), lengths, batching.share_prompts,
+    return padded_to_count(micro, max(count, int(spare is not None)), lengths, batching.share_prompts,
                            batching.split_widths, spare=spare)
 
 

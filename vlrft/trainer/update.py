@@ -66,7 +66,7 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
             if skips_rows:
                 trained = rows_with_a_loss(exp, mini)
                 stats.add("actor/zero_advantage_rows_skipped", float(len(mini) - len(trained)), float(len(mini)))
-                micro = plan_micro_batches(batching, collected, trained, spare=mini, at_least_one=True)
+                micro = plan_micro_batches(batching, collected, trained, spare=mini)
             else:
                 micro = plan_micro_batches(batching, collected, mini)
             for i, planned in enumerate(micro):
