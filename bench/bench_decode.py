@@ -2,6 +2,7 @@
 """Tokens/s of the hf engine's group decoder (static or dynamic KV cache, optionally compiled) vs `model.generate`.
 
     python bench/bench_decode.py [--repeats 3] [--tokens 64] [--compile]
+    python bench/bench_decode.py --device cuda --dtype bfloat16 --hidden 896 --layers 24 --tokens 256
 
 A random Qwen2-VL (hidden 256, 4 layers, vocabulary 512; `--hidden`, `--layers`) samples completions
 forced to `--tokens` tokens (min_new_tokens = max_new_tokens, so every variant generates the same
@@ -9,7 +10,8 @@ number) for each regime: text-only prompts and 112 px image prompts, groups of 4
 per call. Variants run interleaved, `--repeats` times each; min / median / max tokens/s are printed,
 and each variant's median relative to `model.generate`, per wall-clock second and per second of
 this process's CPU time (on a shared machine the steadier of the two: it leaves out the time other
-jobs held the core). One thread (`--threads`). Compare ratios from the same run only.
+jobs held the core). One thread (`--threads`). Compare ratios from the same run only. "fixed shapes" is
+`rollout.cuda_graph_decode`: on CUDA its steps are replayed as a CUDA graph, on CPU they run eagerly.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="also time rollout.compile_decode=true")
     p.add_argument("--regimes", default="all", help="comma-separated indices into the regime list, or 'all'")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
     args = p.parse_args()
 
     import torch
@@ -57,14 +61,19 @@ def main() -> None:
     folder = build_tiny_vlm(work / "model", TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                                                       num_kv_heads=2, intermediate_size=args.hidden * 2,
                                                       min_pixels=112 * 112, max_pixels=112 * 112))
-    processor, model = load_processor(folder), load_policy(folder).eval()
+    processor = load_processor(folder)
+    model = load_policy(folder).to(args.device, getattr(torch, args.dtype)).eval()
+    cuda = args.device.startswith("cuda")
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     image = Image.new("RGB", (112, 112), (200, 40, 40))
     variants = {"generate": dict(share_prompts=False),
                 "group, dynamic cache": dict(static_cache=False, lean_decode=False),
                 "group, static cache": dict(static_cache=True, lean_decode=False),
                 "group, lean step": dict(lean_decode=True),
-                "group, lean, unpacked": dict(lean_decode=True)}  # weights as views: see `unpacked`
+                "group, lean, unpacked": dict(lean_decode=True),  # weights as views: see `unpacked`
+                "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True)}
+    if cuda:  # nothing is packed on CUDA
+        del variants["group, lean, unpacked"]
     if args.compile:
         variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True)
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]
@@ -83,9 +92,13 @@ def main() -> None:
         cpu_rates: dict[str, list[float]] = {v: [] for v in engines}
         for _ in range(args.repeats):
             for variant, engine in engines.items():
+                if cuda:
+                    torch.cuda.synchronize()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 with unpacked(variant.endswith("unpacked")):
                     out = engine.generate(batch, sampling)
+                if cuda:
+                    torch.cuda.synchronize()
                 elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 generated = sum(len(ids) for ids in out.completion_ids)
                 rates[variant].append(generated / elapsed)

@@ -127,3 +127,110 @@ def test_lora_wrapped_projections_decode_through_transformers(setup, lean_steps)
     with_adapter = _run(setup, sampling, lean=True, model=adapted.eval())
     assert not lean_steps
     assert with_adapter.completion_ids != _run(setup, sampling, lean=True).completion_ids
+
+
+@pytest.fixture
+def fixed_rows_steps(monkeypatch):
+    """Counts the fixed-row decoder's steps (the CUDA graph path's row bookkeeping, eager on CPU)."""
+    from vlrft.rollout.graph_decode import FixedRowsDecoder
+
+    calls = []
+    step = FixedRowsDecoder.step
+
+    def counted(self, tokens, index):
+        calls.append(len(tokens))
+        return step(self, tokens, index)
+
+    monkeypatch.setattr(FixedRowsDecoder, "step", counted)
+    return calls
+
+
+def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_rows_steps):
+    """rollout.cuda_graph_decode's steps (every row, every position; eager off CUDA) sample what the lean steps
+    that drop stopped rows sample: same ids, logprobs within 1e-5."""
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    torch.manual_seed(0)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, lean_decode=True, cuda_graph_decode=True)
+    fixed = engine.generate(batch, sampling)
+    assert fixed_rows_steps, "the fixed-row decoder was not used"
+    assert len(set(fixed_rows_steps)) > 1, "no row stopped early, so reporting fewer rows was not exercised"
+    _assert_same(fixed, _run(setup, sampling, lean=True))
+
+
+def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypatch):
+    """What the CUDA graph capture relies on: every step runs on the same shapes, steps after restore() repeat
+    the steps before it exactly (the slot, positions and mask advance in place), and a fixed-shape decoder
+    cannot change its row count."""
+    from vlrft.data.processor import left_pad
+    from vlrft.models.positions import prompt_positions
+    from vlrft.rollout.lean_decode import LeanDecoder
+    from vlrft.vision import mm_token_type_ids
+
+    _, model, tokens, batch = setup
+    backbone, _ = split_head(model)
+    ids, mask = left_pad(batch.prompt_ids, tokens.pad_id)
+    mm = mm_token_type_ids(ids, tokens.image_token_id, tokens.video_token_id)
+    visual = batch.visual.model_inputs()
+    positions = prompt_positions(backbone, ids, mask, mm, visual)
+    with torch.no_grad():
+        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                       use_cache=True, **visual)
+        rows = torch.arange(len(ids))
+        fixed = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask, positions[0, :, -1],
+                            max_new_tokens=4, fixed_shapes=True)
+        lean = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask, positions[0, :, -1],
+                           max_new_tokens=4)
+        new = torch.tensor([7, 8, 9])[:len(ids)]
+        score_shapes = []
+        baddbmm = torch.baddbmm
+
+        def recorded(*args, **kwargs):
+            score_shapes.append(tuple(args[0].shape))
+            return baddbmm(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "baddbmm", recorded)
+        state = fixed.state()
+        first = [fixed.step(new + i, i) for i in range(2)]
+        fixed.restore(state)
+        fixed_shapes, lean_shapes = set(score_shapes), set()
+        for i in range(4):
+            score_shapes.clear()
+            hidden = fixed.step(new + i, i)
+            fixed_shapes |= set(score_shapes)
+            score_shapes.clear()
+            assert torch.allclose(hidden, lean.step(new + i, i), atol=1e-5), i
+            lean_shapes |= set(score_shapes)
+            if i < 2:
+                assert torch.equal(hidden, first[i]), i
+        assert len(fixed_shapes) == 1 and len(lean_shapes) == 4  # the lean steps attend over a growing span
+        with pytest.raises(RuntimeError, match="keeps every row"):
+            fixed.keep(torch.tensor([0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
+def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(setup, monkeypatch):
+    """On a GPU: the replayed graph samples what eager lean steps sample (greedy: same ids, logprobs within 1e-4),
+    with rows stopping early, and the graph was really captured."""
+    import copy
+
+    from vlrft.rollout import graph_decode
+
+    processor, model, tokens, batch = setup
+    gpu_model = copy.deepcopy(model).cuda().eval()
+    captured = []
+    init = graph_decode.CudaGraphDecoder.__init__
+
+    def counted(self, decoder):
+        init(self, decoder)
+        captured.append(self.graph)
+
+    monkeypatch.setattr(graph_decode.CudaGraphDecoder, "__init__", counted)
+    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0, stop_token_ids=list(range(40, 80)))
+    runs = {}
+    for graph in (True, False):
+        engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
+                          cuda_graph_decode=graph)
+        runs[graph] = engine.generate(batch, sampling)
+    assert captured, "no CUDA graph was captured"
+    _assert_same(runs[True], runs[False], atol=1e-4)

@@ -17,6 +17,7 @@ import torch
 from vlrft.data.processor import left_pad
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
+from vlrft.rollout.graph_decode import CudaGraphDecoder, FixedRowsDecoder
 from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
@@ -208,7 +209,7 @@ def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch
 def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool = True,
-                  compile_step: bool = False, lean_step: bool = True) -> DecodedRows:
+                  compile_step: bool = False, lean_step: bool = True, cuda_graph: bool = False) -> DecodedRows:
     """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt.
 
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
@@ -216,7 +217,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     dropped by one index_select); `compile_step` compiles the per-token backbone call. With
     `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
-    Python); other models through transformers.
+    Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
+    every position (`vlrft.rollout.graph_decode`) and on CUDA are replayed as one CUDA graph; elsewhere
+    those fixed-shape steps run eagerly.
     """
     backbone, head = split_head(model)
     device = head.weight.device
@@ -236,7 +239,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
     if use_lean:
-        decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new)
+        decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new,
+                              fixed_shapes=cuda_graph)
+        if cuda_graph:
+            decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
     else:
         decoder = _TransformersDecoder(backbone, out.past_key_values, rows, mask[rows], position, max_new, mm.dtype,
                                        static_cache, compile_step)

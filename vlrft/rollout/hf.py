@@ -59,7 +59,7 @@ class HFEngine:
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
                  whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool | None = None,
-                 compile_decode: bool = False, lean_decode: bool = True):
+                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool = False):
         self._get_model = get_model
         # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
         # them for the duration of a `generate` call, so ranks decode independently).
@@ -75,6 +75,7 @@ class HFEngine:
         self.static_cache = static_cache
         self.compile_decode = compile_decode
         self.lean_decode = lean_decode  # Qwen-family decode steps without transformers' modules (rollout.lean_decode)
+        self.cuda_graph_decode = cuda_graph_decode  # lean steps replayed as a CUDA graph (rollout.cuda_graph_decode)
 
     def generation_config(self, sampling: SamplingParams):
         from transformers import GenerationConfig
@@ -201,7 +202,7 @@ class HFEngine:
                                      video_token_id=self.tokens.video_token_id,
                                      suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer,
                                      static_cache=self._static_cache(device), compile_step=self.compile_decode,
-                                     lean_step=self.lean_decode)
+                                     lean_step=self.lean_decode, cuda_graph=self.cuda_graph_decode)
                 ids.extend(rows.ids)
                 logprobs.extend(rows.logprobs)
                 reasons.extend(rows.reasons)

@@ -144,8 +144,9 @@ class LeanDecoder:
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
-                 last_position: torch.Tensor, max_new_tokens: int):
+                 last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False):
         self.model = text_model
+        self.fixed_shapes = fixed_shapes
         pack = packing_applies(text_model.embed_tokens.weight)
         self.layers = [_LayerWeights.of(layer, len(rows), pack) for layer in text_model.layers]
         first = text_model.layers[0].self_attn
@@ -156,8 +157,10 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             keys, values = prefill_cache.layers[index].keys, prefill_cache.layers[index].values
-            k_buffer = keys.new_empty(len(rows), keys.shape[1], length, keys.shape[3])
-            v_buffer = values.new_empty(len(rows), values.shape[1], length, values.shape[3])
+            # Zeros, not empty: with fixed shapes the attention reads positions not yet written (masked, but
+            # 0 x NaN from uninitialised memory would still be NaN).
+            k_buffer = keys.new_zeros(len(rows), keys.shape[1], length, keys.shape[3])
+            v_buffer = values.new_zeros(len(rows), values.shape[1], length, values.shape[3])
             k_buffer[:, :, :self.prompt_len] = keys[rows, :, :self.prompt_len]
             v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
             self.keys.append(k_buffer)
@@ -168,6 +171,7 @@ class LeanDecoder:
         bias[..., :self.prompt_len].masked_fill_(prompt_mask.bool()[:, None, None, :], 0.0)
         self.mask_bias = bias  # [rows, kv_heads, 1, length]: 0 where a row may attend, -inf elsewhere
         self.position = last_position.clone()  # [rows]: the last position each row has seen
+        self.slot = torch.full((1,), self.prompt_len - 1, dtype=torch.long, device=prompt_mask.device)  # last written
         table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=prompt_mask.device)
         probe = self.keys[0].new_empty(1, 1, self.head_dim)
         cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1))
@@ -178,6 +182,9 @@ class LeanDecoder:
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
+        if self.fixed_shapes:
+            raise RuntimeError("a fixed-shape LeanDecoder keeps every row; wrap it in vlrft.rollout.graph_decode."
+                               "FixedRowsDecoder, whose keep() only stops reporting rows")
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
         self.mask_bias = self.mask_bias.index_select(0, index)
@@ -187,15 +194,30 @@ class LeanDecoder:
         """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]."""
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """Copies of what a step advances besides the KV cache (for `restore`)."""
+        return self.slot.clone(), self.position.clone(), self.mask_bias.clone()
+
+    def restore(self, state: tuple[torch.Tensor, ...]) -> None:
+        """Undo steps since `state()`, in place. The KV entries they wrote stay, masked, until overwritten."""
+        for tensor, saved in zip((self.slot, self.position, self.mask_bias), state):
+            tensor.copy_(saved)
+
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        """Feed `tokens` [rows] as generated token number `step` (0-based); the new hidden states [rows, hidden]."""
-        slot = self.prompt_len + step
+        """Feed `tokens` [rows] as generated token number `step` (0-based); the new hidden states [rows, hidden].
+
+        The slot written, the positions and the mask advance as tensors, in place. With `fixed_shapes`
+        every step attends over all preallocated positions (those not reached are masked) and `step`
+        is not read: the same kernels on the same shapes each time, which a CUDA graph can replay.
+        """
         rows, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
+        length = self.mask_bias.shape[-1] if self.fixed_shapes else self.prompt_len + step + 1
+        self.slot += 1
         self.position += 1
-        self.mask_bias[..., slot] = 0.0
+        self.mask_bias.index_fill_(-1, self.slot, 0.0)
         cos = self.cos.index_select(0, self.position).unsqueeze(1)  # [rows, 1, head_dim]
         sin = self.sin.index_select(0, self.position).unsqueeze(1)
-        bias = self.mask_bias.view(rows * kv_heads, 1, -1)[..., :slot + 1]
+        bias = self.mask_bias.view(rows * kv_heads, 1, -1)[..., :length]
         hidden = F.embedding(tokens, self.embed)  # [rows, hidden]
         for weights, k_cache, v_cache in zip(self.layers, self.keys, self.values):
             x = _rms_norm(hidden, weights.norm1)
@@ -203,10 +225,10 @@ class LeanDecoder:
             q, k, v = q.view(rows, -1, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if weights.q_norm is not None:
                 q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
-            k_cache[:, :, slot] = self._rotate(k, cos, sin)
-            v_cache[:, :, slot] = v
-            keys = k_cache.view(rows * kv_heads, -1, dim)[:, :slot + 1]
-            values = v_cache.view(rows * kv_heads, -1, dim)[:, :slot + 1]
+            k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).unsqueeze(2))
+            v_cache.index_copy_(2, self.slot, v.unsqueeze(2))
+            keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
+            values = v_cache.view(rows * kv_heads, -1, dim)[:, :length]
             grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
             scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -1,0 +1,69 @@
+"""Decode steps with the same shapes every time, replayed as one CUDA graph per decode call.
+
+On a GPU a decode step of the lean decoder (`vlrft.rollout.lean_decode`) is a few hundred small
+kernels; for a model of a few billion parameters launching them takes longer than running them
+(tens of microseconds of work each, several microseconds to launch). A CUDA graph records the
+step's kernels once and replays them with one launch. A graph replays fixed shapes and fixed
+memory, so here every step keeps every row (rows that stopped go on being computed, their outputs
+are dropped) and attends over all preallocated positions (`LeanDecoder(fixed_shapes=True)`: the
+positions not reached yet are masked); the slot, positions and mask advance inside the graph.
+
+`FixedRowsDecoder` is that row bookkeeping, eager (any device; what the CPU tests exercise);
+`CudaGraphDecoder` captures its step after two warm-up steps on a side stream, restores the state
+those advanced, and replays. Both have the decoders' interface (`keep`, `step`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlrft.rollout.lean_decode import LeanDecoder
+
+WARMUP_STEPS = 2  # eager steps on a side stream before capture (lazy initialisation, allocator, cuBLAS workspaces)
+
+
+class FixedRowsDecoder:
+    """Keeps every row of a fixed-shape `LeanDecoder` in every step; `keep` only narrows which rows are reported."""
+
+    def __init__(self, decoder: LeanDecoder):
+        if not decoder.fixed_shapes:
+            raise ValueError("FixedRowsDecoder needs LeanDecoder(..., fixed_shapes=True)")
+        self.decoder = decoder
+        rows = decoder.position.shape[0]
+        device = decoder.position.device
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # the step's input, every row
+        self.alive = torch.arange(rows, device=device)  # rows still reported, in the caller's order
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Report only rows `index` of those reported so far (the others stopped; they are still computed)."""
+        self.alive = self.alive.index_select(0, index)
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """`tokens` [reported rows] in; hidden states of the reported rows out. Stopped rows repeat their last token."""
+        self.tokens.index_copy_(0, self.alive, tokens)
+        return self._run(step).index_select(0, self.alive)
+
+    def _run(self, step: int) -> torch.Tensor:
+        return self.decoder.step(self.tokens, step)
+
+
+class CudaGraphDecoder(FixedRowsDecoder):
+    """`FixedRowsDecoder` whose step is captured once as a CUDA graph and replayed for every token."""
+
+    def __init__(self, decoder: LeanDecoder):
+        super().__init__(decoder)
+        state = decoder.state()
+        side = torch.cuda.Stream(device=self.tokens.device)
+        side.wait_stream(torch.cuda.current_stream(self.tokens.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                decoder.step(self.tokens, 0)
+        torch.cuda.current_stream(self.tokens.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.hidden = decoder.step(self.tokens, 0)  # recorded, not run: the output lives in the graph's pool
+        decoder.restore(state)  # undo the warm-up steps (slot, positions, mask); their KV entries are masked again
+
+    def _run(self, step: int) -> torch.Tensor:
+        self.graph.replay()
+        return self.hidden
