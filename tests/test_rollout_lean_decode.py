@@ -234,3 +234,6 @@ def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(setup, monkeypatch)
         runs[graph] = engine.generate(batch, sampling)
     assert captured, "no CUDA graph was captured"
     _assert_same(runs[True], runs[False], atol=1e-4)
+    short = SamplingParams(n=3, max_new_tokens=2, temperature=0.0)  # no room for the capture's warm-up steps
+    _assert_same(*(HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
+                            cuda_graph_decode=graph).generate(batch, short) for graph in (True, False)), atol=1e-4)

@@ -17,7 +17,7 @@ import torch
 from vlrft.data.processor import left_pad
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
-from vlrft.rollout.graph_decode import CudaGraphDecoder, FixedRowsDecoder
+from vlrft.rollout.graph_decode import WARMUP_STEPS, CudaGraphDecoder, FixedRowsDecoder
 from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
@@ -238,10 +238,12 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
+    # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
+    fixed = cuda_graph and max_new > WARMUP_STEPS
     if use_lean:
         decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new,
-                              fixed_shapes=cuda_graph)
-        if cuda_graph:
+                              fixed_shapes=fixed)
+        if fixed:
             decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
     else:
         decoder = _TransformersDecoder(backbone, out.past_key_values, rows, mask[rows], position, max_new, mm.dtype,
