@@ -146,8 +146,8 @@ class VLLMBackend:
             raise EngineError("vLLM refused to reset its prefix cache after a weight update (requests still "
                               "running?); its cached prompts would be sampled with the old weights")
         self.llm.reset_mm_cache()  # processed inputs (and the workers' multimodal receiver caches)
-        # Encoder outputs live in another cache: `LLMEngine.reset_encoder_cache` (vLLM 0.32; `LLM` itself
-        # has no such method there). Without it, images already seen keep their old vision-tower outputs.
+        # Encoder outputs live in another cache: `LLMEngine.reset_encoder_cache` (vLLM 0.32, 0.33; `LLM`
+        # itself has no such method there). Without it, images already seen keep their old vision-tower outputs.
         reset_encoder = getattr(self.llm, "reset_encoder_cache", None) or \
             getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
         if reset_encoder is None:
