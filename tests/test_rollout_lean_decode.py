@@ -38,6 +38,24 @@ def _assert_same(a, b, atol=1e-5):
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=atol)
 
 
+def _prefill(setup):
+    """The batch's prompts through the backbone: (text model, prefill output, prompt mask, last prompt positions)."""
+    from vlrft.data.processor import left_pad
+    from vlrft.models.positions import prompt_positions
+    from vlrft.vision import mm_token_type_ids
+
+    _, model, tokens, batch = setup
+    backbone, _ = split_head(model)
+    ids, mask = left_pad(batch.prompt_ids, tokens.pad_id)
+    mm = mm_token_type_ids(ids, tokens.image_token_id, tokens.video_token_id)
+    visual = batch.visual.model_inputs()
+    positions = prompt_positions(backbone, ids, mask, mm, visual)
+    with torch.no_grad():
+        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                       use_cache=True, **visual)
+    return backbone.language_model, out, mask, positions
+
+
 @pytest.fixture
 def lean_steps(monkeypatch):
     """Counts the lean decoder's steps, so a test cannot pass by silently decoding through transformers."""
@@ -79,23 +97,11 @@ def test_lean_hidden_states_equal_the_text_model_at_every_step(setup, packed, mo
     """Step by step against the text model with its own KV cache: new tokens' hidden states within 1e-5,
     with the projections packed for oneDNN (CPU float32) and with the weights read in place (as on CUDA)."""
     from vlrft.rollout import lean_decode
-
-    from vlrft.data.processor import left_pad
-    from vlrft.models.positions import prompt_positions
     from vlrft.rollout.lean_decode import LeanDecoder
-    from vlrft.vision import mm_token_type_ids
 
-    _, model, tokens, batch = setup
-    backbone, _ = split_head(model)
-    text_model = backbone.language_model
-    ids, mask = left_pad(batch.prompt_ids, tokens.pad_id)
-    mm = mm_token_type_ids(ids, tokens.image_token_id, tokens.video_token_id)
-    visual = batch.visual.model_inputs()
-    positions = prompt_positions(backbone, ids, mask, mm, visual)
+    text_model, out, mask, positions = _prefill(setup)
     with torch.no_grad():
-        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
-                       use_cache=True, **visual)
-        rows = torch.arange(len(ids))
+        rows = torch.arange(len(mask))
         if not packed:
             monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
         lean = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=5)
@@ -103,8 +109,8 @@ def test_lean_hidden_states_equal_the_text_model_at_every_step(setup, packed, mo
         cache, attention, position = out.past_key_values, mask.clone(), positions[:, :, -1:].clone()
         generator = torch.Generator().manual_seed(0)
         for step in range(5):
-            new = torch.randint(0, text_model.config.vocab_size, (len(ids),), generator=generator)
-            attention = torch.cat([attention, torch.ones(len(ids), 1, dtype=attention.dtype)], dim=1)
+            new = torch.randint(0, text_model.config.vocab_size, (len(mask),), generator=generator)
+            attention = torch.cat([attention, torch.ones(len(mask), 1, dtype=attention.dtype)], dim=1)
             position = position + 1
             expected = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
                                   past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
@@ -162,26 +168,15 @@ def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypat
     """What the CUDA graph capture relies on: every step runs on the same shapes, steps after restore() repeat
     the steps before it exactly (the slot, positions and mask advance in place), and a fixed-shape decoder
     cannot change its row count."""
-    from vlrft.data.processor import left_pad
-    from vlrft.models.positions import prompt_positions
     from vlrft.rollout.lean_decode import LeanDecoder
-    from vlrft.vision import mm_token_type_ids
 
-    _, model, tokens, batch = setup
-    backbone, _ = split_head(model)
-    ids, mask = left_pad(batch.prompt_ids, tokens.pad_id)
-    mm = mm_token_type_ids(ids, tokens.image_token_id, tokens.video_token_id)
-    visual = batch.visual.model_inputs()
-    positions = prompt_positions(backbone, ids, mask, mm, visual)
+    text_model, out, mask, positions = _prefill(setup)
     with torch.no_grad():
-        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
-                       use_cache=True, **visual)
-        rows = torch.arange(len(ids))
-        fixed = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask, positions[0, :, -1],
-                            max_new_tokens=4, fixed_shapes=True)
-        lean = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask, positions[0, :, -1],
-                           max_new_tokens=4)
-        new = torch.tensor([7, 8, 9])[:len(ids)]
+        rows = torch.arange(len(mask))
+        fixed = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=4,
+                            fixed_shapes=True)
+        lean = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=4)
+        new = torch.tensor([7, 8, 9])[:len(mask)]
         score_shapes = []
         baddbmm = torch.baddbmm
 
