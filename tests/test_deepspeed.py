@@ -8,9 +8,6 @@ tests/fsdp_worker.py, which runs any strategy the config names.
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
+from _torchrun import failure_output, run_outputs, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -64,25 +62,12 @@ def torchrun_test(test):
     return pytest.mark.distributed(pytest.mark.slow(needs_deepspeed(test)))
 
 
-def torchrun(nproc: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    if not torch.cuda.is_available():
-        env["DS_ACCELERATOR"] = "cpu"
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(REPO / "tests" / script), *args],
-        env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
     plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
     out = plan.with_suffix(".out.json")
     plan.write_text(json.dumps({"out": str(out), "runs": runs}))
-    proc = torchrun(nproc, "fsdp_worker.py", str(plan))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)))
+    assert proc.returncode == 0, failure_output(proc)
     return json.loads(out.read_text())
 
 
@@ -287,8 +272,8 @@ def test_a_2_rank_zero3_or_zero2_checkpoint_resumes_on_1_rank(setup, zero):
 def nonfinite_runs(tmp_path_factory) -> dict:
     """One torchrun launch of tests/deepspeed_worker.py: the NaN skip under ZeRO-2 and 3, NaN in ZeRO-3 padding."""
     out = tmp_path_factory.mktemp("nonfinite") / "skip.json"
-    proc = torchrun(2, "deepspeed_worker.py", str(out), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("deepspeed_worker.py", str(out), timeout=240, outputs=(out,))
+    assert proc.returncode == 0, failure_output(proc)
     return json.loads(out.read_text())
 
 

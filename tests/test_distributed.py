@@ -1,13 +1,11 @@
 """Two processes under torchrun (gloo on CPU): the same training code path, ranks kept in step."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from _torchrun import failure_output, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -27,15 +25,9 @@ train: {{output_dir: {tmp_path / 'run'}, total_steps: 2, lr: 1.0e-3, micro_batch
 logging: {{progress: false, completions_every: 0}}
 """)
     out = tmp_path / "result.json"
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
-         str(REPO / "tests" / "dist_train_worker.py"), str(cfg), str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("dist_train_worker.py", str(cfg), str(out), cwd=tmp_path, timeout=600,
+                    outputs=(out, tmp_path / "run"))
+    assert proc.returncode == 0, failure_output(proc)
     result = json.loads(out.read_text())
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -81,16 +73,9 @@ logging: {{progress: false, completions_every: 0, tensorboard: false}}
     Trainer(load_config(single_cfg)).fit()
     ddp_cfg = tmp_path / "ddp.yaml"
     ddp_cfg.write_text(text.replace("OUT", str(tmp_path / "ddp")).replace("STRATEGY", "ddp"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(REPO / "tests" / "dist_train_worker.py"), str(ddp_cfg),
-         str(tmp_path / "result.json")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("dist_train_worker.py", str(ddp_cfg), str(tmp_path / "result.json"), cwd=tmp_path, timeout=600,
+                    outputs=(tmp_path / "result.json", tmp_path / "ddp"))
+    assert proc.returncode == 0, failure_output(proc)
 
     start = load_file(tiny_vlm_dir("qwen2_vl") / "model.safetensors")
     one = load_file(tmp_path / "single" / "checkpoints" / "step_1" / "model" / "model.safetensors")

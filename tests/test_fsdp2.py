@@ -8,9 +8,6 @@ The tiny model ties its embeddings to the LM head, the case a sharded load and s
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,29 +16,20 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
+from _torchrun import failure_output, run_outputs, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    with socket.socket() as sock:  # a free port for the rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(REPO / "tests" / "fsdp_worker.py"), *args],
-        env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
     plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
     out = plan.with_suffix(".out.json")
     plan.write_text(json.dumps({"out": str(out), "runs": runs}))
-    proc = torchrun(nproc, str(plan), timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)),
+                    timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
+    assert proc.returncode == 0, failure_output(proc)
     return json.loads(out.read_text())
 
 
@@ -256,7 +244,7 @@ def test_a_2_rank_checkpoint_resumes_on_1_rank(setup, sharded):
 
 def test_one_failing_rank_ends_the_whole_job(tmp_path):
     start = time.perf_counter()
-    proc = torchrun(2, "fail", timeout=180)
+    proc = torchrun("fsdp_worker.py", "fail", timeout=180)
     elapsed = time.perf_counter() - start
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr

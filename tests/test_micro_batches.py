@@ -7,9 +7,6 @@ in one process and across 2 DDP/FSDP2 ranks whose budgets form different numbers
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from vlrft.trainer.micro_batches import (RowLengths, by_row_count, by_token_budg
 sys.path.insert(0, str(Path(__file__).parent))
 
 from budget_worker import LENGTHS, make_collected, train_step, write_images  # noqa: E402
+from _torchrun import failure_output, torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,17 +177,6 @@ def test_completions_in_width_classes_equal_one_padded_call_in_values_and_gradie
         torch.testing.assert_close(split_grads[name], one_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def torchrun(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(REPO / "tests" / "budget_worker.py"), *args],
-        env=env, capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.distributed
 @pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
@@ -198,8 +185,8 @@ def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tm
 
     model, images, collected, tokens = case
     out = tmp_path / "out.pt"
-    proc = torchrun(str(model), str(images), strategy, str(out))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("budget_worker.py", str(model), str(images), strategy, str(out))
+    assert proc.returncode == 0, failure_output(proc)
     result = torch.load(out)
     own = [counts[0] for counts in result["counts"]]  # the first plan (experience) of each rank
     assert own[0] != own[1], "the ranks must form different numbers of micro-batches for this test to mean anything"
@@ -321,8 +308,8 @@ def test_a_rank_with_only_zero_advantage_rows_keeps_step_and_trains_like_one_pro
 
     model, images, collected, tokens = zero_advantage_case
     out = tmp_path / "out.pt"
-    proc = torchrun(str(model), str(images), strategy, str(out), "0", "zero_advantage")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("budget_worker.py", str(model), str(images), strategy, str(out), "0", "zero_advantage")
+    assert proc.returncode == 0, failure_output(proc)
     result = torch.load(out)
     assert result["counts"][0] == [0] and result["counts"][1][0] >= 1  # update's own micro-batch counts per rank
     assert result["means"]["actor/zero_advantage_rows_skipped"] == 0.5

@@ -254,14 +254,10 @@ def test_two_training_steps_with_a_tool(tmp_path, tiny_vlm_dir, monkeypatch):
 def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
     """Two ranks (torchrun, gloo): each rank's trajectories take their own number of turns; training stays in step."""
     import json
-    import os
-    import socket
-    import subprocess
-    import sys
 
+    from _torchrun import failure_output, torchrun
     from vlrft.data.synthetic import ShapesSpec, make_shapes
 
-    repo = Path(__file__).resolve().parents[1]
     shapes = make_shapes(tmp_path / "shapes", ShapesSpec(train_size=8, test_size=2))
     cfg = _config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes)
     overrides = [f"model.path={cfg.model.path}", "model.dtype=float32", f"data.train_files=[{shapes['train']}]",
@@ -269,21 +265,14 @@ def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
                  "rollout.max_new_tokens=6", f"rollout.stop_token_ids={cfg.rollout.stop_token_ids}",
                  f"rollout.tools=[{{name: '{TOOLS}:look'}}]", f"rollout.tool_parser={TOOLS}:always_call",
                  "rollout.max_turns=3", "rollout.max_trajectory_tokens=300",
-                 f"reward.functions=[{{name: '{repo / 'tests' / 'data' / 'trainer_rewards.py'}:text_hash'}}]",
+                 f"reward.functions=[{{name: '{Path(__file__).parent / 'data' / 'trainer_rewards.py'}:text_hash'}}]",
                  f"train.output_dir={tmp_path / 'run'}",
                  "train.total_steps=2", "train.lr=1e-3", "train.micro_batch_completions_per_rank=2",
                  "train.eval_every=0", "train.strategy=ddp", "logging.progress=false", "logging.completions_every=0"]
     out, base = tmp_path / "result.json", tmp_path / "base.yaml"
     base.write_text("{}\n")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-         "--master_port", str(port), str(repo / "tests" / "dist_train_worker.py"), str(base), str(out), *overrides],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = torchrun("dist_train_worker.py", str(base), str(out), *overrides, cwd=tmp_path, outputs=(out, tmp_path / "run"))
+    assert proc.returncode == 0, failure_output(proc)
     result = json.loads(out.read_text())
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     assert ranks[0]["checksum"] == ranks[1]["checksum"]

@@ -1,0 +1,65 @@
+"""Launching a test worker under torchrun: the one way the distributed tests start processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A worker process dying of std::terminate in C++ (SIGABRT) with this line: seen about once in ten full-suite runs
+# on a 2-core machine, in FSDP2 and ZeRO-3 launches, never reproduced on its own (CONTRIBUTING.md).
+ABORT = "terminate called without an active exception"
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, cwd: Path | None = None,
+             outputs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    """`torchrun --standalone` of tests/SCRIPT on `nproc` CPU processes; output captured.
+
+    Standalone: the rendezvous takes a free port itself (no port picked here and released, which
+    another job could take first). PYTHONFAULTHANDLER: a worker that dies of a signal prints every
+    thread's Python stack, so the captured stderr says where it was. A launch that failed only by the
+    `ABORT` above is run once more, after deleting those of `outputs` the first attempt created (a
+    retry must not resume from them), with a warning carrying the first attempt's stderr; any other
+    failure, or the abort twice, is returned as it is.
+    """
+    new = [Path(path) for path in outputs if not Path(path).exists()]  # a folder an earlier launch left stays
+    proc = _launch(script, args, nproc, timeout, cwd)
+    if proc.returncode != 0 and ABORT in proc.stderr:
+        warnings.warn(f"torchrun {script}: a worker aborted ({ABORT!r}); retried once. First attempt's stderr:\n"
+                      f"{failure_output(proc)}", RuntimeWarning, stacklevel=2)
+        for path in new:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        proc = _launch(script, args, nproc, timeout, cwd)
+    return proc
+
+
+def _launch(script: str, args: tuple[str, ...], nproc: int, timeout: float, cwd: Path | None
+            ) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator, when a worker uses it
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         str(REPO / "tests" / script), *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def failure_output(proc: subprocess.CompletedProcess) -> str:
+    """The end of a failed launch's stderr, long enough for a fault handler's stack dump."""
+    return proc.stderr[-12000:]
+
+
+def run_outputs(runs: list[dict]) -> tuple[Path, ...]:
+    """The output folders a plan's runs name (`train.output_dir=...` overrides)."""
+    prefix = "train.output_dir="
+    return tuple(Path(o[len(prefix):]) for run in runs for o in run.get("overrides", []) if o.startswith(prefix))
