@@ -13,8 +13,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A worker process dying of std::terminate in C++ (SIGABRT) with this line: seen about once in ten full-suite runs
-# on a 2-core machine, in FSDP2 and ZeRO-3 launches, never reproduced on its own (CONTRIBUTING.md).
+# A worker dying of std::terminate in C++ (SIGABRT) after its last line of Python, at the interpreter's teardown
+# (about one launch in 30 here, before the workers exited through vlrft.dist.process_exit; CONTRIBUTING.md).
 ABORT = "terminate called without an active exception"
 
 

@@ -16,6 +16,7 @@ import torch
 
 from vlrft.config import load_config
 from vlrft.data import PromptEncoder, Sample
+from vlrft.dist.process_exit import exit_process
 from vlrft.dist.strategy import TrainedModel, make_strategy
 from vlrft.models.actor import ActorVL
 from vlrft.models.loading import load_policy, load_processor
@@ -151,3 +152,4 @@ def main(model_dir: str, images: str, strategy_name: str, out: str, max_tokens: 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     main(*sys.argv[1:7])
+    exit_process(0)  # as `vlrft train` does under torchrun: no interpreter teardown after the run

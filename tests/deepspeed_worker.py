@@ -18,6 +18,7 @@ from torch import nn
 
 from vlrft.config import load_config
 from vlrft.dist.deepspeed import DeepSpeedStrategy
+from vlrft.dist.process_exit import exit_process
 from vlrft.dist.strategy import StepResult, TrainedModel, rank_info_from_env
 from vlrft.trainer.update import parameters_finite
 
@@ -141,3 +142,4 @@ def main(out: str) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(sys.argv[1])
+    exit_process(0)  # as `vlrft train` does under torchrun: no interpreter teardown after the run

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from vlrft.config import load_config
+from vlrft.dist.process_exit import exit_process
 from vlrft.trainer import Trainer
 
 
@@ -26,3 +27,4 @@ def main() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main()
+    exit_process(0)  # as `vlrft train` does under torchrun: no interpreter teardown after the run

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
 
 from vlrft.config import load_config  # noqa: E402
+from vlrft.dist.process_exit import exit_process  # noqa: E402
 from vlrft.dist.strategy import make_strategy  # noqa: E402
 from vlrft.errors import UserError  # noqa: E402
 from vlrft.rollout.weights import PolicyWeights  # noqa: E402
@@ -94,3 +95,4 @@ def fail() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     fail() if sys.argv[1] == "fail" else run_plan(sys.argv[1])
+    exit_process(0)  # as `vlrft train` does under torchrun: no interpreter teardown after the run

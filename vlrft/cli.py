@@ -55,6 +55,16 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; returns its exit code. A torchrun worker exits here instead (`vlrft.dist.process_exit`)."""
+    code = _run_command(argv)
+    from vlrft.dist.process_exit import exit_process, launched_by_torchrun
+
+    if argv is None and launched_by_torchrun():
+        exit_process(code)
+    return code
+
+
+def _run_command(argv: list[str] | None) -> int:
     _quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
