@@ -157,10 +157,11 @@ class LeanDecoder:
         self.values: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             keys, values = prefill_cache.layers[index].keys, prefill_cache.layers[index].values
-            # Zeros, not empty: with fixed shapes the attention reads positions not yet written (masked, but
-            # 0 x NaN from uninitialised memory would still be NaN).
-            k_buffer = keys.new_zeros(len(rows), keys.shape[1], length, keys.shape[3])
-            v_buffer = values.new_zeros(len(rows), values.shape[1], length, values.shape[3])
+            # With fixed shapes the attention reads positions not yet written: zeros there (masked, but 0 x NaN from
+            # uninitialised memory would still be NaN); otherwise a step reads only what has been written.
+            new = keys.new_zeros if fixed_shapes else keys.new_empty
+            k_buffer = new(len(rows), keys.shape[1], length, keys.shape[3])
+            v_buffer = new(len(rows), values.shape[1], length, values.shape[3])
             k_buffer[:, :, :self.prompt_len] = keys[rows, :, :self.prompt_len]
             v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
             self.keys.append(k_buffer)
