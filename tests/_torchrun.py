@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -63,3 +64,15 @@ def run_outputs(runs: list[dict]) -> tuple[Path, ...]:
     """The output folders a plan's runs name (`train.output_dir=...` overrides)."""
     prefix = "train.output_dir="
     return tuple(Path(o[len(prefix):]) for run in runs for o in run.get("overrides", []) if o.startswith(prefix))
+
+
+def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
+    """Run the trainings `runs` lists one after another in one launch of tests/fsdp_worker.py (any sharding
+    strategy); each run's result (its metric history, or the error it was refused with), in order."""
+    plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
+    out = plan.with_suffix(".out.json")
+    plan.write_text(json.dumps({"out": str(out), "runs": runs}))
+    proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)),
+                    timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
+    assert proc.returncode == 0, failure_output(proc)
+    return json.loads(out.read_text())

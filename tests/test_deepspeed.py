@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
-from _torchrun import failure_output, run_outputs, torchrun
+from _torchrun import failure_output, run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -60,15 +60,6 @@ needs_deepspeed = pytest.mark.skipif(_deepspeed_import_error() is not None, reas
 def torchrun_test(test):
     """A test that launches torchrun with DeepSpeed (skipped with the reason when deepspeed cannot import)."""
     return pytest.mark.distributed(pytest.mark.slow(needs_deepspeed(test)))
-
-
-def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
-    plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
-    out = plan.with_suffix(".out.json")
-    plan.write_text(json.dumps({"out": str(out), "runs": runs}))
-    proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)))
-    assert proc.returncode == 0, failure_output(proc)
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")

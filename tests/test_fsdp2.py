@@ -6,8 +6,6 @@ their weights can be compared after each optimizer step. One run uses the real h
 The tiny model ties its embeddings to the LM head, the case a sharded load and sync get wrong.
 """
 
-import json
-import os
 import time
 from pathlib import Path
 
@@ -16,21 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
-from _torchrun import failure_output, run_outputs, torchrun
+from _torchrun import run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
-    plan = folder / f"plan_{len(list(folder.glob('plan_*')))}.json"
-    out = plan.with_suffix(".out.json")
-    plan.write_text(json.dumps({"out": str(out), "runs": runs}))
-    proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)),
-                    timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
-    assert proc.returncode == 0, failure_output(proc)
-    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import test_deepspeed
-from test_fsdp2 import assert_close, assert_runs_match_single, run_plan, weights
+from _torchrun import run_plan
+from test_fsdp2 import assert_close, assert_runs_match_single, weights
 
 TOOLS = Path(__file__).parent / "data" / "multiturn_tools.py"
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -136,9 +137,9 @@ def test_zero3_ranks_with_and_without_tool_images_train_like_one_process(setup, 
     folder = setup["folder"]
     # one step: rank 0's rows all got tool images, rank 1's none (the FSDP2 test also runs step 2, mixed)
     zero3 = ["train.strategy=deepspeed", "train.total_steps=1"]
-    results = test_deepspeed.run_plan(folder, 2, [_run(setup, "MTZ3", *zero3),
-                                                  _run(setup, "MTZ3H", *zero3, scripted=False),
-                                                  _run(setup, "MTZ3PPO", *zero3, *PPO)])
+    results = run_plan(folder, 2, [_run(setup, "MTZ3", *zero3),
+                                   _run(setup, "MTZ3H", *zero3, scripted=False),
+                                   _run(setup, "MTZ3PPO", *zero3, *PPO)])
     _assert_same_ppo(setup, "MTZ3PPO", results[2]["history"], single_ppo)
     hf = results[1]["history"]
     assert hf[-1]["step"] == 1 and hf[-1]["tools/calls"] > 0 and hf[-1]["actor/grad_norm"] > 0

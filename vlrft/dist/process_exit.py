@@ -7,7 +7,7 @@ engine's device threads. The interpreter's teardown then frees objects those thr
 touch; a thread that asks for the GIL while the interpreter is being torn down is ended inside C++
 code that cannot unwind, and the process dies of `terminate called without an active exception`
 (SIGABRT) after its last line of Python, so torchrun reports a finished run as failed. Measured here:
-about one launch in 25 of the two-process test runs (DDP, FSDP2, ZeRO-3) before this; the fault
+about one launch in 30 of the two-process test runs (DDP, FSDP2, ZeRO-3) before this; the fault
 handler showed no Python frame left in the main thread.
 
 `exit_process` runs what an exit must still do (the atexit handlers: e.g. the math grader's
