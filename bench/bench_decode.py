@@ -3,6 +3,7 @@
 
     python bench/bench_decode.py [--repeats 3] [--tokens 64] [--compile]
     python bench/bench_decode.py --device cuda --dtype bfloat16 --hidden 896 --layers 24 --tokens 256
+    python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 --tokens 256
 
 A random Qwen2-VL (hidden 256, 4 layers, vocabulary 512; `--hidden`, `--layers`) samples completions
 forced to `--tokens` tokens (min_new_tokens = max_new_tokens, so every variant generates the same
@@ -10,7 +11,8 @@ number) for each regime: text-only prompts and 112 px image prompts, groups of 4
 per call. Variants run interleaved, `--repeats` times each; min / median / max tokens/s are printed,
 and each variant's median relative to `model.generate`, per wall-clock second and per second of
 this process's CPU time (on a shared machine the steadier of the two: it leaves out the time other
-jobs held the core). One thread (`--threads`). Compare ratios from the same run only. "fixed shapes" is
+jobs held the core). One thread (`--threads`). `--autocast bfloat16` samples from float32 weights under bf16
+autocast, as the trainer's hf engine does on GPUs (its mixed precision). Compare ratios from the same run only. "fixed shapes" is
 `rollout.cuda_graph_decode`: on CUDA its steps are replayed as a CUDA graph, on CPU they run eagerly.
 """
 
@@ -43,6 +45,8 @@ def main() -> None:
     p.add_argument("--regimes", default="all", help="comma-separated indices into the regime list, or 'all'")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
+    p.add_argument("--autocast", default=None, help="sample under autocast in this dtype (e.g. bfloat16): the "
+                   "trainer's mixed precision on GPUs, float32 weights")
     args = p.parse_args()
 
     import torch
@@ -72,7 +76,7 @@ def main() -> None:
                 "group, lean step": dict(lean_decode=True),
                 "group, lean, unpacked": dict(lean_decode=True),  # weights as views: see `unpacked`
                 "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True)}
-    if cuda:  # nothing is packed on CUDA
+    if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
     if args.compile:
         variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True)
@@ -84,7 +88,9 @@ def main() -> None:
                           images=[image] if with_image else []) for i in range(args.prompts)]
         batch = PromptEncoder(processor, DataConfig(min_pixels=112 * 112, max_pixels=112 * 112)).encode(samples).batch
         sampling = SamplingParams(n=group, max_new_tokens=args.tokens, min_new_tokens=args.tokens, temperature=1.0)
-        engines = {v: HFEngine(lambda: model, processor, tokens, **opts) for v, opts in variants.items()}
+        autocast = None if args.autocast is None else (
+            lambda: torch.autocast(torch.device(args.device).type, dtype=getattr(torch, args.autocast)))
+        engines = {v: HFEngine(lambda: model, processor, tokens, autocast=autocast, **opts) for v, opts in variants.items()}
         for variant, engine in engines.items():  # warm-up (and compile) outside the timing
             with unpacked(variant.endswith("unpacked")):
                 engine.generate(batch, sampling)

@@ -87,14 +87,32 @@ def test_per_gpu_bytes_follow_the_strategy():
     fsdp = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2"))
     assert fsdp.component("parameters") + fsdp.component("gradients") + fsdp.component("optimizer") == 16 * n // 8
     assert fsdp.component("reference") == 2 * n // 8
+    # DeepSpeed runs with float32 weights and gradients (its bf16 mode off, bf16 autocast on GPUs, as DDP)
     zero2 = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=2))
     assert (zero2.component("parameters"), zero2.component("gradients"), zero2.component("optimizer")) == \
-        (2 * n, 2 * n // 8, 12 * n // 8)
+        (4 * n, 4 * n // 8, 12 * n // 8)
     zero3 = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=3, offload_optimizer=True))
-    assert (zero3.component("parameters"), zero3.component("optimizer")) == (2 * n // 8, 0)
+    assert (zero3.component("parameters"), zero3.component("optimizer")) == (4 * n // 8, 0)
     frozen = plan_memory(replace(cfg, model=replace(cfg.model, freeze_vision_tower=True)), shape, hw,
                          StrategyChoice("ddp"))
     assert frozen.component("optimizer") == 8 * (n - shape.count("vision"))
+
+
+def test_the_hf_engine_counts_the_whole_weights_it_samples_from():
+    """While the hf engine samples, the policy's weights are whole on every rank (FSDP2 and ZeRO-3 gather them for
+    each generate call) and, as float32 weights under bf16 autocast, also in a bf16 copy; vLLM holds its own copy."""
+    shape = _tiny_shape()
+    n, hw = shape.num_parameters, Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    cfg = load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
+    whole = {name: plan_memory(cfg, shape, hw, choice).component("engine_weights") for name, choice in [
+        ("ddp", StrategyChoice("ddp")), ("fsdp2", StrategyChoice("fsdp2")),
+        ("fsdp2 float32", StrategyChoice("fsdp2", mixed_precision=False)),
+        ("zero2", StrategyChoice("deepspeed", zero_stage=2)), ("zero3", StrategyChoice("deepspeed", zero_stage=3)),
+        ("ddp float32", StrategyChoice("ddp", mixed_precision=False))]}
+    assert whole == {"ddp": 2 * n, "fsdp2": 2 * n, "fsdp2 float32": 4 * n, "zero2": 2 * n, "zero3": 6 * n,
+                     "ddp float32": 0}
+    [held] = [c for c in plan_memory(cfg, shape, hw, StrategyChoice("fsdp2")).components if c.name == "engine_weights"]
+    assert held.phases == ("rollout",)  # given back before training
 
 
 def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():

@@ -117,6 +117,68 @@ def test_lean_hidden_states_equal_the_text_model_at_every_step(setup, packed, mo
             assert torch.allclose(lean.step(new, step), expected, atol=1e-5), step
 
 
+def _bf16_autocast():
+    """The trainer's mixed precision on GPUs (float32 weights, bf16 matmuls), here on the CPU."""
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it(setup):
+    """Under bf16 autocast (float32 weights) the lean step follows transformers' layers: projections cast once,
+    float32 residual and rotary, SDPA; its hidden states are at least 20x closer to the text model's under the same
+    autocast than those are to float32's (a rotary table in bf16 instead of float32 measured 0.6-0.9x)."""
+    from vlrft.rollout.lean_decode import LeanDecoder
+
+    with _bf16_autocast():
+        text_model, out, mask, positions = _prefill(setup)
+    _, out_fp32, _, _ = _prefill(setup)
+    with torch.no_grad():
+        with _bf16_autocast():
+            lean = LeanDecoder(text_model, out.past_key_values, torch.arange(len(mask)), mask, positions[0, :, -1],
+                               max_new_tokens=5)
+        assert lean.compute_dtype == torch.bfloat16 and lean.keys[0].dtype == torch.bfloat16
+        assert lean.layers[0].qkv.packed is None and lean.layers[0].qkv.views[0][0].dtype == torch.bfloat16
+        caches = {"bf16": out.past_key_values, "fp32": out_fp32.past_key_values}
+        attention, position = mask.clone(), positions[:, :, -1:].clone()
+        generator = torch.Generator().manual_seed(0)
+        for step in range(5):
+            new = torch.randint(0, text_model.config.vocab_size, (len(mask),), generator=generator)
+            attention = torch.cat([attention, torch.ones(len(mask), 1, dtype=attention.dtype)], dim=1)
+            position = position + 1
+            expected = {}
+            for name, cache in caches.items():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                    expected[name] = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
+                                                past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            with _bf16_autocast():
+                hidden = lean.step(new, step)
+            precision_gap = (expected["fp32"] - expected["bf16"]).abs().max()
+            assert precision_gap > 1e-3, "autocast changed nothing: the comparison would prove nothing"
+            assert (hidden - expected["bf16"]).abs().max() <= precision_gap / 20, step
+
+
+def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fixed_rows_steps):
+    """HFEngine(autocast=...) (what the trainer passes: its bf16 autocast on GPUs): lean steps, fixed-shape steps
+    and transformers' layers (dynamic cache, or the static one CUDA defaults to, which then decodes on a dynamic one)
+    sample the same greedy ids with logprobs within 1e-4, and differ from float32."""
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=2, max_new_tokens=10, temperature=0.0)
+
+    def run(lean: bool, graph: bool = False, autocast=_bf16_autocast, static: bool = False):
+        engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=static, lean_decode=lean,
+                          cuda_graph_decode=graph, autocast=autocast)
+        return engine.generate(batch, sampling)
+
+    lean = run(lean=True)
+    assert lean_steps, "the lean step was not used"
+    _assert_same(lean, run(lean=False), atol=1e-4)
+    _assert_same(lean, run(lean=False, static=True), atol=1e-4)
+    _assert_same(lean, run(lean=True, graph=True), atol=1e-4)
+    assert fixed_rows_steps, "the fixed-row decoder was not used"
+    fp32 = run(lean=True, autocast=None)
+    gap = max(abs(a - b) for x, y in zip(lean.logprobs, fp32.logprobs) for a, b in zip(x, y))
+    assert gap > 1e-4, "the engine sampled in float32: the autocast it was given was not applied"
+
+
 def test_lora_wrapped_projections_decode_through_transformers(setup, lean_steps):
     """A LoRA adapter changes what a projection computes: the lean step must not bypass it."""
     import copy
@@ -232,3 +294,34 @@ def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(setup, monkeypatch)
     short = SamplingParams(n=3, max_new_tokens=2, temperature=0.0)  # no room for the capture's warm-up steps
     _assert_same(*(HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
                             cuda_graph_decode=graph).generate(batch, short) for graph in (True, False)), atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
+def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(setup, monkeypatch):
+    """On a GPU under the trainer's mixed precision (bf16 autocast over float32 weights): replaying the captured
+    graph samples what the same fixed-shape steps sample eagerly (greedy: same ids, logprobs within 1e-3)."""
+    import copy
+
+    from vlrft.rollout import graph_decode
+
+    processor, model, tokens, batch = setup
+    gpu_model = copy.deepcopy(model).cuda().eval()
+    captured = []
+    init = graph_decode.CudaGraphDecoder.__init__
+
+    def counted(self, decoder):
+        init(self, decoder)
+        captured.append(decoder.compute_dtype)
+
+    monkeypatch.setattr(graph_decode.CudaGraphDecoder, "__init__", counted)
+    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0, stop_token_ids=list(range(40, 80)))
+
+    def run():
+        engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
+                          cuda_graph_decode=True, autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        return engine.generate(batch, sampling)
+
+    replayed = run()
+    assert captured == [torch.bfloat16], "no CUDA graph was captured under bf16 autocast"
+    monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)  # the same steps, eager
+    _assert_same(replayed, run(), atol=1e-3)

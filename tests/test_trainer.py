@@ -288,3 +288,28 @@ def test_wandb_without_the_package_says_which_extra(tmp_path, tiny_vlm_dir, shap
     cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "logging.wandb=true", "train.total_steps=1")
     with pytest.raises(UserError, match=r"pip install 'vlrft\[wandb\]'"):
         run(cfg)
+
+
+def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    """On GPUs the trainer's forward runs under bf16 autocast over float32 weights (`Trainer.autocast`); the hf
+    engine samples under the same autocast, not in float32. CPU's bf16 autocast stands in for the GPU's here: every
+    decode call of a training step ran its lean steps in bf16, and the step trained the float32 weights."""
+    from vlrft.rollout import lean_decode
+
+    monkeypatch.setattr(Trainer, "autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    compute_dtypes = []
+    init = lean_decode.LeanDecoder.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        compute_dtypes.append(self.compute_dtype)
+
+    monkeypatch.setattr(lean_decode.LeanDecoder, "__init__", recorded)
+    trainer = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=1", "train.eval_every=0"))
+    before = {name: p.detach().clone() for name, p in trainer.actor.model.named_parameters()}
+    metrics = trainer.train_step()
+    assert compute_dtypes and set(compute_dtypes) == {torch.bfloat16}
+    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["entropy"])
+    after = dict(trainer.actor.model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in after.values())
+    assert any(not torch.equal(before[name], after[name]) for name in before), "the step changed no weight"

@@ -217,23 +217,39 @@ def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoi
             "optimizer": f"AdamW moments, sharded (1/{world})" + (" on the CPU" if offload else ""),
             "gathered": "gathered for compute: the root (embeddings, LM head) and two decoder layers, with gradients"})
     if s.name == "deepspeed":
-        # ZeRO's optimizer keeps its own float32 partition of the weights, also when they are float32 already
-        # (measured with bench/bench_memory.py: 726 MiB of optimizer state per rank for 126.8M parameters on 2 ranks)
+        # vlrft runs DeepSpeed with float32 weights and gradients (its bf16 mode off; on GPUs the forward runs under
+        # bf16 autocast, as with DDP). ZeRO's optimizer keeps its own float32 partition of the weights, also when
+        # they are float32 already (measured with bench/bench_memory.py: 726 MiB of optimizer state per rank for
+        # 126.8M parameters on 2 ranks)
         master = 4
         opt = 0 if s.offload_optimizer else (8 + master) * trainable // world
-        param_bytes = hi * params if s.zero_stage < 3 else (0 if s.offload_params else hi * params // world)
-        grads = hi * trainable // world
-        buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * hi if world > 1 else 0
-        gathered = hi * shape.blocks()["root"] + 2 * hi * shape.largest_layer() if s.zero_stage >= 3 else 0
+        param_bytes = 4 * params if s.zero_stage < 3 else (0 if s.offload_params else 4 * params // world)
+        grads = 4 * trainable // world
+        buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 4 if world > 1 else 0
+        gathered = 4 * shape.blocks()["root"] + 2 * 4 * shape.largest_layer() if s.zero_stage >= 3 else 0
         place = "replicated" if s.zero_stage < 3 else f"sharded (1/{world})" + (" on the CPU" if s.offload_params else "")
         return _ModelState(param_bytes, grads, opt, buckets, gathered, {
-            "parameters": f"{'bfloat16' if hi == 2 else 'float32'}, {place}",
-            "gradients": f"sharded (1/{world})",
+            "parameters": f"float32, {place}",
+            "gradients": f"float32, sharded (1/{world})",
             "optimizer": ("on the CPU" if s.offload_optimizer else
                           f"AdamW moments{' + float32 master' if master else ''}, sharded (1/{world})"),
-            "buffers": "ZeRO reduce and all-gather buckets (5e8 elements each)",
+            "buffers": "ZeRO reduce and all-gather buckets (5e8 float32 elements each)",
             "gathered": "ZeRO-3: parameters gathered for the layers being computed"})
     raise ValueError(f"unknown strategy {s.name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def hf_engine_weights(params: int, s: StrategyChoice) -> tuple[int, str]:
+    """(bytes, note) the hf engine holds beside the trainer's state while it samples: the policy's whole weights
+    where they are sharded (gathered for every `generate` call), and their copy in the compute dtype where the
+    weights are float32 under bf16 autocast (the lean decoder's concatenated casts, or autocast's cast cache)."""
+    cast = 2 * params if s.mixed_precision else 0
+    if s.name == "fsdp2":  # every unit gathered, in FSDP2's parameter dtype: bf16 with mixed precision, no copy
+        gathered = (2 if s.mixed_precision else 4) * params
+        return gathered, "hf engine: the policy gathered whole for generation (FSDP2 parameter dtype)"
+    if s.name == "deepspeed" and s.zero_stage >= 3:
+        return 4 * params + cast, ("hf engine: the policy gathered whole for generation (float32)"
+                                   + (" and cast to bf16 under autocast" if cast else ""))
+    return cast, "hf engine: bf16 copy of the float32 weights, made under autocast for each generate call"
 
 
 def _gib(n: int) -> str:
@@ -301,6 +317,9 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         kv = rows * seq_len * kv_bytes_per_token(shape, 4)
         comps.append(Component("engine_kv_cache", kv, rollout,
                                f"hf engine: float32 KV cache of the rank's {rows} rollouts x {seq_len} tokens"))
+        whole, note = hf_engine_weights(params, strategy)
+        if whole:
+            comps.append(Component("engine_weights", whole, rollout, note))
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         weights = 2 * params // r.tensor_parallel_size

@@ -8,6 +8,8 @@ logprobs and why it finished. Completions of one prompt are contiguous: completi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -146,3 +148,5 @@ class EngineDeps:
     strategy: Any  # vlrft.dist Strategy: rank, world_size, device; `generation(actor)` makes weights whole
     prompts_per_rank: int  # prompts per step on this rank (the HF engine's batch)
     encoder: PromptEncoder | None = None  # multi-turn (`rollout.tools`) describes the tools in its prompts
+    # The trainer's mixed precision (autocast on GPUs, nothing on CPU), under which the hf engine samples
+    autocast: Callable[[], AbstractContextManager] = nullcontext

@@ -18,7 +18,7 @@ from vlrft.data.processor import left_pad
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
 from vlrft.rollout.graph_decode import WARMUP_STEPS, CudaGraphDecoder, FixedRowsDecoder
-from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
+from vlrft.rollout.lean_decode import LeanDecoder, autocast_dtype, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
 
@@ -229,7 +229,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     positions = prompt_positions(backbone, ids, mask, mm, visual_inputs)
     use_lean = lean_step and not compile_step and _lean_applies(backbone, positions[:, :, -1])
     cache = None
-    if static_cache and not use_lean:
+    # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
+    # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
+    static_cache = static_cache and not use_lean and autocast_dtype(device) is None
+    if static_cache:
         from transformers import StaticCache
 
         cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)

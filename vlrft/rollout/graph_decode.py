@@ -15,6 +15,8 @@ those advanced, and replays. Both have the decoders' interface (`keep`, `step`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vlrft.rollout.lean_decode import LeanDecoder
@@ -60,7 +62,11 @@ class CudaGraphDecoder(FixedRowsDecoder):
                 decoder.step(self.tokens, 0)
         torch.cuda.current_stream(self.tokens.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Under autocast no cast may be cached inside the capture (the weights' casts are the decoder's own copies).
+        dtype = decoder.compute_dtype
+        uncached = (contextlib.nullcontext() if dtype is None
+                    else torch.autocast("cuda", dtype=dtype, cache_enabled=False))
+        with uncached, torch.cuda.graph(self.graph):
             self.hidden = decoder.step(self.tokens, 0)  # recorded, not run: the output lives in the graph's pool
         decoder.restore(state)  # undo the warm-up steps (slot, positions, mask); their KV entries are masked again
 

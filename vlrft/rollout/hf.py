@@ -59,8 +59,12 @@ class HFEngine:
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
                  whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool | None = None,
-                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool = False):
+                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool = False,
+                 autocast: Callable[[], ContextManager] | None = None):
         self._get_model = get_model
+        # The trainer's mixed precision (bf16 autocast on GPUs; nothing on CPU): sampling computes in the precision
+        # the policy's training forward computes in, not in its float32 master weights.
+        self._autocast = autocast or contextlib.nullcontext
         # Context in which the policy's parameters are whole on this rank (a sharded policy gathers
         # them for the duration of a `generate` call, so ranks decode independently).
         self._whole_weights = whole_weights or contextlib.nullcontext
@@ -122,7 +126,7 @@ class HFEngine:
                 self._holding = False
 
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
-        with self.holding_weights():
+        with self.holding_weights(), self._autocast():
             return self._generate(batch, sampling)
 
     @torch.no_grad()

@@ -14,7 +14,14 @@ table is indexed by one position per row).
 On CPU in float32 the projections sharing an input (q/k/v, gate/up) are concatenated and reordered
 once per decode call into oneDNN's blocked layout, which is what a matmul of a few rows needs: MKL
 repacks a plain weight on every call, and the weights do not stay in cache from one step to the
-next (bench/bench_decode.py: see docs/design.md). Elsewhere (CUDA, bf16) they are read in place.
+next (bench/bench_decode.py: see docs/design.md). Elsewhere they are read in place.
+
+Under autocast (the trainer's mixed precision on GPUs: float32 weights, bf16 matmuls) the step
+computes what transformers' layers compute under the same autocast: the projections sharing an
+input are concatenated and cast to the autocast dtype once per decode call (where the weights are
+not in that dtype already: transformers' autocast casts them once per region too), residual adds
+stay in float32, and attention is SDPA, as in transformers; the KV cache is kept in the autocast
+dtype, which is what SDPA under autocast reads.
 
 Only architectures whose layers are known to be exactly this arithmetic are taken
 (`unsupported_reason` says why another is not); anything else, an adapter-wrapped projection
@@ -64,6 +71,13 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * normed.to(x.dtype)
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs matmuls in on `device` here, or None when autocast is off for it."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) (+ residual) in one dispatched op: what `F.linear` runs, minus its transpose dispatch."""
@@ -78,29 +92,40 @@ class _Projections:
 
     Packed (CPU, float32): the weights concatenated and reordered once into oneDNN's layout for
     matmuls of `rows` rows (the op inductor's CPU weight freezing uses), one matmul for all; a copy
-    of the weights, rebuilt for every decode call since training changes them. Else the model's own
-    weights as transposed views, one matmul each, nothing copied.
+    of the weights, rebuilt for every decode call since training changes them. Cast (`cast`, under
+    autocast, weights in another dtype): concatenated and cast once, one matmul. Else the model's
+    own weights as transposed views, one matmul each, nothing copied. Under autocast a residual is
+    added after the matmul, in float32, as transformers does; otherwise it is folded into the matmul.
     """
 
-    def __init__(self, linears: list[nn.Linear], rows: int, pack: bool):
+    def __init__(self, linears: list[nn.Linear], rows: int, pack: bool, cast: torch.dtype | None = None):
         self.sizes = [linear.out_features for linear in linears]
-        self.views = [] if pack else [(linear.weight.t(), linear.bias) for linear in linears]
-        self.packed, self.bias = None, None
+        self.fold_residual = cast is None  # under autocast transformers adds the residual after the matmul
+        if cast == linears[0].weight.dtype:
+            cast = None  # already in the compute dtype: read in place
+        self.packed, self.bias, self.views = None, None, []
+        if not pack and cast is None:
+            self.views = [(linear.weight.t(), linear.bias) for linear in linears]
+            return
+        weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
+        if any(linear.bias is not None for linear in linears):
+            self.bias = torch.cat([linear.bias if linear.bias is not None else linear.weight.new_zeros(size)
+                                   for linear, size in zip(linears, self.sizes)])
         if pack:
-            weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
-            if any(linear.bias is not None for linear in linears):
-                self.bias = torch.cat([linear.bias if linear.bias is not None else linear.weight.new_zeros(size)
-                                       for linear, size in zip(linears, self.sizes)])
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        else:
+            self.views = [(weight.detach().to(cast).t(), None if self.bias is None else self.bias.to(cast))]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each projection of `x` [rows, in] (plus `residual`, for a single projection)."""
-        if self.packed is None:
-            return [_linear(x, weight_t, bias, residual) for weight_t, bias in self.views]
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if residual is not None:
-            out.add_(residual)
-        return list(out.split(self.sizes, dim=-1)) if len(self.sizes) > 1 else [out]
+        if self.packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            outs = [out if residual is None else out.add_(residual)]
+        elif residual is not None and not self.fold_residual:
+            outs = [residual + _linear(x, weight_t, bias) for weight_t, bias in self.views]
+        else:
+            outs = [_linear(x, weight_t, bias, residual) for weight_t, bias in self.views]
+        return list(outs[0].split(self.sizes, dim=-1)) if len(outs) < len(self.sizes) else outs
 
 
 def packing_applies(weight: torch.Tensor) -> bool:
@@ -123,12 +148,15 @@ class _LayerWeights:
     down: _Projections
 
     @classmethod
-    def of(cls, layer: nn.Module, rows: int, pack: bool) -> "_LayerWeights":
+    def of(cls, layer: nn.Module, rows: int, pack: bool, cast: torch.dtype | None) -> "_LayerWeights":
         attn, mlp = layer.self_attn, layer.mlp
-        return cls(layer.input_layernorm, _Projections([attn.q_proj, attn.k_proj, attn.v_proj], rows, pack),
-                   getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), _Projections([attn.o_proj], rows, pack),
-                   layer.post_attention_layernorm, _Projections([mlp.gate_proj, mlp.up_proj], rows, pack),
-                   _Projections([mlp.down_proj], rows, pack))
+
+        def projections(*linears: nn.Linear) -> _Projections:
+            return _Projections(list(linears), rows, pack, cast)
+
+        return cls(layer.input_layernorm, projections(attn.q_proj, attn.k_proj, attn.v_proj),
+                   getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), projections(attn.o_proj),
+                   layer.post_attention_layernorm, projections(mlp.gate_proj, mlp.up_proj), projections(mlp.down_proj))
 
 
 class LeanDecoder:
@@ -147,8 +175,10 @@ class LeanDecoder:
                  last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False):
         self.model = text_model
         self.fixed_shapes = fixed_shapes
-        pack = packing_applies(text_model.embed_tokens.weight)
-        self.layers = [_LayerWeights.of(layer, len(rows), pack) for layer in text_model.layers]
+        # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
+        self.compute_dtype = autocast_dtype(text_model.embed_tokens.weight.device)
+        pack = self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
+        self.layers = [_LayerWeights.of(layer, len(rows), pack, self.compute_dtype) for layer in text_model.layers]
         first = text_model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.prompt_len = prompt_mask.shape[1]
@@ -159,9 +189,11 @@ class LeanDecoder:
             keys, values = prefill_cache.layers[index].keys, prefill_cache.layers[index].values
             # With fixed shapes the attention reads positions not yet written: zeros there (masked, but 0 x NaN from
             # uninitialised memory would still be NaN); otherwise a step reads only what has been written.
-            new = keys.new_zeros if fixed_shapes else keys.new_empty
-            k_buffer = new(len(rows), keys.shape[1], length, keys.shape[3])
-            v_buffer = new(len(rows), values.shape[1], length, values.shape[3])
+            new = torch.zeros if fixed_shapes else torch.empty
+            k_buffer = new(len(rows), keys.shape[1], length, keys.shape[3], dtype=self.compute_dtype or keys.dtype,
+                           device=keys.device)
+            v_buffer = new(len(rows), values.shape[1], length, values.shape[3],
+                           dtype=self.compute_dtype or values.dtype, device=values.device)
             k_buffer[:, :, :self.prompt_len] = keys[rows, :, :self.prompt_len]
             v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
             self.keys.append(k_buffer)
@@ -174,7 +206,8 @@ class LeanDecoder:
         self.position = last_position.clone()  # [rows]: the last position each row has seen
         self.slot = torch.full((1,), self.prompt_len - 1, dtype=torch.long, device=prompt_mask.device)  # last written
         table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=prompt_mask.device)
-        probe = self.keys[0].new_empty(1, 1, self.head_dim)
+        # in the hidden states' dtype, as transformers' layers take it (under autocast float32, not the cache's)
+        probe = text_model.embed_tokens.weight.new_empty(1, 1, self.head_dim)
         cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1))
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]]: the sign folded into the table
@@ -194,6 +227,14 @@ class LeanDecoder:
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]."""
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Attention of one query per row as transformers' SDPA layers run it under autocast: [rows, heads * dim]."""
+        rows, length = q.shape[0], keys.shape[2]
+        mask = self.mask_bias[:, :1, :, :length]  # [rows, 1, 1, length], the same for every head
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=True)
+        return out.view(rows, -1)
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """Copies of what a step advances besides the KV cache (for `restore`)."""
@@ -226,14 +267,17 @@ class LeanDecoder:
             q, k, v = q.view(rows, -1, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
             if weights.q_norm is not None:
                 q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
-            k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).unsqueeze(2))
-            v_cache.index_copy_(2, self.slot, v.unsqueeze(2))
-            keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
-            values = v_cache.view(rows * kv_heads, -1, dim)[:, :length]
-            grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
-            scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attended = torch.bmm(probs, values).view(rows, -1)
+            k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).to(k_cache.dtype).unsqueeze(2))
+            v_cache.index_copy_(2, self.slot, v.to(v_cache.dtype).unsqueeze(2))
+            if self.compute_dtype is not None:
+                attended = self._sdpa(self._rotate(q, cos, sin), k_cache[:, :, :length], v_cache[:, :, :length])
+            else:
+                keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
+                values = v_cache.view(rows * kv_heads, -1, dim)[:, :length]
+                grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
+                scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                attended = torch.bmm(probs, values).view(rows, -1)
             [hidden] = weights.o(attended, residual=hidden)
             gate, up = weights.gate_up(_rms_norm(hidden, weights.norm2))
             [hidden] = weights.down(F.silu(gate) * up, residual=hidden)

@@ -120,7 +120,7 @@ class Trainer:
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.engine = make_engine(cfg, EngineDeps(actor=self.actor, processor=self.processor, tokens=self.tokens,
                                                   strategy=self.strategy, prompts_per_rank=self.prompts_per_rank,
-                                                  encoder=self.encoder))
+                                                  encoder=self.encoder, autocast=self.autocast))
         self.kl_controller = make_kl_controller(cfg.algorithm)
         self.reward_moments = RunningMoments()
         single_update = (cfg.train.ppo_epochs == 1
