@@ -8,6 +8,7 @@ tests/fsdp_worker.py, which runs any strategy the config names.
 """
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -309,3 +310,33 @@ def test_zero3_trains_mixed_image_and_text_only_prompts_like_one_process(setup):
         assert_close(weights(setup, "ZMIX", step), weights(setup, "ZMIX-single", step))
     for ours, theirs in zip(history, single):
         assert ours["actor/grad_norm"] == pytest.approx(theirs["actor/grad_norm"], rel=1e-4)
+
+
+@torchrun_test
+def test_zero3_in_the_gpus_mixed_precision_trains_like_one_process_in_it(setup, zero, monkeypatch):
+    """The GPUs' default precision on CPU ranks (VLRFT_CPU_MIXED_PRECISION=1, model.dtype bfloat16): bf16 autocast
+    over ZeRO-3's float32 weights, a bf16 reference. With the scripted completions one step gives one process's
+    gradient norm and entropy under the same autocast (1e-4), not the float32 ones; the hf engine samples from the
+    gathered policy under the autocast and trains. (Weights are not compared: AdamW's first step moves a weight by
+    about lr whatever its gradient's size, so bf16 noise on near-zero gradients flips such moves.)"""
+    from scripted_engine import ScriptedEngine
+
+    from vlrft.config import load_config
+    from vlrft.dist.precision import CPU_MIXED_PRECISION_ENV
+    from vlrft.trainer import Trainer
+
+    monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")
+    mixed = ["model.dtype=bfloat16", "train.total_steps=1", "algorithm.kl_coef=0.1"]
+    results = run_plan(setup["folder"], 2, [
+        run_args(setup, "Z3MP", *mixed),
+        run_args(setup, "Z3MPHF", *mixed, "train.micro_batch_completions_per_rank=2", scripted=False)])
+    cfg = load_config(setup["config"], [f"train.output_dir={setup['folder'] / 'SMP'}", "train.strategy=single",
+                                        *mixed])
+    monkeypatch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+    single = Trainer(cfg).fit()
+    ours = results[0]["history"][0]
+    for key in ("actor/grad_norm", "actor/entropy"):
+        assert ours[key] == pytest.approx(single[0][key], rel=1e-4), key
+    assert ours["actor/grad_norm"] != pytest.approx(zero["Z3"][0]["actor/grad_norm"], rel=1e-5)
+    hf = results[1]["history"][0]
+    assert hf["completions/mean_length"] > 0 and hf["actor/grad_norm"] > 0 and math.isfinite(hf["kl"])

@@ -291,12 +291,14 @@ def test_wandb_without_the_package_says_which_extra(tmp_path, tiny_vlm_dir, shap
 
 
 def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
-    """On GPUs the trainer's forward runs under bf16 autocast over float32 weights (`Trainer.autocast`); the hf
-    engine samples under the same autocast, not in float32. CPU's bf16 autocast stands in for the GPU's here: every
-    decode call of a training step ran its lean steps in bf16, and the step trained the float32 weights."""
+    """On GPUs the trainer's forward runs under bf16 autocast over float32 weights and the reference is bf16; the hf
+    engine samples under the same autocast, not in float32. VLRFT_CPU_MIXED_PRECISION=1 takes those paths on the
+    CPU: every decode call of a training step ran its lean steps in bf16, the reference was loaded in bf16, and the
+    step trained the float32 weights."""
+    from vlrft.dist.precision import CPU_MIXED_PRECISION_ENV
     from vlrft.rollout import lean_decode
 
-    monkeypatch.setattr(Trainer, "autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")
     compute_dtypes = []
     init = lean_decode.LeanDecoder.__init__
 
@@ -305,11 +307,13 @@ def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny
         compute_dtypes.append(self.compute_dtype)
 
     monkeypatch.setattr(lean_decode.LeanDecoder, "__init__", recorded)
-    trainer = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=1", "train.eval_every=0"))
+    trainer = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "model.dtype=bfloat16",
+                             "algorithm.kl_coef=0.1", "train.total_steps=1", "train.eval_every=0"))
+    assert {p.dtype for p in trainer.ref.parameters()} == {torch.bfloat16}
     before = {name: p.detach().clone() for name, p in trainer.actor.model.named_parameters()}
     metrics = trainer.train_step()
     assert compute_dtypes and set(compute_dtypes) == {torch.bfloat16}
-    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["entropy"])
+    assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["kl"])
     after = dict(trainer.actor.model.named_parameters())
     assert all(p.dtype == torch.float32 for p in after.values())
     assert any(not torch.equal(before[name], after[name]) for name in before), "the step changed no weight"

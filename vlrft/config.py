@@ -62,8 +62,9 @@ class ModelConfig:
     build_recipe: str | None = option(None, "build model.path with this recipe when it does not exist yet, e.g. "
                                       "'shapes-demo' (vlrft.models.recipes)")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
-        "bfloat16", "compute dtype on GPU: the reference model's weights and the policy's autocast (the policy's "
-        "weights and optimizer stay float32); CPU always computes in float32")
+        "bfloat16", "compute dtype on GPU: the reference model's weights, the policy's autocast in training and in the "
+        "hf engine's sampling, FSDP2's gathers (the policy's weights and optimizer stay float32); CPU computes in "
+        "float32 (VLRFT_CPU_MIXED_PRECISION=1 takes the GPU's mixed precision there, for tests)")
     attn_implementation: str = option("sdpa", "transformers attention kernel: 'sdpa', 'eager' or 'flash_attention_2'")
     trust_remote_code: bool = option(False, "allow model folders that ship their own Python code (transformers' "
                                      "trust_remote_code)")

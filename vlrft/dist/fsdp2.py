@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlrft.dist import precision
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel
 
 SHARDED_DIR = "sharded"
@@ -81,7 +82,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         from vlrft.config import FSDPConfig
 
         self.options = cfg.train.fsdp if cfg is not None else FSDPConfig()
-        self.compute_dtype = getattr(torch, cfg.model.dtype) if cfg is not None else torch.float32
+        self.compute_dtype = precision.compute_dtype(self.device, cfg.model.dtype) if cfg is not None else torch.float32
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
         self._pending: dict[int, tuple[dict, dict]] = {}
@@ -146,7 +147,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         options: dict = dict(mesh=self.mesh, reshard_after_forward=self.options.reshard_after_forward)
-        if self.device.type == "cuda" and self.options.mixed_precision and self.compute_dtype != torch.float32:
+        if self.options.mixed_precision and self.compute_dtype != torch.float32:
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if self.options.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()

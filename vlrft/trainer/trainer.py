@@ -20,6 +20,7 @@ import torch
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
+from vlrft.dist import precision
 from vlrft.dist.strategy import ModelSource, Strategy, TrainedModel, make_strategy
 from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
@@ -198,7 +199,7 @@ class Trainer:
         if self.cfg.algorithm.kl_coef <= 0:
             return None  # no reference model when beta == 0
         cfg = self.cfg.model
-        dtype = cfg.dtype if self.device.type == "cuda" else "float32"
+        dtype = str(precision.compute_dtype(self.device, cfg.dtype)).removeprefix("torch.")
         model = self.strategy.load_model(self._source(cfg.ref_path or cfg.path, dtype), trainable=False).eval()
         model.requires_grad_(False)
         return self.strategy.prepare_frozen(ActorVL(model, self.actor.image_token_id, self.actor.video_token_id,
@@ -253,9 +254,7 @@ class Trainer:
         return self.strategy.all_reduce(tensor, "max")
 
     def autocast(self):
-        if self.device.type == "cuda" and self.cfg.model.dtype in ("bfloat16", "float16"):
-            return torch.autocast("cuda", dtype=getattr(torch, self.cfg.model.dtype))
-        return contextlib.nullcontext()
+        return precision.autocast(self.device, self.cfg.model.dtype)
 
     @contextlib.contextmanager
     def timer(self, name: str):
