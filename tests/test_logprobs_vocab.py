@@ -78,3 +78,23 @@ def test_without_gradients_the_lean_path_gives_the_same_values():
         lp, ent = token_logprobs(hidden, head, targets, temperature=1.3, suppressed_ids=(2999,), max_chunk_elements=70 * 3000)
         ref_lp, ref_ent = _full(hidden, head, targets, 1.3, (2999,))
     assert torch.allclose(lp, ref_lp, atol=1e-5) and torch.allclose(ent, ref_ent, atol=1e-4)
+
+
+def test_under_autocast_recomputed_chunks_give_autograds_gradients():
+    """The trainer's mixed precision on GPUs (bf16 autocast over float32 weights), here on the CPU: backward runs
+    after the autocast region is left, so the recomputed chunks re-enter it. Gradients within 0.5 % of autograd
+    through the same bf16 head (measured: 0 for the hidden states, 0.15 % for the head, summed over chunks in
+    float32); recomputing in float32 against the bf16 forward's log-normaliser measured 3.7 %."""
+    head, hidden, targets = _case(tokens=200, vocab=3000, width=64)
+    with torch.no_grad():
+        head.weight.mul_(16.0)  # confident tokens (large logits), where bf16 rounding of the normaliser shows
+    weights = torch.randn(len(targets))
+    results = []
+    for budget in (64 * 3000, 10**9):  # recomputed in backward (_ChunkedHead), and kept for autograd
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, ent = token_logprobs(hidden, head, targets, max_chunk_elements=budget)
+        loss = (lp * weights).sum() + ent.mean()
+        results.append(torch.autograd.grad(loss, (hidden, head.weight)))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype == torch.float32
+        assert (got - want).norm() <= 0.005 * want.norm()

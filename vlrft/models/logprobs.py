@@ -12,6 +12,8 @@ never exists whole, in forward or backward.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # Float32 logits one chunk may hold (64 MiB): the chunk's token count is derived from it and the vocabulary.
@@ -59,11 +61,22 @@ def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed):
     return logprobs, entropy, log_norm
 
 
+def _autocast_state(device: torch.device) -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of the autocast active on `device`, or None."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return device.type, torch.get_autocast_dtype(device.type)
+
+
 class _ChunkedHead(torch.autograd.Function):
     """logprobs and entropy of every token, chunk by chunk, saving only the inputs (and [N] norms) for backward.
 
     With z the scaled logits, p = softmax(z) and H the entropy: d logprob / dz = onehot(target) - p
-    and dH / dz = -p * (log p + H) (0 where p is 0, i.e. suppressed tokens).
+    and dH / dz = -p * (log p + H) (0 where p is 0, i.e. suppressed tokens). Backward runs outside
+    the forward's autocast (the trainer calls `backward()` after leaving it), so it re-enters it:
+    the recomputed logits must be the forward's (bf16 matmul), or log p = z - log_norm no longer
+    normalises, and the gradient matmuls run in bf16 as autograd's would. The head's gradient is
+    accumulated over chunks in float32.
     """
 
     @staticmethod
@@ -73,6 +86,7 @@ class _ChunkedHead(torch.autograd.Function):
         logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
         ctx.inv_temperature, ctx.step = inv_temperature, step
+        ctx.autocast = _autocast_state(hidden.device)
         return logprobs, entropy
 
     @staticmethod
@@ -80,32 +94,43 @@ class _ChunkedHead(torch.autograd.Function):
         hidden, weight, bias, targets, suppressed, log_norm, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
-        for start in range(0, hidden.shape[0], ctx.step):
-            end = min(start + ctx.step, hidden.shape[0])
-            h = hidden[start:end]
-            log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed).sub_(log_norm[start:end, None])
-            p = log_p.exp()
-            if suppressed is not None:
-                log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
-            # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
-            grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
-            grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
-            del p
-            grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
-            if suppressed is not None:
-                grad_z.index_fill_(-1, suppressed, 0.0)
-            if ctx.inv_temperature != 1.0:
-                grad_z.mul_(ctx.inv_temperature)
-            grad_z = grad_z.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = grad_z @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))
-            if grad_bias is not None:
-                grad_bias.add_(grad_z.sum(0))
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias and bias is not None else None
+        with torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext():
+            _head_gradients(ctx, hidden, weight, bias, targets, suppressed, log_norm, entropy, grad_logprobs,
+                            grad_entropy, grad_hidden, grad_weight, grad_bias)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+
+
+def _head_gradients(ctx, hidden, weight, bias, targets, suppressed, log_norm, entropy, grad_logprobs, grad_entropy,
+                    grad_hidden, grad_weight, grad_bias) -> None:
+    """`_ChunkedHead.backward`'s chunk loop: fills grad_hidden, adds to grad_weight and grad_bias (float32)."""
+    for start in range(0, hidden.shape[0], ctx.step):
+        end = min(start + ctx.step, hidden.shape[0])
+        h = hidden[start:end]
+        log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed).sub_(log_norm[start:end, None])
+        p = log_p.exp()
+        if suppressed is not None:
+            log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
+        # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
+        grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+        grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
+        del p
+        grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
+        if suppressed is not None:
+            grad_z.index_fill_(-1, suppressed, 0.0)
+        if ctx.inv_temperature != 1.0:
+            grad_z.mul_(ctx.inv_temperature)
+        grad_z = grad_z.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[start:end] = grad_z @ weight  # under autocast a bf16 matmul, as autograd's
+        if grad_weight is not None and grad_weight.dtype == grad_z.dtype and ctx.autocast is None:
+            grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))  # in place: no [vocab, hidden] temporary
+        elif grad_weight is not None:  # in-place addmm_ is not autocast: a bf16 matmul, summed in float32
+            grad_weight.add_(grad_z.t() @ h.to(weight.dtype))
+        if grad_bias is not None:
+            grad_bias.add_(grad_z.sum(0))
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
