@@ -58,6 +58,33 @@ def test_deepspeed_options_are_validated():
 needs_deepspeed = pytest.mark.skipif(_deepspeed_import_error() is not None, reason=str(_deepspeed_import_error()))
 
 
+@needs_deepspeed
+def test_the_deepspeed_config_keeps_the_trainers_autocast_and_a_low_precision_reference():
+    """DeepSpeed switches an outer CUDA autocast off inside its forward unless the config's `torch_autocast` is on
+    (deepspeed.runtime.torch_autocast.autocast_if_enabled; CPU tests cannot see it, that check reads CUDA's
+    autocast only), and zero.Init casts the reference to float32 unless its bf16 section is on. With bf16 compute:
+    trained engines get torch_autocast, as DeepSpeed's own parser reads it, with no module reduced in bf16, and the
+    reference stays bf16; with float32 compute neither."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype, \
+        get_torch_autocast_enabled
+
+    from vlrft.dist.deepspeed import DeepSpeedStrategy
+
+    def ds_config(compute_dtype, trainable):
+        strategy = SimpleNamespace(stage=3, offload_optimizer=False, offload_param=False, max_grad_norm=1.0,
+                                   micro_batch_size=2, device=torch.device("cuda", 0), compute_dtype=compute_dtype)
+        return DeepSpeedStrategy.ds_config(strategy, trainable=trainable)
+
+    trained, reference = ds_config(torch.bfloat16, True), ds_config(torch.bfloat16, False)
+    assert get_torch_autocast_enabled(trained) and get_torch_autocast_dtype(trained) == torch.bfloat16
+    assert get_lower_precision_safe_modules(trained) == [] and not trained["bf16"]["enabled"]
+    assert reference["bf16"]["enabled"] and not get_torch_autocast_enabled(reference)
+    for config in (ds_config(torch.float32, True), ds_config(torch.float32, False)):
+        assert not get_torch_autocast_enabled(config) and not config["bf16"]["enabled"]
+
+
 def torchrun_test(test):
     """A test that launches torchrun with DeepSpeed (skipped with the reason when deepspeed cannot import)."""
     return pytest.mark.distributed(pytest.mark.slow(needs_deepspeed(test)))

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlrft.dist import precision
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel)
 from vlrft.errors import UserError
@@ -74,12 +75,22 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
         self.offload_param = bool(getattr(options, "offload_param", False))
         self.max_grad_norm = float(getattr(getattr(cfg, "train", None), "max_grad_norm", 1.0))
         self.micro_batch_size = int(getattr(getattr(cfg, "train", None), "micro_batch_completions_per_rank", 1))
+        model_dtype = getattr(getattr(cfg, "model", None), "dtype", "float32")
+        self.compute_dtype = precision.compute_dtype(self.device, model_dtype)
         self._engines: dict[int, Any] = {}  # id(module given to prepare_*) -> its engine
 
     # ------------------------------------------------------------------ configuration
 
     def ds_config(self, *, trainable: bool) -> dict:
-        """The DeepSpeed config of a trained (`trainable`) or an inference-only engine."""
+        """The DeepSpeed config of a trained (`trainable`) or an inference-only engine (the reference).
+
+        Trained engines keep float32 weights and run their forward under the trainer's autocast
+        (`compute_dtype`): DeepSpeed switches an outer CUDA autocast off inside its forward unless its
+        `torch_autocast` section is on, so it is, with no module's gradients reduced in low precision
+        (`lower_precision_safe_modules: []`, float32 reductions as FSDP2's). The reference is kept in
+        `compute_dtype` (its bf16/fp16 section; `zero.Init` would cast it to float32 otherwise).
+        """
+        low = self.compute_dtype != torch.float32
         zero: dict[str, Any] = {"stage": self.stage if trainable else 3}
         if trainable and self.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.device.type == "cuda"}
@@ -92,9 +103,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             "managed_gradient_accumulation": False,
             "gradient_clipping": self.max_grad_norm if self.max_grad_norm > 0 else 0.0,
             "zero_optimization": zero,
-            # fp32 weights; on GPUs the trainer runs forward under bf16 autocast (like DDP and FSDP2).
-            "bf16": {"enabled": False},
-            "fp16": {"enabled": False},
+            "bf16": {"enabled": not trainable and self.compute_dtype == torch.bfloat16},
+            "fp16": {"enabled": not trainable and self.compute_dtype == torch.float16},
+            **({"torch_autocast": {"enabled": True, "dtype": str(self.compute_dtype).removeprefix("torch."),
+                                   "lower_precision_safe_modules": []}} if trainable and low else {}),
             # The trainer's AdamW also runs on offloaded (CPU) shards.
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 2**62,
