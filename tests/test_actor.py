@@ -175,3 +175,23 @@ def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arc
     actor.share_prompts = True
     plain = actor.logprobs(seqs).logprobs.detach()
     assert torch.allclose(shared, plain, atol=1e-5)
+
+
+def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
+    """On GPUs the critic's forward runs under bf16 autocast; its value head still computes in float32 (the
+    backbone's states as they come, no bf16 matmul): values equal the head applied to those states outside it."""
+    from vlrft.models.actor import CriticVL
+
+    folder, batch, completions = group_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    critic = CriticVL(model, tokens.image_token_id, tokens.video_token_id)
+    torch.nn.init.normal_(critic.value_head.weight, std=1.0)  # a fresh head is zero
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        values = critic(seqs)
+        hidden = critic.actor_like.hidden_states(seqs)
+    p, c = seqs.prompt_width, seqs.completion_width
+    expected = critic.value_head(hidden[:, p - 1:p - 1 + c].float()).squeeze(-1) * seqs.completion_mask
+    assert values.dtype == torch.float32
+    assert torch.allclose(values, expected, atol=1e-5)

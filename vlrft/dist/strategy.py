@@ -247,10 +247,13 @@ class Strategy:
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore what `save_checkpoint` wrote (the policy's weights were loaded from `folder/model`)."""
-        parts["policy"].optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=False))
+        # Rank 0 saved them from its GPU: read into host memory (optimizers move their state to the parameters'
+        # devices), not onto GPU 0 from every rank.
+        parts["policy"].optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu",
+                                                             weights_only=False))
         for name, part in parts.items():
             if name != "policy":
-                saved = torch.load(folder / f"{name}.pt", weights_only=False)
+                saved = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=False)
                 self.unwrap(part.module).load_state_dict(saved["model"])
                 part.optimizer.load_state_dict(saved["optimizer"])
 

@@ -302,7 +302,10 @@ class CriticVL(nn.Module):
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
         hidden = self.actor_like.hidden_states(batch)
         p, c = batch.prompt_width, batch.completion_width
-        values = self.value_head(hidden[:, p - 1:p - 1 + c].float()).squeeze(-1)
+        states = hidden[:, p - 1:p - 1 + c]
+        # Outside autocast: values in the head's own dtype (float32, or FSDP2's gathered dtype), not bf16 matmuls
+        with torch.autocast(states.device.type, enabled=False):
+            values = self.value_head(states.to(self.value_head.weight.dtype)).float().squeeze(-1)
         return values * batch.completion_mask
 
 

@@ -68,9 +68,11 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's generators: Python, NumPy, CPU torch and its own GPU's (the one `torch.cuda.set_device` chose), so
+    a checkpoint resumes on machines with another number of GPUs."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -79,7 +81,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved, device = state["cuda"], torch.cuda.current_device()
+        if isinstance(saved, (list, tuple)):  # written by earlier versions: every visible GPU's state
+            saved = saved[device] if device < len(saved) else None
+        if saved is not None:
+            torch.cuda.set_rng_state(saved, device)
 
 
 def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict, hf_model, processor, scheduler,
