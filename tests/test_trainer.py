@@ -317,3 +317,40 @@ def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny
     after = dict(trainer.actor.model.named_parameters())
     assert all(p.dtype == torch.float32 for p in after.values())
     assert any(not torch.equal(before[name], after[name]) for name in before), "the step changed no weight"
+
+
+def test_evaluation_wakes_the_engine_like_a_rollout_and_puts_it_back_to_sleep(tmp_path, tiny_vlm_dir, shapes,
+                                                                            monkeypatch):
+    """A colocated engine (vLLM/SGLang) takes its GPU memory only between wake and sleep, beside the trainer's state
+    offloaded by the strategy: evaluation samples inside that window too, and leaves the engine asleep for the
+    training and checkpointing that follow (it used to wake it by sampling and leave it awake)."""
+    import vlrft.trainer.trainer as trainer_module
+
+    events = []
+
+    class Recorder:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        def wake(self):
+            events.append("wake")
+
+        def sleep(self):
+            events.append("sleep")
+
+        def generate(self, batch, sampling):
+            events.append("generate")
+            return self.engine.generate(batch, sampling)
+
+    build = trainer_module.make_engine
+    monkeypatch.setattr(trainer_module, "make_engine", lambda cfg, deps: Recorder(build(cfg, deps)))
+    run(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=2", "train.eval_every=1",
+               "train.eval_before_training=true"))
+    awake = False
+    for event in events:
+        assert event != "generate" or awake, f"sampled while asleep: {events}"
+        awake = {"wake": True, "sleep": False}.get(event, awake)
+    assert events[-1] == "sleep" and events.count("wake") == events.count("sleep") == 5  # 2 rollouts, 3 evaluations

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vlrft.dist import precision
-from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel
+from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 
 SHARDED_DIR = "sharded"
 
@@ -130,7 +130,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         hf_model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
         set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers are not sharded and non-persistent ones (rotary inv_freq) are not in the state dict.
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = self.device if uses_nccl() else torch.device("cpu")
         meta = {name: (tuple(b.shape), b.dtype) for name, b in hf_model.named_buffers()}
         for name in sorted(meta):
             shape, dtype = meta[name]
@@ -167,7 +167,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
         Parameters created after loading (LoRA adapters, a critic's value head) are initialised
         from each rank's own random state.
         """
-        on_cpu = dist.get_backend() != "nccl"
+        on_cpu = not uses_nccl()
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 if tensor.is_meta:

@@ -276,19 +276,25 @@ class Strategy:
         """End the process group; `after_error`: this rank failed, so it must not wait for its peers."""
 
 
+def uses_nccl() -> bool:
+    """Whether the default process group reduces CUDA tensors with NCCL ("nccl" or "cuda:nccl,cpu:gloo")."""
+    return "nccl" in str(dist.get_backend())
+
+
 class ProcessGroupStrategy(Strategy):
     """Base of the multi-process strategies: the process group and the collectives the trainer uses."""
 
     def __init__(self, info: RankInfo | None = None):
         super().__init__(info or rank_info_from_env())
         if not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend)
+            # On GPUs NCCL for CUDA tensors and gloo for CPU ones: FSDP2's CPU offload keeps shards and gradients in
+            # host memory, and gradient clipping, checkpoints and weight sync run collectives on them.
+            dist.init_process_group(backend="cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo")
         # Object collectives (small, rare) go through a gloo group so they work with NCCL too.
         self._cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        out = tensor.detach().clone().to(self.device if dist.get_backend() == "nccl" else "cpu")
+        out = tensor.detach().clone().to(self.device if uses_nccl() else "cpu")
         dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return out.to(tensor.device)
 

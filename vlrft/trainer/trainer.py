@@ -311,10 +311,23 @@ class Trainer:
         """Held-out accuracy/pass@k/reward at `step` (see `vlrft.trainer.evaluate`)."""
         cfg = self.cfg
         sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
-        return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
-                                 world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
-                                 sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts, rewards=self.rewards,
-                                 accuracy_key=self.accuracy_key, reduce=self.sum_reduce), step)
+        with self.engine_awake():  # as for rollouts: a colocated engine's memory only beside offloaded state
+            return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
+                                     world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
+                                     sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts,
+                                     rewards=self.rewards, accuracy_key=self.accuracy_key, reduce=self.sum_reduce),
+                            step)
+
+    @contextlib.contextmanager
+    def engine_awake(self):
+        """The engine awake for sampling, asleep after; the trainer's state in host memory meanwhile where the
+        strategy offloads it (fsdp2 with vLLM/SGLang)."""
+        with self.strategy.offloaded_for_rollout(self.trained_parts(), [self.ref]):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
+            self.engine.wake()
+            yield
+            self.engine.sleep()
 
     # ------------------------------------------------------------------ one step
 
@@ -323,13 +336,8 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
-        # fsdp2 with vLLM/SGLang: the trainer's state waits in host memory while the engine is awake
-        with self.strategy.offloaded_for_rollout(self.trained_parts(), [self.ref]):
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # hand the update's freed blocks back before the engine takes its share
-            self.engine.wake()
+        with self.engine_awake():  # fsdp2 with vLLM/SGLang: the trainer's state in host memory meanwhile
             collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
-            self.engine.sleep()
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         # 2. Running reward normalisation (optional), its moments over all ranks.
         if self.cfg.algorithm.normalize_rewards:
