@@ -9,6 +9,7 @@ raise while rank 0 waits in a collective.
 """
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -65,11 +66,13 @@ def run_plan(plan_file: str) -> None:
         trainer_module.make_engine = configured_engine
         if run.get("scripted", True):
             use_scripted_engine()
-        cfg = load_config(run["config"], run.get("overrides", []), validate=False)
+        # "{rank}" in an override: a value of each rank's own (e.g. a folder per rank, as node-local disks give)
+        overrides = [o.replace("{rank}", os.environ.get("RANK", "0")) for o in run.get("overrides", [])]
+        cfg = load_config(run["config"], overrides, validate=False)
         if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
             strategy = make_strategy(cfg.train.strategy, cfg)
-        trainer = Trainer(cfg, strategy)
         try:
+            trainer = Trainer(cfg, strategy)
             history = trainer.fit()
         except UserError as exc:  # a run expected to be refused: every rank raises it together
             results.append({"error": str(exc), "traceback": traceback.format_exc()})  # where, if it was not expected

@@ -157,3 +157,16 @@ def test_float_options_must_be_finite_and_in_range(override, key):
 def test_off_values_of_sampling_options_are_accepted():
     cfg = load_config(None, ["rollout.top_k=-1", "rollout.top_p=1.0", "rollout.temperature=0"])
     assert cfg.rollout.top_k == -1
+
+
+def test_an_engines_tensor_parallel_group_must_stay_on_one_node(monkeypatch):
+    """torchrun numbers a node's ranks consecutively: a group size that does not divide the processes per node
+    would put one engine's ranks on two nodes (SGLang would look for GPUs the node does not have)."""
+    from vlrft.config import ConfigError, load_config
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    common = ["train.strategy=fsdp2", "rollout.engine=vllm", "rollout.n=4", "rollout.global_batch_completions=96"]
+    for tp in (1, 2, 4, 8):
+        load_config(None, [*common, f"rollout.tensor_parallel_size={tp}"], world_size=24)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=3 .*processes per node \(8\)"):
+        load_config(None, [*common, "rollout.tensor_parallel_size=3"], world_size=24)

@@ -263,3 +263,12 @@ def test_fsdp2_trains_in_the_gpus_mixed_precision(setup, sharded, monkeypatch):
         assert all(t.dtype == torch.float32 for t in trained.values())  # float32 master weights, saved whole
         initial = load_file(Path(setup["model"]) / "model.safetensors")
         assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+
+
+def test_an_output_folder_that_is_not_shared_by_every_rank_is_refused_at_start(setup):
+    """Node-local disks (here: a folder per rank) would fail at the first checkpoint, hours in: refused at start,
+    naming the ranks that cannot see rank 0's folder."""
+    result = run_plan(setup["folder"], 2, [
+        run_args(setup, "LOCAL", f"train.output_dir={setup['folder'] / 'LOCAL' / 'node{rank}'}")])[0]
+    assert "history" not in result
+    assert "is not the same folder on every rank: rank 1 on" in result["error"] and "rank 0 on" not in result["error"]

@@ -499,6 +499,11 @@ class Config:
             if world % r.tensor_parallel_size:
                 _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
                       f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this node
+            if per_node % r.tensor_parallel_size:
+                _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
+                      f"a divisor of the processes per node ({per_node}): an engine's group of ranks must stay on "
+                      "one node (torchrun numbers a node's ranks consecutively)")
         if r.global_batch_completions % r.n:
             _fail("rollout.global_batch_completions", r.global_batch_completions,
                   f"a multiple of rollout.n={r.n} (each prompt's group of {r.n} completions stays whole)")

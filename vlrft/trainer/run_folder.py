@@ -7,11 +7,16 @@ continue it (`train.resume=auto` or a checkpoint inside that folder) or start ov
 
 Every checkpoint records the id of the run lineage that wrote it (a fresh run draws one; a resumed
 run keeps its checkpoint's), and keep-last pruning only ever deletes checkpoints of that lineage.
+
+With several processes the folder must be one folder for all of them (a file system every node
+sees): every rank writes its part of a checkpoint into a folder rank 0 creates and renames. A
+folder on each node's own disk is refused at start (`check_shared`), not at the first checkpoint.
 """
 
 from __future__ import annotations
 
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -64,3 +69,30 @@ def clear(paths: list[Path]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def ranks_without(strategy, present: bool) -> list[str]:
+    """"rank R on HOST" for each rank whose `present` is False (every rank calls this together)."""
+    answers = strategy.all_gather_object((strategy.rank, socket.gethostname(), bool(present)))
+    return [f"rank {rank} on {host}" for rank, host, ok in answers if not ok]
+
+
+def check_shared(strategy, folder: Path, run_id: str) -> None:
+    """Refuse an output folder that is not the same folder for every rank (e.g. each node's local disk).
+
+    Rank 0 creates a marker file in it and every rank looks for it; a single process has nothing to check.
+    """
+    if strategy.world_size == 1:
+        return
+    marker = Path(folder) / f".vlrft-shared-{run_id}"
+    if strategy.is_main:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    strategy.barrier()
+    missing = ranks_without(strategy, marker.is_file())  # a collective: every rank has looked once it returns
+    if strategy.is_main:
+        marker.unlink(missing_ok=True)
+    if missing:
+        raise UserError(f"train.output_dir='{folder}' is not the same folder on every rank: {', '.join(missing)} "
+                        "cannot see what rank 0 writes there. Checkpoints are written by all ranks into one "
+                        "folder; put train.output_dir on a file system every node mounts (NFS, Lustre, ...)")

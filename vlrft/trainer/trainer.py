@@ -69,7 +69,9 @@ class Trainer:
         cfg.validate(world)
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
-        self.resume_from = None if evaluate_only else ckpt.resolve_resume(cfg.train.resume, self.output_dir)
+        # Rank 0 decides (resume=auto lists its folder) and every rank follows, whatever its own disk shows.
+        self.resume_from = None if evaluate_only else self._main_decides(
+            lambda: ckpt.resolve_resume(cfg.train.resume, self.output_dir))
         if self.resume_from is not None and self.strategy.is_main:
             ckpt.finish_interrupted_deletions(self.output_dir)  # a kill mid-prune when no later save comes
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
@@ -77,6 +79,10 @@ class Trainer:
             self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
         resumed_id = ckpt.load_trainer_state(self.resume_from).get("run_id") if self.resume_from else None
         self.run_id = self.strategy.broadcast_object(resumed_id if self.resume_from else run_folder.new_run_id())
+        if not evaluate_only:
+            run_folder.check_shared(self.strategy, self.output_dir, self.run_id)
+        if self.resume_from is not None:
+            self._every_rank_sees(self.resume_from / ckpt.STATE_FILE, f"train.resume: checkpoint {self.resume_from}")
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
@@ -91,6 +97,8 @@ class Trainer:
                 self.message(f"{cfg.model.path} does not exist yet: building it with recipe '{cfg.model.build_recipe}'")
                 ensure_model(cfg.model.path, cfg.model.build_recipe)
             self.strategy.barrier()
+            built = Path(cfg.model.path) / "config.json"
+            self._every_rank_sees(built, f"model.path={cfg.model.path} (built by rank 0)")
         check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the memory plan says it cannot fit
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
@@ -133,6 +141,26 @@ class Trainer:
             self._restore(self.resume_from)
 
     # ------------------------------------------------------------------ setup
+
+    def _main_decides(self, decide):
+        """`decide()` on the main rank; its result, or the `UserError` it raised, on every rank."""
+        outcome = None
+        if self.strategy.is_main:
+            try:
+                outcome = ("ok", decide())
+            except UserError as exc:
+                outcome = ("error", exc)
+        kind, value = self.strategy.broadcast_object(outcome)
+        if kind == "error":
+            raise value
+        return value
+
+    def _every_rank_sees(self, path: Path, what: str) -> None:
+        """Refuse to go on when some rank cannot see `path` (a node-local disk where a shared one was needed)."""
+        missing = run_folder.ranks_without(self.strategy, path.exists())
+        if missing:
+            raise UserError(f"{what}: {path} is not visible on {', '.join(missing)}; put it on a file system every "
+                            "node mounts, or copy it to the same path on every node")
 
     def _read(self, files: list[str], limit: int | None, key: str) -> list:
         samples = []
