@@ -265,55 +265,54 @@ def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypat
             fixed.keep(torch.tensor([0]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
-def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(setup, monkeypatch):
-    """On a GPU: the replayed graph samples what eager lean steps sample (greedy: same ids, logprobs within 1e-4),
-    with rows stopping early, and the graph was really captured."""
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
+
+
+@pytest.fixture
+def on_gpu(setup, monkeypatch):
+    """(processor, the model on the GPU, tokens, batch, captures): captures lists the compute dtype (None: float32)
+    of each decoder a CUDA graph was captured for."""
     import copy
 
     from vlrft.rollout import graph_decode
 
     processor, model, tokens, batch = setup
-    gpu_model = copy.deepcopy(model).cuda().eval()
-    captured = []
+    captures = []
     init = graph_decode.CudaGraphDecoder.__init__
 
     def counted(self, decoder):
         init(self, decoder)
-        captured.append(self.graph)
+        captures.append(decoder.compute_dtype)
 
     monkeypatch.setattr(graph_decode.CudaGraphDecoder, "__init__", counted)
+    return processor, copy.deepcopy(model).cuda().eval(), tokens, batch, captures
+
+
+@needs_cuda
+def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(on_gpu):
+    """On a GPU: the replayed graph samples what eager lean steps sample (greedy: same ids, logprobs within 1e-4),
+    with rows stopping early, and the graph was really captured."""
+    processor, gpu_model, tokens, batch, captures = on_gpu
     sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0, stop_token_ids=list(range(40, 80)))
     runs = {}
     for graph in (True, False):
         engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
                           cuda_graph_decode=graph)
         runs[graph] = engine.generate(batch, sampling)
-    assert captured, "no CUDA graph was captured"
+    assert captures, "no CUDA graph was captured"
     _assert_same(runs[True], runs[False], atol=1e-4)
     short = SamplingParams(n=3, max_new_tokens=2, temperature=0.0)  # no room for the capture's warm-up steps
     _assert_same(*(HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
                             cuda_graph_decode=graph).generate(batch, short) for graph in (True, False)), atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
-def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(setup, monkeypatch):
+@needs_cuda
+def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_gpu, monkeypatch):
     """On a GPU under the trainer's mixed precision (bf16 autocast over float32 weights): replaying the captured
     graph samples what the same fixed-shape steps sample eagerly (greedy: same ids, logprobs within 1e-3)."""
-    import copy
-
     from vlrft.rollout import graph_decode
 
-    processor, model, tokens, batch = setup
-    gpu_model = copy.deepcopy(model).cuda().eval()
-    captured = []
-    init = graph_decode.CudaGraphDecoder.__init__
-
-    def counted(self, decoder):
-        init(self, decoder)
-        captured.append(decoder.compute_dtype)
-
-    monkeypatch.setattr(graph_decode.CudaGraphDecoder, "__init__", counted)
+    processor, gpu_model, tokens, batch, captures = on_gpu
     sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0, stop_token_ids=list(range(40, 80)))
 
     def run():
@@ -322,6 +321,6 @@ def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(set
         return engine.generate(batch, sampling)
 
     replayed = run()
-    assert captured == [torch.bfloat16], "no CUDA graph was captured under bf16 autocast"
+    assert captures == [torch.bfloat16], "no CUDA graph was captured under bf16 autocast"
     monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)  # the same steps, eager
     _assert_same(replayed, run(), atol=1e-3)
