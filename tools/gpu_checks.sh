@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one prepared run with a time limit each, about 9.5 minutes in all
+# (a lent GPU machine has minutes, not hours). Run from the repository root:
+#
+#     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)
+#     OUT=/tmp/out SIZE=1.5b GRAPHS=1 bash tools/gpu_checks.sh   # a larger model; also with CUDA graphs
+#
+# 1. imports and the GPU; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast; the
+# engine GPU tests skip without vLLM/SGLang); 3. the hf engine's decode rates on a 0.5B-shaped random
+# model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py);
+# 4. training MFU, rollout tokens/s and peak memory beside the plan for a random Qwen2.5-VL of
+# $SIZE (default 0.5b), one process (tools/gpu_bench.py), with GRAPHS=1 also with
+# rollout.cuda_graph_decode. A step that fails or runs out of time is reported and the next one runs.
+set -u
+OUT=${OUT:-runs/gpu_checks}
+STEPS=${STEPS:-3}
+SIZE=${SIZE:-0.5b}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its exit status and last lines
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc ($((SECONDS - start)) s)$([ $rc = 124 ] && echo ', timed out')"
+    tail -n 25 "$OUT/$name.log"
+}
+
+step environment 60 python -c '
+import importlib.util, torch, transformers
+print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print(torch.cuda.get_device_name(0), f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+missing = [m for m in ("vlrft", "yaml", "safetensors", "tokenizers", "PIL", "tensorboard", "pytest")
+           if importlib.util.find_spec(m) is None]
+print("missing modules:", missing or "none")
+import vlrft.trainer  # the package imports with this machine torch and transformers
+'
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "no CUDA device visible: nothing more to check here"
+    exit 1
+fi
+step cuda_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
+    tests/test_rollout_engines_gpu.py -k "cuda or gpu"
+step decode_rates 120 python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
+    --tokens 256 --regimes 1,3 --repeats 3
+step train_bench 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
+    --out "$OUT/bench" --json "$OUT/gpu_bench.json"
+if [ "${GRAPHS:-0}" = 1 ]; then
+    step train_bench_graphs 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
+        --cuda-graph-decode --out "$OUT/bench" --json "$OUT/gpu_bench_graphs.json"
+fi
