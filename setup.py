@@ -31,7 +31,7 @@ EXTRAS = {
     "deepspeed": ["deepspeed>=0.19.8"],  # train.strategy=deepspeed (managed_gradient_accumulation=false)
     "wandb": ["wandb>=0.18"],
     "peft": ["peft>=0.13"],
-    "dev": ["pytest>=8", "pytest-timeout>=2.3"],
+    "dev": ["pytest>=8", "pytest-timeout>=2.3", "requests>=2.31"],  # requests: the remote-reward tests talk HTTP
     # bench/bench_vs_trl.py: the peer measured side by side (works with transformers 5.23 as installed)
     "bench": ["trl==1.16.0"],
 }

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from budget_worker import LENGTHS, make_collected, train_step, write_images  # noqa: E402
 from _torchrun import failure_output, torchrun  # noqa: E402
+from test_deepspeed import needs_deepspeed  # noqa: E402  skips, with the reason, where deepspeed cannot import
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,7 +180,7 @@ def test_completions_in_width_classes_equal_one_padded_call_in_values_and_gradie
 
 @pytest.mark.distributed
 @pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", *(pytest.param(z, marks=needs_deepspeed) for z in ("zero2", "zero3"))])
 def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tmp_path, strategy):
     from vlrft.dist.strategy import Strategy
 
@@ -298,7 +299,7 @@ def test_which_losses_let_zero_advantage_rows_out():
 
 @pytest.mark.distributed
 @pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
 def test_a_rank_with_only_zero_advantage_rows_keeps_step_and_trains_like_one_process(zero_advantage_case, tmp_path,
                                                                                      strategy):
     """Rank 0 holds the two zero-advantage groups: it trains no row, yet runs a filler beside each of rank 1's
