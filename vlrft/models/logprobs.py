@@ -5,7 +5,8 @@ Only completion tokens go through the LM head, and never all at once: a chunk ho
 1024 tokens). When gradients are needed and the logits would not fit in one chunk, `_ChunkedHead`
 keeps nothing per chunk: backward recomputes each chunk's logits, forms their gradient in closed
 form and accumulates the head's weight gradient in place (one [vocab, hidden] buffer, as any
-training step has, instead of one per chunk). Peak memory is therefore a few chunks of logits
+training step has, instead of one per chunk; under autocast a float32 one, fed bf16 products of
+`HEAD_GRAD_BLOCK_ROWS` vocabulary rows at a time). Peak memory is therefore a few chunks of logits
 plus the head's own gradient, whatever the number of tokens; a [tokens, vocab] float32 tensor
 never exists whole, in forward or backward.
 """
@@ -20,6 +21,8 @@ import torch
 LOGITS_CHUNK_ELEMENTS = 1 << 24
 # Above this many logits in total, gradients go through `_ChunkedHead` (recomputed per chunk in backward).
 CHECKPOINT_ABOVE_ELEMENTS = LOGITS_CHUNK_ELEMENTS
+# Under autocast the head's gradient is formed this many vocabulary rows at a time (bf16 products, float32 sums).
+HEAD_GRAD_BLOCK_ROWS = 16384
 
 
 def chunk_tokens_for(vocab_size: int, chunk_tokens: int = 1024, max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
@@ -127,8 +130,12 @@ def _head_gradients(ctx, hidden, weight, bias, targets, suppressed, log_norm, en
             grad_hidden[start:end] = grad_z @ weight  # under autocast a bf16 matmul, as autograd's
         if grad_weight is not None and grad_weight.dtype == grad_z.dtype and ctx.autocast is None:
             grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))  # in place: no [vocab, hidden] temporary
-        elif grad_weight is not None:  # in-place addmm_ is not autocast: a bf16 matmul, summed in float32
-            grad_weight.add_(grad_z.t() @ h.to(weight.dtype))
+        elif grad_weight is not None:
+            # in-place addmm_ is not autocast: bf16 products summed in float32, a block of vocabulary rows at a time
+            # (no whole [vocab, hidden] temporary)
+            h = h.to(weight.dtype)
+            for row in range(0, grad_z.shape[1], HEAD_GRAD_BLOCK_ROWS):
+                grad_weight[row:row + HEAD_GRAD_BLOCK_ROWS].add_(grad_z[:, row:row + HEAD_GRAD_BLOCK_ROWS].t() @ h)
         if grad_bias is not None:
             grad_bias.add_(grad_z.sum(0))
 

@@ -244,6 +244,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
     fixed = cuda_graph and max_new > WARMUP_STEPS
     if use_lean:
+        if autocast_dtype(device) is not None:
+            # The prefill's weight casts stay in autocast's cache until the region ends; the lean steps cast (and
+            # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
+            torch.clear_autocast_cache()
         decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new,
                               fixed_shapes=fixed)
         if fixed:

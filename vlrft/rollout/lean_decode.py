@@ -5,7 +5,7 @@ layer costs about 75 dispatched ops per token plus the Python of module calls, c
 and rotary bookkeeping and output records; on a small model that fixed cost is most of the step
 (CPU, hidden 64: 0.36 ms per layer per token). Here a step is the layers' arithmetic and nothing
 else, about 42 ops per layer (0.23 ms): the model's own weights read at each decode call (so no
-weight sync is needed), residual adds folded into the output matmuls, a KV
+weight sync is needed), residual adds folded into the output matmuls (not under autocast), a KV
 cache preallocated for prompt + max_new_tokens positions and written in place, an additive mask
 kept as one buffer, and the rotary cos/sin taken from a table the model's own rotary module
 computed once (decoded tokens are text, whose M-RoPE positions are equal on all three axes, so the
@@ -169,6 +169,7 @@ class LeanDecoder:
     Each layer's cache is [rows, kv_heads, length, head_dim], used as [rows * kv_heads, ...] by
     batched matmuls in which a KV head's query heads are the rows (GQA without repeating the cache);
     the mask is additive (0 / -inf) in the same layout, so scores, mask and scaling are one `baddbmm`.
+    Under autocast the same layout goes through SDPA, as transformers' layers do (`_sdpa`).
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
@@ -229,12 +230,13 @@ class LeanDecoder:
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention of one query per row as transformers' SDPA layers run it under autocast: [rows, heads * dim]."""
-        rows, length = q.shape[0], keys.shape[2]
+        """Attention of one query per row as transformers' SDPA layers call it for one new token: a KV head's query
+        heads folded into the query length ([rows, kv_heads, heads per kv head, dim]), so neither the KV cache is
+        repeated nor `enable_gqa` taken (with a mask CUDA would fall back to the math kernel). [rows, heads * dim]."""
+        rows, kv_heads, length = q.shape[0], keys.shape[1], keys.shape[2]
         mask = self.mask_bias[:, :1, :, :length]  # [rows, 1, 1, length], the same for every head
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=True)
-        return out.view(rows, -1)
+        grouped = q.view(rows, kv_heads, -1, q.shape[-1])
+        return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=self.scaling).view(rows, -1)
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """Copies of what a step advances besides the KV cache (for `restore`)."""

@@ -15,8 +15,11 @@ folder on each node's own disk is refused at start (`check_shared`), not at the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 
@@ -71,6 +74,23 @@ def clear(paths: list[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
+# How long a rank looks again for a file another rank has just created before calling it missing: a network file
+# system may answer from a cached "no such file" for a while (listing the folder refreshes it).
+VISIBILITY_WAIT_S = 20.0
+
+
+def appears(path: Path, seconds: float = VISIBILITY_WAIT_S) -> bool:
+    """Whether `path` exists, looking again (the folder listed, once a second) for up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            return False
+        with contextlib.suppress(OSError):
+            os.listdir(path.parent)
+        time.sleep(1.0)
+    return True
+
+
 def ranks_without(strategy, present: bool) -> list[str]:
     """"rank R on HOST" for each rank whose `present` is False (every rank calls this together)."""
     answers = strategy.all_gather_object((strategy.rank, socket.gethostname(), bool(present)))
@@ -89,7 +109,7 @@ def check_shared(strategy, folder: Path, run_id: str) -> None:
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
     strategy.barrier()
-    missing = ranks_without(strategy, marker.is_file())  # a collective: every rank has looked once it returns
+    missing = ranks_without(strategy, appears(marker))  # a collective: every rank has looked once it returns
     if strategy.is_main:
         marker.unlink(missing_ok=True)
     if missing:

@@ -69,20 +69,21 @@ class Trainer:
         cfg.validate(world)
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
-        # Rank 0 decides (resume=auto lists its folder) and every rank follows, whatever its own disk shows.
+        # Rank 0 decides what the folder holds (resume=auto lists it; another run's files are refused) and every rank
+        # follows: on node-local disks the others would each decide from their own disk, then `check_shared` refuses.
         self.resume_from = None if evaluate_only else self._main_decides(
             lambda: ckpt.resolve_resume(cfg.train.resume, self.output_dir))
-        if self.resume_from is not None and self.strategy.is_main:
-            ckpt.finish_interrupted_deletions(self.output_dir)  # a kill mid-prune when no later save comes
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
-        self._stale_run_files = [] if evaluate_only else run_folder.check_output_dir(
-            self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite)
-        resumed_id = ckpt.load_trainer_state(self.resume_from).get("run_id") if self.resume_from else None
-        self.run_id = self.strategy.broadcast_object(resumed_id if self.resume_from else run_folder.new_run_id())
+        self._stale_run_files = [] if evaluate_only else self._main_decides(lambda: run_folder.check_output_dir(
+            self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite))
+        self.run_id = self._main_decides(lambda: ckpt.load_trainer_state(self.resume_from).get("run_id")
+                                         if self.resume_from else run_folder.new_run_id())
         if not evaluate_only:
             run_folder.check_shared(self.strategy, self.output_dir, self.run_id)
         if self.resume_from is not None:
             self._every_rank_sees(self.resume_from / ckpt.STATE_FILE, f"train.resume: checkpoint {self.resume_from}")
+            if self.strategy.is_main:
+                ckpt.finish_interrupted_deletions(self.output_dir)  # a kill mid-prune when no later save comes
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
@@ -157,7 +158,7 @@ class Trainer:
 
     def _every_rank_sees(self, path: Path, what: str) -> None:
         """Refuse to go on when some rank cannot see `path` (a node-local disk where a shared one was needed)."""
-        missing = run_folder.ranks_without(self.strategy, path.exists())
+        missing = run_folder.ranks_without(self.strategy, run_folder.appears(path))
         if missing:
             raise UserError(f"{what}: {path} is not visible on {', '.join(missing)}; put it on a file system every "
                             "node mounts, or copy it to the same path on every node")
