@@ -100,44 +100,39 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias and bias is not None else None
         with torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext():
-            _head_gradients(ctx, hidden, weight, bias, targets, suppressed, log_norm, entropy, grad_logprobs,
-                            grad_entropy, grad_hidden, grad_weight, grad_bias)
+            for start in range(0, hidden.shape[0], ctx.step):
+                end = min(start + ctx.step, hidden.shape[0])
+                h = hidden[start:end]
+                log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed)
+                log_p.sub_(log_norm[start:end, None])
+                p = log_p.exp()
+                if suppressed is not None:
+                    log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
+                # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
+                grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
+                grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
+                del p
+                grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
+                if suppressed is not None:
+                    grad_z.index_fill_(-1, suppressed, 0.0)
+                if ctx.inv_temperature != 1.0:
+                    grad_z.mul_(ctx.inv_temperature)
+                grad_z = grad_z.to(weight.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad_z @ weight  # under autocast a bf16 matmul, as autograd's
+                if grad_weight is not None and grad_weight.dtype == grad_z.dtype and ctx.autocast is None:
+                    grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))  # in place: no [vocab, hidden] temporary
+                elif grad_weight is not None:
+                    # in-place addmm_ is not autocast: bf16 products summed in float32, a block of vocabulary
+                    # rows at a time (no whole [vocab, hidden] temporary)
+                    h = h.to(weight.dtype)
+                    for row in range(0, grad_z.shape[1], HEAD_GRAD_BLOCK_ROWS):
+                        rows = slice(row, row + HEAD_GRAD_BLOCK_ROWS)
+                        grad_weight[rows].add_(grad_z[:, rows].t() @ h)
+                if grad_bias is not None:
+                    grad_bias.add_(grad_z.sum(0))
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
-
-
-def _head_gradients(ctx, hidden, weight, bias, targets, suppressed, log_norm, entropy, grad_logprobs, grad_entropy,
-                    grad_hidden, grad_weight, grad_bias) -> None:
-    """`_ChunkedHead.backward`'s chunk loop: fills grad_hidden, adds to grad_weight and grad_bias (float32)."""
-    for start in range(0, hidden.shape[0], ctx.step):
-        end = min(start + ctx.step, hidden.shape[0])
-        h = hidden[start:end]
-        log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed).sub_(log_norm[start:end, None])
-        p = log_p.exp()
-        if suppressed is not None:
-            log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there
-        # grad_z = g_ent * (-p * (log p + H)) - g_lp * p + g_lp * onehot, built in place in log_p
-        grad_z = log_p.add_(entropy[start:end, None]).mul_(p).mul_(-grad_entropy[start:end, None])
-        grad_z.addcmul_(p, grad_logprobs[start:end, None], value=-1.0)
-        del p
-        grad_z.scatter_add_(1, targets[start:end, None], grad_logprobs[start:end, None])
-        if suppressed is not None:
-            grad_z.index_fill_(-1, suppressed, 0.0)
-        if ctx.inv_temperature != 1.0:
-            grad_z.mul_(ctx.inv_temperature)
-        grad_z = grad_z.to(weight.dtype)
-        if grad_hidden is not None:
-            grad_hidden[start:end] = grad_z @ weight  # under autocast a bf16 matmul, as autograd's
-        if grad_weight is not None and grad_weight.dtype == grad_z.dtype and ctx.autocast is None:
-            grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))  # in place: no [vocab, hidden] temporary
-        elif grad_weight is not None:
-            # in-place addmm_ is not autocast: bf16 products summed in float32, a block of vocabulary rows at a time
-            # (no whole [vocab, hidden] temporary)
-            h = h.to(weight.dtype)
-            for row in range(0, grad_z.shape[1], HEAD_GRAD_BLOCK_ROWS):
-                grad_weight[row:row + HEAD_GRAD_BLOCK_ROWS].add_(grad_z[:, row:row + HEAD_GRAD_BLOCK_ROWS].t() @ h)
-        if grad_bias is not None:
-            grad_bias.add_(grad_z.sum(0))
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,

@@ -231,7 +231,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     cache = None
     # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
     # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
-    static_cache = static_cache and not use_lean and autocast_dtype(device) is None
+    autocast_on = autocast_dtype(device) is not None
+    static_cache = static_cache and not use_lean and not autocast_on
     if static_cache:
         from transformers import StaticCache
 
@@ -244,7 +245,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
     fixed = cuda_graph and max_new > WARMUP_STEPS
     if use_lean:
-        if autocast_dtype(device) is not None:
+        if autocast_on:
             # The prefill's weight casts stay in autocast's cache until the region ends; the lean steps cast (and
             # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
             torch.clear_autocast_cache()
