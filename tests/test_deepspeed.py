@@ -349,7 +349,7 @@ def test_zero3_in_the_gpus_mixed_precision_trains_like_one_process_in_it(setup, 
     from scripted_engine import ScriptedEngine
 
     from vlrft.config import load_config
-    from vlrft.dist.precision import CPU_MIXED_PRECISION_ENV
+    from vlrft.models.precision import CPU_MIXED_PRECISION_ENV
     from vlrft.trainer import Trainer
 
     monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")

@@ -89,3 +89,15 @@ logging: {{progress: false, completions_every: 0, tensorboard: false}}
     off = sum(int(((one[k] - two[k]).abs() > 1e-3 * lr).sum()) for k in one)
     worst = max(float((one[k] - two[k]).abs().max()) for k in one)
     assert off <= total * 1e-4 and worst < 0.05 * lr, f"{off} of {total} weights differ, by up to {worst / lr:.2e} lr"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_a_rank_waiting_longer_than_train_dist_timeout_minutes_fails_instead_of_hanging(tmp_path, strategy):
+    # torch's gloo default would wait 30 min here; the config's 0.04 min (2.4 s) must be what the groups use.
+    out = tmp_path / "timeout"
+    proc = torchrun("timeout_worker.py", str(out), strategy, "0.04", timeout=120)
+    assert proc.returncode == 0, failure_output(proc)
+    waiting = json.loads(Path(f"{out}.rank1.json").read_text())
+    assert waiting["timeouts_s"] and all(abs(t - 2.4) < 1e-6 for t in waiting["timeouts_s"]), waiting
+    assert waiting["error"] is not None and "timed out" in waiting["error"].lower(), waiting
+    assert 2.0 < waiting["waited_s"] < 6.0, waiting  # rank 0 came back only after 7.2 s

@@ -245,7 +245,7 @@ def test_fsdp2_trains_in_the_gpus_mixed_precision(setup, sharded, monkeypatch):
     the weights in bf16 (its MixedPrecisionPolicy, over gloo) and reduces float32 gradients, the reference is bf16
     and the hf engine samples from the gathered bf16 policy. With run A's scripted completions the first step's
     gradient norm is within 5 % of the float32 one and not equal to it (bf16 was in effect); the hf run trains."""
-    from vlrft.dist.precision import CPU_MIXED_PRECISION_ENV
+    from vlrft.models.precision import CPU_MIXED_PRECISION_ENV
 
     monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")
     mixed = ["model.dtype=bfloat16", "train.total_steps=1"]

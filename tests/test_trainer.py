@@ -295,7 +295,7 @@ def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny
     engine samples under the same autocast, not in float32. VLRFT_CPU_MIXED_PRECISION=1 takes those paths on the
     CPU: every decode call of a training step ran its lean steps in bf16, the reference was loaded in bf16, and the
     step trained the float32 weights."""
-    from vlrft.dist.precision import CPU_MIXED_PRECISION_ENV
+    from vlrft.models.precision import CPU_MIXED_PRECISION_ENV
     from vlrft.rollout import lean_decode
 
     monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")

@@ -402,6 +402,11 @@ class TrainConfig:
         "actor/* statistics then cover the rows trained; actor/zero_advantage_rows_skipped is the share left out")
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(
         "single", "'single' process; 'ddp' (replicated), 'fsdp2' (sharded) or 'deepspeed' (ZeRO) under torchrun")
+    dist_timeout_minutes: float = option(
+        30.0, "how long a rank waits in a collective (NCCL and gloo) for the slowest rank before the run fails "
+        "with a timeout: raise it when one rank legitimately works alone for longer (rank 0 converting a large "
+        "DeepSpeed checkpoint to the universal format, or writing and syncing a 72B checkpoint to a slow shared "
+        "disk); torch's own default is 10 min for NCCL")
     fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = option(help="options of train.strategy=deepspeed (ZeRO-2/3)", factory=DeepSpeedConfig)
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
@@ -580,6 +585,7 @@ _NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
     ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
     ("train.save_every", lambda v: v >= 0, "a number of steps >= 0 (0 = only at the end)"),
     ("train.keep_last", lambda v: v >= 0, "a number of checkpoints >= 0 (0 = keep all)"),
+    ("train.dist_timeout_minutes", lambda v: v > 0, "a number of minutes > 0, e.g. 30"),
     ("rollout.temperature", lambda v: v >= 0,
      "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist import precision
+from vlrft.models import precision
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
-                                 TrainedModel)
+                                 TrainedModel, collective_timeout)
 from vlrft.errors import UserError
 
 CHECKPOINT_DIR = "deepspeed"  # inside a vlrft checkpoint folder: one DeepSpeed checkpoint per trained part
@@ -67,8 +67,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     def __init__(self, info: RankInfo | None = None, cfg: Any = None):
         self.ds = import_deepspeed()
-        super().__init__(info)
-        self.ds.init_distributed(dist_backend=dist.get_backend())
+        super().__init__(info, cfg)
+        self.ds.init_distributed(dist_backend=dist.get_backend(), timeout=collective_timeout(cfg))  # adopts our group
         options = getattr(getattr(cfg, "train", None), "deepspeed", None)
         self.stage = int(getattr(options, "zero_stage", 3))
         self.offload_optimizer = bool(getattr(options, "offload_optimizer", False))
@@ -105,7 +105,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             "zero_optimization": zero,
             "bf16": {"enabled": not trainable and self.compute_dtype == torch.bfloat16},
             "fp16": {"enabled": not trainable and self.compute_dtype == torch.float16},
-            **({"torch_autocast": {"enabled": True, "dtype": str(self.compute_dtype).removeprefix("torch."),
+            **({"torch_autocast": {"enabled": True, "dtype": precision.dtype_name(self.compute_dtype),
                                    "lower_precision_safe_modules": []}} if trainable and low else {}),
             # The trainer's AdamW also runs on offloaded (CPU) shards.
             "zero_force_ds_cpu_optimizer": False,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist import precision
+from vlrft.models import precision
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 
 SHARDED_DIR = "sharded"
@@ -76,7 +76,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
     balances_vision_calls = True  # a rank without images runs the vision blocks on a dummy (their all-gathers)
 
     def __init__(self, info: RankInfo | None = None, cfg=None):
-        super().__init__(info)
+        super().__init__(info, cfg)
         from torch.distributed.device_mesh import init_device_mesh
 
         from vlrft.config import FSDPConfig

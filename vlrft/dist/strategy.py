@@ -20,6 +20,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,12 @@ class Strategy:
         """End the process group; `after_error`: this rank failed, so it must not wait for its peers."""
 
 
+def collective_timeout(cfg: Any = None) -> timedelta:
+    """`train.dist_timeout_minutes` of the run's config (30 min without one): every process group's timeout."""
+    minutes = getattr(getattr(cfg, "train", None), "dist_timeout_minutes", 30.0)
+    return timedelta(minutes=float(minutes))
+
+
 def uses_nccl() -> bool:
     """Whether the default process group reduces CUDA tensors with NCCL ("nccl" or "cuda:nccl,cpu:gloo")."""
     return "nccl" in str(dist.get_backend())
@@ -284,14 +291,16 @@ def uses_nccl() -> bool:
 class ProcessGroupStrategy(Strategy):
     """Base of the multi-process strategies: the process group and the collectives the trainer uses."""
 
-    def __init__(self, info: RankInfo | None = None):
+    def __init__(self, info: RankInfo | None = None, cfg: Any = None):
         super().__init__(info or rank_info_from_env())
+        timeout = collective_timeout(cfg)
         if not dist.is_initialized():
             # On GPUs NCCL for CUDA tensors and gloo for CPU ones: FSDP2's CPU offload keeps shards and gradients in
             # host memory, and gradient clipping, checkpoints and weight sync run collectives on them.
-            dist.init_process_group(backend="cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo")
+            dist.init_process_group(backend="cuda:nccl,cpu:gloo" if self.device.type == "cuda" else "gloo",
+                                    timeout=timeout)
         # Object collectives (small, rare) go through a gloo group so they work with NCCL too.
-        self._cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self._cpu_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         out = tensor.detach().clone().to(self.device if uses_nccl() else "cpu")
@@ -369,7 +378,7 @@ def make_strategy(name: str, cfg: Any = None) -> Strategy:
     if name == "single":
         return Strategy(info)
     if name == "ddp":
-        return DDPStrategy(info)
+        return DDPStrategy(info, cfg)
     if name == "fsdp2":
         from vlrft.dist.fsdp2 import FSDP2Strategy
 

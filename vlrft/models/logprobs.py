@@ -17,6 +17,8 @@ import contextlib
 
 import torch
 
+from vlrft.models.precision import active_autocast_dtype
+
 # Float32 logits one chunk may hold (64 MiB): the chunk's token count is derived from it and the vocabulary.
 LOGITS_CHUNK_ELEMENTS = 1 << 24
 # Above this many logits in total, gradients go through `_ChunkedHead` (recomputed per chunk in backward).
@@ -64,13 +66,6 @@ def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed):
     return logprobs, entropy, log_norm
 
 
-def _autocast_state(device: torch.device) -> tuple[str, torch.dtype] | None:
-    """(device type, dtype) of the autocast active on `device`, or None."""
-    if not torch.is_autocast_enabled(device.type):
-        return None
-    return device.type, torch.get_autocast_dtype(device.type)
-
-
 class _ChunkedHead(torch.autograd.Function):
     """logprobs and entropy of every token, chunk by chunk, saving only the inputs (and [N] norms) for backward.
 
@@ -89,7 +84,8 @@ class _ChunkedHead(torch.autograd.Function):
         logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
         ctx.inv_temperature, ctx.step = inv_temperature, step
-        ctx.autocast = _autocast_state(hidden.device)
+        dtype = active_autocast_dtype(hidden.device)
+        ctx.autocast = (hidden.device.type, dtype) if dtype is not None else None
         return logprobs, entropy
 
     @staticmethod

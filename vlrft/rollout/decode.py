@@ -17,8 +17,9 @@ import torch
 from vlrft.data.processor import left_pad
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
+from vlrft.models.precision import active_autocast_dtype
 from vlrft.rollout.graph_decode import WARMUP_STEPS, CudaGraphDecoder, FixedRowsDecoder
-from vlrft.rollout.lean_decode import LeanDecoder, autocast_dtype, unsupported_reason
+from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
 
@@ -231,7 +232,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     cache = None
     # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
     # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
-    autocast_on = autocast_dtype(device) is not None
+    autocast_on = active_autocast_dtype(device) is not None
     static_cache = static_cache and not use_lean and not autocast_on
     if static_cache:
         from transformers import StaticCache

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlrft.models.precision import active_autocast_dtype
+
 # Text decoders whose layer is: RMSNorm -> q/k/v (optional bias; Qwen3: RMSNorm on each head) -> rotary ->
 # attention -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual; final RMSNorm.
 SUPPORTED_TEXT_MODELS = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
@@ -69,13 +71,6 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Qwen RMSNorm: normalised in float32, cast back, then scaled by the weight."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
-
-
-def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast runs matmuls in on `device` here, or None when autocast is off for it."""
-    if not torch.is_autocast_enabled(device.type):
-        return None
-    return torch.get_autocast_dtype(device.type)
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
@@ -177,7 +172,7 @@ class LeanDecoder:
         self.model = text_model
         self.fixed_shapes = fixed_shapes
         # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
-        self.compute_dtype = autocast_dtype(text_model.embed_tokens.weight.device)
+        self.compute_dtype = active_autocast_dtype(text_model.embed_tokens.weight.device)
         pack = self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
         self.layers = [_LayerWeights.of(layer, len(rows), pack, self.compute_dtype) for layer in text_model.layers]
         first = text_model.layers[0].self_attn

@@ -20,7 +20,7 @@ import torch
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
-from vlrft.dist import precision
+from vlrft.models import precision
 from vlrft.dist.strategy import ModelSource, Strategy, TrainedModel, make_strategy
 from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
@@ -228,7 +228,7 @@ class Trainer:
         if self.cfg.algorithm.kl_coef <= 0:
             return None  # no reference model when beta == 0
         cfg = self.cfg.model
-        dtype = str(precision.compute_dtype(self.device, cfg.dtype)).removeprefix("torch.")
+        dtype = precision.dtype_name(precision.compute_dtype(self.device, cfg.dtype))
         model = self.strategy.load_model(self._source(cfg.ref_path or cfg.path, dtype), trainable=False).eval()
         model.requires_grad_(False)
         return self.strategy.prepare_frozen(ActorVL(model, self.actor.image_token_id, self.actor.video_token_id,

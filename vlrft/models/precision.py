@@ -18,6 +18,18 @@ import torch
 CPU_MIXED_PRECISION_ENV = "VLRFT_CPU_MIXED_PRECISION"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `model.dtype` and DeepSpeed's config use for a torch dtype: "bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
+def active_autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype an autocast active here runs `device`'s matmuls in, or None when none is active for it."""
+    if not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
 def compute_dtype(device: torch.device, model_dtype: str) -> torch.dtype:
     """The dtype matmuls run in on `device` for `model.dtype` (a name such as "bfloat16")."""
     if device.type == "cuda" or (device.type == "cpu" and os.environ.get(CPU_MIXED_PRECISION_ENV) == "1"):
