@@ -86,6 +86,12 @@ def fn_raises(completions):
     raise ValueError("boom")
 
 
+@reward("test_out_of_memory")
+def fn_out_of_memory(completions):
+    # A reward model's CUDA out-of-memory error, injected: it cannot happen on CPU.
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+
 @reward("test_needs_difficulty")
 def fn_needs_difficulty(completions, difficulty):
     return [float(d) for d in difficulty]
@@ -195,6 +201,13 @@ def test_timeout_with_on_error_none_counts_samples_as_not_applicable():
     assert result.metrics["reward/test_sync_sleep/frac_none"] == 1.0
     assert result.metrics["reward/total/errors"] == 2
     assert "did not finish" in result.error_messages[0]
+
+
+def test_a_reward_function_out_of_device_memory_is_told_to_lower_its_batch_size():
+    with pytest.raises(RewardError, match=r"'test_out_of_memory' ran out of device memory on samples 0-1 \(step 2\): "
+                                          r"CUDA out of memory. Tried to allocate 8.00 GiB; lower its batch size "
+                                          r"\(the built-in reward_model: kwargs batch_size and max_length\)"):
+        make_set([F("test_out_of_memory")]).score(["a", "b"], step=2)
 
 
 def test_exception_names_function_type_message_and_samples():

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from vlrft.config import load_config
 from vlrft.errors import UserError
 from vlrft.logging import read_metrics
+from vlrft.models.actor import ActorVL
 from vlrft.trainer import Trainer
 
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -354,3 +355,56 @@ def test_evaluation_wakes_the_engine_like_a_rollout_and_puts_it_back_to_sleep(tm
         assert event != "generate" or awake, f"sampled while asleep: {events}"
         awake = {"wake": True, "sleep": False}.get(event, awake)
     assert events[-1] == "sleep" and events.count("wake") == events.count("sleep") == 5  # 2 rollouts, 3 evaluations
+
+
+def _injected_out_of_memory(*args, **kwargs):
+    # A CUDA out-of-memory error cannot happen on CPU: injected here, as torch raises it on a GPU.
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+                                 "79.10 GiB of which 3.12 GiB is free.")
+
+
+@pytest.mark.parametrize("phase", ["sampling", "forward", "optimizer", "evaluation"])
+def test_running_out_of_device_memory_names_the_phase_and_the_options_that_fit_it(
+        tmp_path, tiny_vlm_dir, shapes, monkeypatch, capsys, phase):
+    from vlrft.cli import main
+    from vlrft.rollout.hf import HFEngine
+    from vlrft.trainer.out_of_memory import OutOfMemory
+
+    eval_before = "true" if phase == "evaluation" else "false"
+    overrides = ["train.total_steps=1", "train.eval_every=0", f"train.eval_before_training={eval_before}",
+                 f"train.output_dir={tmp_path / 'run'}"]
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, *overrides)
+    if phase in ("sampling", "evaluation"):
+        monkeypatch.setattr(HFEngine, "generate", _injected_out_of_memory)
+    elif phase == "forward":
+        monkeypatch.setattr(ActorVL, "logprobs", _injected_out_of_memory)
+    else:
+        monkeypatch.setattr(torch.optim.AdamW, "step", _injected_out_of_memory)
+    with pytest.raises(OutOfMemory) as caught:
+        run(cfg)
+    message = str(caught.value)
+    assert isinstance(caught.value, UserError) and isinstance(caught.value.__cause__, torch.OutOfMemoryError)
+    assert "Tried to allocate 20.00 GiB" in message and "train.resume=auto" in message and "vlrft plan" in message
+    expected = {
+        "sampling": ["step 1, sampling completions (rollout.engine=hf)", "rollout.global_batch_completions (now 16",
+                     "rollout.max_new_tokens (now 5)", "rollout.engine=vllm"],
+        "forward": ["step 1, training forward/backward of 8 completions (", "train.micro_batch_completions_per_rank "
+                    "(now 8)", "train.max_tokens_per_micro_batch", "model.gradient_checkpointing=true",
+                    "train.strategy=fsdp2", "model.lora.rank"],
+        "optimizer": ["step 1, optimizer step", "train.strategy=fsdp2"],
+        "evaluation": ["step 0, evaluation", "train.eval_batch_prompts (now 8", "rollout.max_new_tokens (now 5)"],
+    }[phase]
+    for part in expected:
+        assert part in message, (part, message)
+    if phase != "sampling":
+        return
+    # The CLI prints it as one line and exits 2, as any other error the user can fix.
+    from vlrft.config import save_config
+
+    config_file = save_config(config(tmp_path / "cli", tiny_vlm_dir("qwen2_vl"), shapes, *overrides[:3]),
+                              tmp_path / "cli")
+    capsys.readouterr()
+    assert main(["train", str(config_file)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the loading bars
+    assert len(errors) == 1 and errors[0].startswith("vlrft train: error: step 1, sampling") and \
+        "ran out of memory" in errors[0], errors

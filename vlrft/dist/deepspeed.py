@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.models import precision
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel, collective_timeout)
 from vlrft.errors import UserError
+from vlrft.models import precision
 
 CHECKPOINT_DIR = "deepspeed"  # inside a vlrft checkpoint folder: one DeepSpeed checkpoint per trained part
 TAG = "state"  # the DeepSpeed checkpoint tag (one per vlrft checkpoint folder)

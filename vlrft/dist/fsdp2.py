@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.models import precision
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
+from vlrft.models import precision
 
 SHARDED_DIR = "sharded"
 

@@ -332,6 +332,9 @@ class RewardSet:
                     what = f"failed on sample {idx[exc.index]} (step {step}): {text}"
                 elif isinstance(exc, UserError):  # its message already says what to fix
                     what = f"failed on {_describe(idx)} (step {step}): {text}"
+                elif type(exc).__name__ == "OutOfMemoryError":  # torch's, e.g. a reward model's batch on a GPU
+                    what = (f"ran out of device memory on {_describe(idx)} (step {step}): {text}; lower its batch "
+                            "size (the built-in reward_model: kwargs batch_size and max_length)")
                 else:
                     what = (f"raised {type(exc).__name__}: {text} (on {_describe(idx)}, step {step}); fix the function "
                             "or set reward.on_error=none to count failures as not applicable")

@@ -21,6 +21,7 @@ from vlrft.dist.strategy import Strategy
 from vlrft.errors import UserError
 from vlrft.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from vlrft.trainer.experience import Timer, no_timer
+from vlrft.trainer.out_of_memory import explain_out_of_memory
 
 if TYPE_CHECKING:  # the reward package loads its built-ins (and their dependencies) when imported
     from vlrft.rewards import RewardSet
@@ -59,6 +60,7 @@ class CollectDeps:
     rewards: RewardSet
     strategy: Strategy  # all_reduce: every rank runs the same number of rounds
     timer: Timer = no_timer
+    sampling_memory_fixes: tuple[str, ...] = ()  # options that lower sampling's memory, named if the device runs out
 
 
 def shape_rewards(total: torch.Tensor, rollouts: Rollouts, algo: AlgorithmConfig, rollout: RolloutConfig
@@ -107,7 +109,9 @@ def collect(deps: CollectDeps, step: int) -> Collected:
         encoded = deps.encoder.encode([deps.samples[i] for i in indices])
         skipped += len(encoded.skipped)
         batch = encoded.batch
-        with deps.timer("time/generate"):
+        sampling = explain_out_of_memory(f"step {step}, sampling completions (rollout.engine={deps.rollout.engine})",
+                                         deps.sampling_memory_fixes)
+        with deps.timer("time/generate"), sampling:
             # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
             rollouts = deps.engine.generate(batch, deps.sampling)
         if len(batch) == 0:

@@ -20,10 +20,10 @@ import torch
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
-from vlrft.models import precision
 from vlrft.dist.strategy import ModelSource, Strategy, TrainedModel, make_strategy
 from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
+from vlrft.models import precision
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
@@ -38,6 +38,7 @@ from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.micro_batches import share_every_forward
+from vlrft.trainer.out_of_memory import explain_out_of_memory, sampling_fixes, training_fixes
 from vlrft.trainer.update import UpdateDeps, skips_zero_advantage_rows, update
 
 
@@ -316,7 +317,8 @@ class Trainer:
     def _collect_deps(self) -> CollectDeps:
         return CollectDeps(algo=self.cfg.algorithm, rollout=self.cfg.rollout, prompts_per_rank=self.prompts_per_rank,
                            samples=self.train_samples, sampler=self.sampler, encoder=self.encoder, engine=self.engine,
-                           sampling=self.sampling, rewards=self.rewards, strategy=self.strategy, timer=self.timer)
+                           sampling=self.sampling, rewards=self.rewards, strategy=self.strategy, timer=self.timer,
+                           sampling_memory_fixes=tuple(sampling_fixes(self.cfg, self.strategy.world_size)))
 
     def _experience_deps(self) -> ExperienceDeps:
         return ExperienceDeps(algo=self.cfg.algorithm, group_size=self.cfg.rollout.n, batching=self._batching(),
@@ -334,13 +336,18 @@ class Trainer:
                           max_grad_norm=self.cfg.train.max_grad_norm, max_new_tokens=self.cfg.rollout.max_new_tokens,
                           temperature=self.train_temperature, kl_coef=self.kl_controller.value, step=step,
                           lr=self.cfg.train.lr, critic=self.critic_wrapped, message=self.message,
-                          skip_zero_advantage_rows=self.cfg.train.skip_zero_advantage_rows)
+                          skip_zero_advantage_rows=self.cfg.train.skip_zero_advantage_rows,
+                          memory_fixes=tuple(training_fixes(self.cfg)))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy/pass@k/reward at `step` (see `vlrft.trainer.evaluate`)."""
         cfg = self.cfg
         sampling = SamplingParams.from_config(cfg.rollout, n=cfg.train.eval_n, temperature=cfg.train.eval_temperature)
-        with self.engine_awake():  # as for rollouts: a colocated engine's memory only beside offloaded state
+        batch_fix = (f"lower train.eval_batch_prompts (now {cfg.train.eval_batch_prompts}, each sampled "
+                     f"train.eval_n={cfg.train.eval_n} times)")
+        out_of_memory = explain_out_of_memory(f"step {step}, evaluation",
+                                              sampling_fixes(cfg, self.strategy.world_size, batch_fix))
+        with self.engine_awake(), out_of_memory:  # as for rollouts: a colocated engine's memory only beside offloaded state
             return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
                                      world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
                                      sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts,
@@ -373,7 +380,8 @@ class Trainer:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
             collected.rewards = self.reward_moments.normalize(collected.rewards)
         # 3. Experience: old/ref logprobs and values under the weights that sampled, then advantages.
-        experience = make_experience(self._experience_deps(), collected)
+        with explain_out_of_memory(f"step {step}, old/reference logprobs and values", training_fixes(self.cfg)):
+            experience = make_experience(self._experience_deps(), collected)
         # 4. Update: PPO epochs over mini-batches; each optimizer step agrees across ranks.
         with self.timer("time/train"):
             loss_stats, skipped = update(self._update_deps(step), collected, experience)

@@ -20,6 +20,7 @@ from vlrft.config import AlgorithmConfig
 from vlrft.dist.strategy import Strategy, TrainedModel
 from vlrft.errors import UserError
 from vlrft.trainer.experience import Batching, Experience, plan_micro_batches, sequences_for
+from vlrft.trainer.out_of_memory import explain_out_of_memory
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class UpdateDeps:
     critic: torch.nn.Module | None = None  # the wrapped critic (PPO), else None
     message: Callable[[str], None] = print
     skip_zero_advantage_rows: bool = True  # train.skip_zero_advantage_rows (applies where the loss allows it)
+    memory_fixes: tuple[str, ...] = ()  # options that lower the update's memory, named if the device runs out
 
 
 def _slice(t: torch.Tensor | None, rows: list[int], width: int, device) -> torch.Tensor | None:
@@ -76,7 +78,9 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                 seqs = sequences_for(batching, collected, rows)
                 width = seqs.completion_width
                 sync = contextlib.nullcontext() if i == len(micro) - 1 else strategy.no_sync(deps.policy)
-                with sync:
+                where = (f"step {deps.step}, training forward/backward of {len(rows)} completions "
+                         f"({seqs.prompt_width} prompt + {width} completion positions per row)")
+                with sync, explain_out_of_memory(where, deps.memory_fixes):
                     with batching.autocast():
                         out = deps.policy(seqs, deps.temperature)
                     mask = _slice(exp.mask, rows, width, device)
@@ -99,7 +103,8 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                                                                 weight)
                     if not planned.filler:
                         stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
-            skipped += _optimizer_step(deps, nonfinite, stats)
+            with explain_out_of_memory(f"step {deps.step}, optimizer step", deps.memory_fixes):
+                skipped += _optimizer_step(deps, nonfinite, stats)
     return stats, skipped
 
 
