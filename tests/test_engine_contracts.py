@@ -14,8 +14,13 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import json
 import math
+import os
+import subprocess
+import sys
 import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +34,7 @@ from vlrft.rollout.colocate import RankLayout
 from vlrft.rollout.hf import TokenSpec
 from vlrft.rollout.requests import pixel_bounds, sglang_requests, vllm_requests
 
+REPO = Path(__file__).resolve().parents[1]
 ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 TOKENS = TokenSpec(pad_id=0, eos_ids=(2, 9), image_token_id=6, video_token_id=7, suppressed_ids=(6, 7, 3))
 SAMPLED = SamplingParams(n=4, max_new_tokens=33, min_new_tokens=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
@@ -253,6 +259,27 @@ def test_vllm_processor_expands_our_folded_prompts_to_exactly_our_ids(arch, vllm
         out = mm_processor.apply(inputs, TimingContext())
         assert out["prompt_token_ids"] == request.prompt_ids, request.name  # one tokenization, token for token
         assert len(payload["prompt_token_ids"]) < len(request.prompt_ids)  # it really was folded and re-expanded
+
+
+@pytest.mark.slow
+def test_vllm_model_classes_load_every_weight_our_sync_sends(vllm, tiny_vlm_dir, tmp_path):
+    """vLLM's own Qwen2/2.5/3-VL classes, built on CPU with every parameter NaN, take our weight-sync buckets
+    (checkpoint names, LoRA merged) through their `load_weights`: every parameter reported loaded and fully
+    written, and what they hold sums to what we sent. A name vLLM does not map, or a weight we do not send,
+    would leave an engine sampling from stale weights on a GPU."""
+    dirs = [str(tiny_vlm_dir(arch)) for arch in ARCHES]
+    out = tmp_path / "loaded.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_load_worker.py"), str(out), *dirs],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    results = json.loads(out.read_text())
+    assert len(results) == 2 * len(dirs)
+    for key, result in results.items():
+        assert result["params"] and result["loaded"] == result["params"], (key, set(result["params"]) - set(result["loaded"]))
+        assert result["still_nan"] == [], key
+        assert result["engine_sum"] == pytest.approx(result["sent_sum"], rel=1e-9, abs=1e-6), key
+    for folder in dirs:  # the LoRA variant sent merged weights (its B matrices are non-zero), not the base ones
+        assert results[f"{folder}|lora"]["sent_sum"] != pytest.approx(results[f"{folder}|full"]["sent_sum"], rel=1e-6)
 
 
 # ============================================================================================== SGLang

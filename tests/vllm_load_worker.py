@@ -1,0 +1,103 @@
+"""Run by tests/test_engine_contracts.py where vLLM is installed: vLLM's own model classes load what vlrft's weight
+sync sends them.
+
+`python tests/vllm_load_worker.py OUT MODEL_DIR...`: for each tiny model folder, builds the model class vLLM picks
+for it, on CPU (vLLM's config objects, its model-parallel state over a one-process gloo group), sets every
+parameter to NaN, then streams vlrft's `PolicyWeights` buckets through the model's own `load_weights`, as
+`VLLMEngine` does on a GPU; once for the plain policy and once for a LoRA-wrapped one (merged on the way). OUT gets,
+per folder and variant: the parameters vLLM has, those `load_weights` reports loaded, those still holding a NaN,
+and the sums of what was sent and of what vLLM holds. A separate process: vLLM's process group and global config
+must not leak into the other tests.
+"""
+
+import json
+import os
+import socket
+import sys
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PLACEHOLDERS = []
+
+
+def placeholder_for_missing_kernels() -> None:
+    """vLLM's CPU build registers the kernel `torch.ops._C.gelu_quick`; the registry's CUDA wheel on a machine without
+    a GPU registers no `_C` kernels. Qwen2-VL's vision MLP looks that kernel up when it is built, and runs it only in
+    forward, which nothing here calls: where it is missing, a placeholder that refuses to run is registered."""
+    if hasattr(torch.ops._C, "gelu_quick"):
+        return
+    library = torch.library.Library("_C", "FRAGMENT")
+    library.define("gelu_quick(Tensor(a!) out, Tensor input) -> ()")
+
+    def refuse(out, x):
+        raise RuntimeError("placeholder for vLLM's gelu_quick kernel (tests/vllm_load_worker.py): not a kernel")
+
+    library.impl("gelu_quick", refuse, "CompositeExplicitAutograd")
+    _PLACEHOLDERS.append(library)  # the registration lives as long as the Library object
+
+
+def load_into_vllm(model_dir: str, lora: bool) -> dict:
+    from vllm.config import LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from vlrft.models.actor import apply_lora
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.weights import PolicyWeights
+
+    config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32", enforce_eager=True),
+                        load_config=LoadConfig(load_format="dummy"))
+    with set_current_vllm_config(config):
+        if not model_parallel_is_initialized():
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            ensure_model_parallel_initialized(1, 1)
+        with torch.device("cpu"):
+            engine_model = initialize_model(vllm_config=config)
+        with torch.no_grad():
+            for param in engine_model.parameters():
+                param.fill_(float("nan"))
+        policy = load_policy(model_dir, dtype="float32", device="cpu")
+        base_sum = float(sum(t.double().sum() for t in policy.state_dict().values()))
+        if lora:
+            policy = apply_lora(policy, rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+            torch.manual_seed(0)
+            with torch.no_grad():  # PEFT starts B at zero; non-zero, the merged weights differ from the base ones
+                for name, param in policy.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.05)
+        sent = [pair for bucket in PolicyWeights(policy, torch.float32).buckets(1 << 16, "cpu") for pair in bucket]
+        loaded = engine_model.load_weights(iter(sent))
+        params = dict(engine_model.named_parameters())
+        return {
+            "architecture": type(engine_model).__name__,
+            "params": sorted(params),
+            "loaded": sorted(loaded),
+            "still_nan": sorted(name for name, p in params.items() if torch.isnan(p).any()),
+            "base_sum": base_sum,
+            "sent_sum": float(sum(t.double().sum() for _, t in sent)),
+            "engine_sum": float(sum(p.double().sum() for p in params.values())),
+            "sent": len(sent),
+        }
+
+
+def main() -> None:
+    out, model_dirs = sys.argv[1], sys.argv[2:]
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # vLLM's CPU platform: its config and model classes build on CPU
+    placeholder_for_missing_kernels()
+    results = {f"{d}|{'lora' if lora else 'full'}": load_into_vllm(d, lora) for d in model_dirs for lora in (False, True)}
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
