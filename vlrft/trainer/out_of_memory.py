@@ -52,8 +52,8 @@ def sampling_fixes(cfg: Config, world_size: int, batch_fix: str | None = None) -
         else:
             fixes.append("or use rollout.engine=vllm (a paged KV cache)")
         return fixes
-    fixes = [f"lower rollout.gpu_memory_utilization (now {r.gpu_memory_utilization}) so the trainer's state fits "
-             f"beside the engine's KV cache, or raise it if the engine itself is short of KV cache"]
+    fixes = [f"lower rollout.gpu_memory_utilization (now {r.gpu_memory_utilization}): the engine's share of the GPU; "
+             "the trainer's state needs the rest"]
     if not r.sleep_between_steps:
         fixes.append("set rollout.sleep_between_steps=true (the engine frees its memory while the trainer trains)")
     return [batch_fix, *fixes] if batch_fix else fixes
