@@ -5,7 +5,7 @@
 #     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)
 #     OUT=/tmp/out SIZE=1.5b GRAPHS=1 bash tools/gpu_checks.sh   # a larger model; also with CUDA graphs
 #
-# 1. imports and the GPU; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast; the
+# 1. imports and the GPU, then `vlrft env`; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast; the
 # engine GPU tests skip without vLLM/SGLang); 3. the hf engine's decode rates on a 0.5B-shaped random
 # model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py);
 # 4. training MFU, rollout tokens/s and peak memory beside the plan for a random Qwen2.5-VL of
@@ -38,6 +38,7 @@ missing = [m for m in ("vlrft", "yaml", "safetensors", "tokenizers", "PIL", "ten
 print("missing modules:", missing or "none")
 import vlrft.trainer  # the package imports with this machine torch and transformers
 '
+step stack 120 python -m vlrft env  # versions, GPUs, NCCL, and any requirement the installed versions break
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "no CUDA device visible: nothing more to check here"
     exit 1
