@@ -115,6 +115,19 @@ def test_the_hf_engine_counts_the_whole_weights_it_samples_from():
     assert held.phases == ("rollout",)  # given back before training
 
 
+def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision():
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    hw, cfg = Hardware(), load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
+    rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
+    tokens = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    per_token = 2 * shape.text.num_layers * shape.text.kv_dim
+    lean = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2")).component("engine_kv_cache")
+    layers = plan_memory(replace(cfg, rollout=replace(cfg.rollout, lean_decode=False)), shape, hw,
+                         StrategyChoice("fsdp2")).component("engine_kv_cache")
+    float32 = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", mixed_precision=False)).component("engine_kv_cache")
+    assert (lean, layers, float32) == (2 * per_token * tokens, 4 * per_token * tokens, 4 * per_token * tokens)
+
+
 def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     cfg = load_config(CONFIG_7B, validate=False)

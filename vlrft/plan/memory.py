@@ -314,9 +314,12 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     kv_avail = kv_needed = None
     if r.engine == "hf":
         rows = (cfg.prompts_per_step // world) * r.n
-        kv = rows * seq_len * kv_bytes_per_token(shape, 4)
+        # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
+        # keys in float32 (values bf16), so those count as float32.
+        kv_dtype = ("bf16", 2) if hi == 2 and r.lean_decode else ("float32", 4)
+        kv = rows * seq_len * kv_bytes_per_token(shape, kv_dtype[1])
         comps.append(Component("engine_kv_cache", kv, rollout,
-                               f"hf engine: float32 KV cache of the rank's {rows} rollouts x {seq_len} tokens"))
+                               f"hf engine: {kv_dtype[0]} KV cache of the rank's {rows} rollouts x {seq_len} tokens"))
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
