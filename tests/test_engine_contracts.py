@@ -261,15 +261,11 @@ def test_vllm_processor_expands_our_folded_prompts_to_exactly_our_ids(arch, vllm
         assert len(payload["prompt_token_ids"]) < len(request.prompt_ids)  # it really was folded and re-expanded
 
 
-@pytest.mark.slow
-def test_vllm_model_classes_load_every_weight_our_sync_sends(vllm, tiny_vlm_dir, tmp_path):
-    """vLLM's own Qwen2/2.5/3-VL classes, built on CPU with every parameter NaN, take our weight-sync buckets
-    (checkpoint names, LoRA merged) through their `load_weights`: every parameter reported loaded and fully
-    written, and what they hold sums to what we sent. A name vLLM does not map, or a weight we do not send,
-    would leave an engine sampling from stale weights on a GPU."""
-    dirs = [str(tiny_vlm_dir(arch)) for arch in ARCHES]
-    out = tmp_path / "loaded.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_load_worker.py"), str(out), *dirs],
+def assert_engine_loads_every_weight(worker: str, dirs: list[str], out) -> None:
+    """Run tests/WORKER (the engine's own model classes built on CPU with NaN parameters, our weight-sync buckets
+    through their `load_weights`) and check: every parameter loaded and fully written, the sums equal to what was
+    sent, and the LoRA variant's merged weights sent (not the base ones)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / worker), str(out), *dirs],
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-8000:]
     results = json.loads(out.read_text())
@@ -280,6 +276,16 @@ def test_vllm_model_classes_load_every_weight_our_sync_sends(vllm, tiny_vlm_dir,
         assert result["engine_sum"] == pytest.approx(result["sent_sum"], rel=1e-9, abs=1e-6), key
     for folder in dirs:  # the LoRA variant sent merged weights (its B matrices are non-zero), not the base ones
         assert results[f"{folder}|lora"]["sent_sum"] != pytest.approx(results[f"{folder}|full"]["sent_sum"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_vllm_model_classes_load_every_weight_our_sync_sends(vllm, tiny_vlm_dir, tmp_path):
+    """vLLM's own Qwen2/2.5/3-VL classes, built on CPU with every parameter NaN, take our weight-sync buckets
+    (checkpoint names, LoRA merged) through their `load_weights`: every parameter reported loaded and fully
+    written, and what they hold sums to what we sent. A name vLLM does not map, or a weight we do not send,
+    would leave an engine sampling from stale weights on a GPU."""
+    assert_engine_loads_every_weight("vllm_load_worker.py", [str(tiny_vlm_dir(arch)) for arch in ARCHES],
+                                     tmp_path / "loaded.json")
 
 
 # ============================================================================================== SGLang
@@ -396,3 +402,12 @@ def test_sglang_output_fields_we_read(sglang):
     from sglang.srt.multimodal.processors import base_processor
 
     assert '"processor_output"' in inspect.getsource(base_processor)  # the media format our requests use
+
+
+@pytest.mark.slow
+def test_sglang_model_classes_load_every_weight_our_sync_sends(sglang, tiny_vlm_dir, tmp_path):
+    """SGLang's own Qwen2/2.5/3-VL classes, built on CPU as its scheduler builds them (with the config overrides
+    `SGLangEngine` passes), take our weight-sync buckets through their `load_weights`: SGLang skips names it does not
+    know, so only the NaN check shows a parameter left at its old value."""
+    assert_engine_loads_every_weight("sglang_load_worker.py", [str(tiny_vlm_dir(arch)) for arch in ARCHES],
+                                     tmp_path / "loaded.json")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -319,6 +320,22 @@ def test_engines_get_the_trainers_pixel_bounds(tiny_processor):
         {"max_pixels": 1}  # the user's engine_kwargs win
     sglang = sglang_engine_kwargs(Config(), RankLayout(0, 1, 1), gpu_id=0, pixels=bounds)
     assert sglang["mm_process_config"]["image"] == bounds["image"]
+
+
+def test_sglang_is_told_the_qwen2_vl_in_chans_a_transformers_5_folder_lacks(tiny_vlm_dir, tmp_path):
+    # SGLang's Qwen2-VL reads vision_config.in_chans; transformers 5 saves only in_channels (vlrft checkpoints too).
+    cfg = Config()
+    cfg.model.path = str(tiny_vlm_dir("qwen2_vl"))
+    kwargs = sglang_engine_kwargs(cfg, RankLayout(0, 1, 1), gpu_id=0)
+    in_channels = json.loads((Path(cfg.model.path) / "config.json").read_text())["vision_config"]["in_channels"]
+    assert json.loads(kwargs["json_model_override_args"]) == {"vision_config": {"in_chans": in_channels}}
+    cfg.model.path = str(tiny_vlm_dir("qwen2_5_vl"))  # Qwen2.5-VL's SGLang class reads in_channels: nothing to add
+    assert "json_model_override_args" not in sglang_engine_kwargs(cfg, RankLayout(0, 1, 1), gpu_id=0)
+    cfg.model.path = "Qwen/Qwen2-VL-7B-Instruct"  # a Hub id: its config.json has both names
+    assert "json_model_override_args" not in sglang_engine_kwargs(cfg, RankLayout(0, 1, 1), gpu_id=0)
+    cfg.model.path = str(tiny_vlm_dir("qwen2_vl"))
+    cfg.rollout.engine_kwargs = {"json_model_override_args": "{}"}  # the user's own overrides win
+    assert sglang_engine_kwargs(cfg, RankLayout(0, 1, 1), gpu_id=0)["json_model_override_args"] == "{}"
 
 
 # ---------------------------------------------------------------------------------------------- tensor parallel

@@ -68,8 +68,8 @@ def load_into_vllm(model_dir: str, lora: bool) -> dict:
         policy = load_policy(model_dir, dtype="float32", device="cpu")
         base_sum = float(sum(t.double().sum() for t in policy.state_dict().values()))
         if lora:
-            policy = apply_lora(policy, rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
             torch.manual_seed(0)
+            policy = apply_lora(policy, rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
             with torch.no_grad():  # PEFT starts B at zero; non-zero, the merged weights differ from the base ones
                 for name, param in policy.named_parameters():
                     if "lora_B" in name:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlrft.dist.hf_export import is_peft_model, save_policy_streamed
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel, collective_timeout)
 from vlrft.errors import UserError
@@ -275,6 +276,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             engine = self._engine_of(part.module)
             engine.save_checkpoint(str(folder / CHECKPOINT_DIR / name), tag=TAG, save_latest=False)
         policy = self._engine_of(parts["policy"].module)
+        if _is_zero3(policy) and not is_peft_model(hf_model):  # one bucket at a time on rank 0
+            save_policy_streamed(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+            return
         state = self._full_state_dict(hf_model) if _is_zero3(policy) else None
         if self.is_main:
             hf_model.save_pretrained(folder / "model", state_dict=state, safe_serialization=True)

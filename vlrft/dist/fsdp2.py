@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlrft.dist.hf_export import is_peft_model, save_policy_streamed
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 from vlrft.models import precision
 
@@ -254,8 +255,11 @@ class FSDP2Strategy(ProcessGroupStrategy):
             model_state, optim_state = get_state_dict(part.module, part.optimizer)
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
+        if not is_peft_model(hf_model):  # one bucket at a time on rank 0, never the whole model
+            save_policy_streamed(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+            return
         full = get_model_state_dict(hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.is_main:
+        if self.is_main:  # PEFT's save_pretrained keeps the adapter's weights (small) of the full state dict
             from vlrft.rollout.weights import tied_weight_names
 
             for name in tied_weight_names(hf_model):

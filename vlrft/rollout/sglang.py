@@ -28,6 +28,8 @@ SGLang docs, "Query VLM with Offline Engine" (processor_output inputs with input
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +70,23 @@ def sglang_sampling_params(sampling: SamplingParams, tokens: "TokenSpec") -> dic
     return params
 
 
+def config_overrides(model_path: str | Path) -> dict[str, Any]:
+    """What SGLang must be told about a checkpoint that its config.json does not say as SGLang reads it.
+
+    SGLang's Qwen2-VL reads the vision tower's `in_chans`, which the Hub's Qwen2-VL config.json carries beside
+    `in_channels`; transformers 5 writes only `in_channels`, so a Qwen2-VL folder it saved (a vlrft checkpoint's
+    `model/`, a tiny test model) would stop SGLang when it builds the model. A model on the Hub is left alone.
+    """
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    vision = config.get("vision_config") or {}
+    if config.get("model_type") == "qwen2_vl" and "in_chans" not in vision and "in_channels" in vision:
+        return {"vision_config": {"in_chans": vision["in_channels"]}}
+    return {}
+
+
 def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
                          pixels: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
     """Keyword arguments of `sglang.Engine` for a group leader on GPU `gpu_id`.
@@ -91,6 +110,9 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
     )
     if pixels:
         kwargs["mm_process_config"] = {kind: dict(bounds) for kind, bounds in pixels.items()}
+    overrides = config_overrides(cfg.model.path)
+    if overrides:  # rollout.engine_kwargs.json_model_override_args, if given, replaces this
+        kwargs["json_model_override_args"] = json.dumps(overrides)
     kwargs.update(r.engine_kwargs)
     return kwargs
 

@@ -138,10 +138,11 @@ class _Entry:
 class PolicyWeights:
     """Iterates the policy's current weights in checkpoint names, LoRA merged, tied weights once.
 
-    The name map is computed once; `buckets()` re-reads the live parameters every call.
+    The name map is computed once; `buckets()` re-reads the live parameters every call. `dtype`: what
+    floating-point tensors are cast to (the engine's); None keeps each tensor's own (a checkpoint).
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype,
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None,
                  gather: Callable[[list[torch.Tensor]], ContextManager] | None = None):
         self.model = policy_module(model)
         self.dtype = dtype
@@ -163,8 +164,8 @@ class PolicyWeights:
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
             _Entry(names[name], plain[name], producers[name],
-                   _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if plain[name].is_floating_point()
-                                          else plain[name].element_size()))
+                   _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if dtype is not None and
+                                          plain[name].is_floating_point() else plain[name].element_size()))
             for name in plain
         ]
 
@@ -180,7 +181,7 @@ class PolicyWeights:
         tensor = entry.produce()
         if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
             tensor = tensor.full_tensor()
-        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=device, dtype=dtype).contiguous()
 
     @torch.no_grad()

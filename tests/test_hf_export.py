@@ -1,0 +1,49 @@
+"""The streamed Hugging Face export of a sharded policy (`vlrft.dist.hf_export`) is what `save_pretrained` writes."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlrft.dist.hf_export import INDEX, save_policy_streamed
+from vlrft.models.loading import load_policy, load_processor
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_streamed_export_holds_what_save_pretrained_writes_in_several_shard_files(tmp_path, tiny_vlm_dir, arch):
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_vlm_dir(arch)
+    model, processor = load_policy(folder, dtype="float32"), load_processor(folder)
+    with torch.no_grad():  # weights that differ from the loaded checkpoint's
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    model.save_pretrained(tmp_path / "reference", safe_serialization=True)
+    save_policy_streamed(model, processor, tmp_path / "streamed", is_main=True,
+                         gather=lambda params: contextlib.nullcontext(), shard_bytes=1 << 16)
+
+    reference, streamed = _tensors(tmp_path / "reference"), _tensors(tmp_path / "streamed")
+    assert streamed.keys() == reference.keys()
+    assert all(torch.equal(streamed[k], reference[k]) for k in reference)
+    index = json.loads((tmp_path / "streamed" / INDEX).read_text())
+    shards = sorted(p.name for p in (tmp_path / "streamed").glob("*.safetensors"))
+    assert len(shards) > 3 and sorted(set(index["weight_map"].values())) == shards
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in streamed.values())
+    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    assert config == json.loads((tmp_path / "reference" / "config.json").read_text())
+
+    loaded, info = AutoModelForImageTextToText.from_pretrained(tmp_path / "streamed", output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    expected = model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
+    assert (tmp_path / "streamed" / "preprocessor_config.json").is_file() or \
+        (tmp_path / "streamed" / "processor_config.json").is_file()

@@ -1,0 +1,69 @@
+"""The policy in Hugging Face format from sharded weights (FSDP2, ZeRO-3), written one shard file at a time.
+
+`save_pretrained` wants the whole state dict in one process: for a sharded 72B policy that is 288 GB of
+float32 in rank 0's host memory at every checkpoint. Here every rank walks `PolicyWeights.buckets` in
+lock-step (each bucket gathered collectively) and rank 0 writes each bucket as one safetensors file as it
+arrives, then the index, the config and the processor: rank 0 holds one bucket (`SHARD_BYTES`) at a time.
+Names are those `save_pretrained` writes (`PolicyWeights`: transformers' reversion of its in-memory names,
+tied weights once), dtypes the weights' own, so `from_pretrained` reads the folder as it reads one
+`save_pretrained` wrote. A LoRA policy saves its adapter with PEFT's `save_pretrained` instead (small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import ContextManager
+
+import torch
+from torch import nn
+
+SHARD_BYTES = 2 << 30  # the largest shard file (a bigger tensor goes alone), as save_pretrained's max_shard_size
+INDEX = "model.safetensors.index.json"
+
+
+def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
+                         gather: Callable[[Sequence[torch.Tensor]], ContextManager],
+                         shard_bytes: int = SHARD_BYTES) -> None:
+    """Write `hf_model` (sharded or not) into `folder` as `save_pretrained` would; every rank calls this together."""
+    from safetensors.torch import save_file
+
+    from vlrft.rollout.weights import PolicyWeights
+
+    folder = Path(folder)
+    if is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    total, dtype = 0, None
+    for i, bucket in enumerate(PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu")):
+        if not is_main:
+            continue  # the other ranks only take part in the gathers
+        part = folder / f"part-{i:05d}.safetensors"
+        save_file({name: tensor for name, tensor in bucket}, str(part), metadata={"format": "pt"})
+        parts.append((part, [name for name, _ in bucket]))
+        total += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        dtype = dtype or next((t.dtype for _, t in bucket if t.is_floating_point()), None)
+    if not is_main:
+        return
+    weight_map = {}
+    for i, (part, names) in enumerate(parts):
+        final = "model.safetensors" if len(parts) == 1 else f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+        os.replace(part, folder / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(parts) > 1:
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                               indent=2, sort_keys=True))
+    config = hf_model.config
+    config.architectures = [type(hf_model).__name__]
+    if dtype is not None:
+        config.dtype = dtype  # as save_pretrained records the weights' dtype
+    config.save_pretrained(folder)
+    if getattr(hf_model, "generation_config", None) is not None and hf_model.can_generate():
+        hf_model.generation_config.save_pretrained(folder)
+    processor.save_pretrained(folder)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
