@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import is_peft_model, save_policy_streamed
+from vlrft.dist.hf_export import is_peft_model, save_adapter_gathered, save_policy_streamed
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel, collective_timeout)
 from vlrft.errors import UserError
@@ -276,33 +276,13 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             engine = self._engine_of(part.module)
             engine.save_checkpoint(str(folder / CHECKPOINT_DIR / name), tag=TAG, save_latest=False)
         policy = self._engine_of(parts["policy"].module)
-        if _is_zero3(policy) and not is_peft_model(hf_model):  # one bucket at a time on rank 0
-            save_policy_streamed(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+        if _is_zero3(policy):  # rank 0 never holds the whole model: one shard file at a time, or only the adapter
+            save = save_adapter_gathered if is_peft_model(hf_model) else save_policy_streamed
+            save(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
             return
-        state = self._full_state_dict(hf_model) if _is_zero3(policy) else None
-        if self.is_main:
-            hf_model.save_pretrained(folder / "model", state_dict=state, safe_serialization=True)
+        if self.is_main:  # ZeRO-2: every rank holds the whole weights
+            hf_model.save_pretrained(folder / "model", safe_serialization=True)
             processor.save_pretrained(folder / "model")
-
-    def _full_state_dict(self, hf_model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """ZeRO-3: `hf_model`'s whole state dict on rank 0, gathered module by module (None on other ranks)."""
-        from vlrft.rollout.weights import tied_weight_names
-
-        out: dict[str, torch.Tensor] = {}
-        for module_name, module in hf_model.named_modules():
-            with self.ds.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=None):
-                if self.is_main:
-                    prefix = f"{module_name}." if module_name else ""
-                    own = [*module.named_parameters(recurse=False),
-                           *((name, b) for name, b in module.named_buffers(recurse=False)
-                             if name not in module._non_persistent_buffers_set)]
-                    for key, tensor in own:
-                        out[prefix + key] = tensor.detach().cpu().clone()
-        if not self.is_main:
-            return None
-        for name in tied_weight_names(hf_model):
-            out.pop(name, None)  # saved once, under the name it is tied to
-        return out
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore weights and optimizer state; another number of processes goes through the universal format."""

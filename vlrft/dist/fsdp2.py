@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import is_peft_model, save_policy_streamed
+from vlrft.dist.hf_export import is_peft_model, save_adapter_gathered, save_policy_streamed
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 from vlrft.models import precision
 
@@ -248,24 +248,16 @@ class FSDP2Strategy(ProcessGroupStrategy):
     def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
         """`sharded/` (DCP: every rank's shards of every part and its optimizer) and `model/` (HF format)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = {}
         for name, part in parts.items():
             model_state, optim_state = get_state_dict(part.module, part.optimizer)
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
-        if not is_peft_model(hf_model):  # one bucket at a time on rank 0, never the whole model
-            save_policy_streamed(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
-            return
-        full = get_model_state_dict(hf_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.is_main:  # PEFT's save_pretrained keeps the adapter's weights (small) of the full state dict
-            from vlrft.rollout.weights import tied_weight_names
-
-            for name in tied_weight_names(hf_model):
-                full.pop(name, None)  # saved once, under the name it is tied to
-            hf_model.save_pretrained(folder / "model", state_dict=full, safe_serialization=True)
-            processor.save_pretrained(folder / "model")
+        # Rank 0 never holds the whole model: the policy one shard file at a time, or only a LoRA policy's adapter.
+        save = save_adapter_gathered if is_peft_model(hf_model) else save_policy_streamed
+        save(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Read `sharded/` into this run's shards, whatever number of processes wrote it."""

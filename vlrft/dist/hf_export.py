@@ -6,7 +6,7 @@ lock-step (each bucket gathered collectively) and rank 0 writes each bucket as o
 arrives, then the index, the config and the processor: rank 0 holds one bucket (`SHARD_BYTES`) at a time.
 Names are those `save_pretrained` writes (`PolicyWeights`: transformers' reversion of its in-memory names,
 tied weights once), dtypes the weights' own, so `from_pretrained` reads the folder as it reads one
-`save_pretrained` wrote. A LoRA policy saves its adapter with PEFT's `save_pretrained` instead (small).
+`save_pretrained` wrote. A LoRA policy gathers only its adapter and saves it with PEFT's `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -67,3 +67,17 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
 
 def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config")
+
+
+def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
+                          gather: Callable[[Sequence[torch.Tensor]], ContextManager]) -> None:
+    """A LoRA policy: only what PEFT's `save_pretrained` keeps (`lora_*` tensors, `modules_to_save` copies) is
+    gathered, on every rank together; rank 0 hands it to PEFT. The frozen base weights are never gathered."""
+    kept = {name: tensor for name, tensor in hf_model.state_dict(keep_vars=True).items()
+            if "lora_" in name or ".modules_to_save." in name}
+    with gather(list(kept.values())):
+        whole = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu").clone()
+                 for name, t in kept.items()}
+    if is_main:
+        hf_model.save_pretrained(folder, state_dict=whole, safe_serialization=True)
+        processor.save_pretrained(folder)
