@@ -27,9 +27,11 @@ def test_streamed_export_holds_what_save_pretrained_writes_in_several_shard_file
     with torch.no_grad():  # weights that differ from the loaded checkpoint's
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    model.save_pretrained(tmp_path / "reference", safe_serialization=True)
+    # The export first: save_pretrained records dtype and architectures in the model's config object, which the
+    # export must write by itself.
     save_policy_streamed(model, processor, tmp_path / "streamed", is_main=True,
                          gather=lambda params: contextlib.nullcontext(), shard_bytes=1 << 16)
+    model.save_pretrained(tmp_path / "reference", safe_serialization=True)
 
     reference, streamed = _tensors(tmp_path / "reference"), _tensors(tmp_path / "streamed")
     assert streamed.keys() == reference.keys()

@@ -125,7 +125,10 @@ def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision
     layers = plan_memory(replace(cfg, rollout=replace(cfg.rollout, lean_decode=False)), shape, hw,
                          StrategyChoice("fsdp2")).component("engine_kv_cache")
     float32 = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", mixed_precision=False)).component("engine_kv_cache")
-    assert (lean, layers, float32) == (2 * per_token * tokens, 4 * per_token * tokens, 4 * per_token * tokens)
+    lora = plan_memory(replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=8))), shape, hw,
+                       StrategyChoice("fsdp2")).component("engine_kv_cache")  # LoRA layers: no lean step
+    assert (lean, layers, float32, lora) == (2 * per_token * tokens, 4 * per_token * tokens, 4 * per_token * tokens,
+                                             4 * per_token * tokens)
 
 
 def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():

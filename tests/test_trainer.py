@@ -363,7 +363,7 @@ def _injected_out_of_memory(*args, **kwargs):
                                  "79.10 GiB of which 3.12 GiB is free.")
 
 
-@pytest.mark.parametrize("phase", ["sampling", "forward", "optimizer", "evaluation"])
+@pytest.mark.parametrize("phase", ["sampling", "forward", "optimizer", "evaluation", "reference", "wake", "sync"])
 def test_running_out_of_device_memory_names_the_phase_and_the_options_that_fit_it(
         tmp_path, tiny_vlm_dir, shapes, monkeypatch, capsys, phase):
     from vlrft.cli import main
@@ -373,11 +373,17 @@ def test_running_out_of_device_memory_names_the_phase_and_the_options_that_fit_i
     eval_before = "true" if phase == "evaluation" else "false"
     overrides = ["train.total_steps=1", "train.eval_every=0", f"train.eval_before_training={eval_before}",
                  f"train.output_dir={tmp_path / 'run'}"]
+    if phase == "reference":
+        overrides.append("algorithm.kl_coef=0.05")  # a reference model's logprobs come before the update
     cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, *overrides)
     if phase in ("sampling", "evaluation"):
         monkeypatch.setattr(HFEngine, "generate", _injected_out_of_memory)
-    elif phase == "forward":
+    elif phase in ("forward", "reference"):
         monkeypatch.setattr(ActorVL, "logprobs", _injected_out_of_memory)
+    elif phase == "wake":
+        monkeypatch.setattr(HFEngine, "wake", _injected_out_of_memory)
+    elif phase == "sync":
+        monkeypatch.setattr(HFEngine, "update_weights", _injected_out_of_memory)
     else:
         monkeypatch.setattr(torch.optim.AdamW, "step", _injected_out_of_memory)
     with pytest.raises(OutOfMemory) as caught:
@@ -393,6 +399,10 @@ def test_running_out_of_device_memory_names_the_phase_and_the_options_that_fit_i
                     "train.strategy=fsdp2", "model.lora.rank"],
         "optimizer": ["step 1, optimizer step", "train.strategy=fsdp2"],
         "evaluation": ["step 0, evaluation", "train.eval_batch_prompts (now 8", "rollout.max_new_tokens (now 5)"],
+        "reference": ["step 1, old/reference logprobs and values", "train.micro_batch_completions_per_rank (now 8)"],
+        "wake": ["step 1, handing the GPU between the trainer's state and the engine (rollout.engine=hf)",
+                 "rollout.global_batch_completions (now 16"],
+        "sync": ["step 1, weight sync to the engine", "rollout.weight_sync_bucket_mb (now 512)"],
     }[phase]
     for part in expected:
         assert part in message, (part, message)

@@ -99,7 +99,10 @@ def torch_facts() -> dict:
                          f"{torch.cuda.get_device_properties(i).total_memory / 2**30:.1f} GiB"
                          for i in range(torch.cuda.device_count())]
         facts["bf16"] = torch.cuda.is_bf16_supported()
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        try:
+            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):  # a build without NCCL
+            facts["nccl"] = None
     return facts
 
 

@@ -37,7 +37,8 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
         folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
     total, dtype = 0, None
-    for i, bucket in enumerate(PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu")):
+    # The other ranks keep their gathered copies where they are (no copy to host memory); only rank 0 writes.
+    for i, bucket in enumerate(PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else None)):
         if not is_main:
             continue  # the other ranks only take part in the gathers
         part = folder / f"part-{i:05d}.safetensors"
@@ -56,7 +57,7 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2, sort_keys=True))
     config = hf_model.config
-    config.architectures = [type(hf_model).__name__]
+    config.architectures = [type(hf_model).__name__.removeprefix("FSDP")]  # fully_shard renames a root's class
     if dtype is not None:
         config.dtype = dtype  # as save_pretrained records the weights' dtype
     config.save_pretrained(folder)

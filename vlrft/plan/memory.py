@@ -315,8 +315,10 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if r.engine == "hf":
         rows = (cfg.prompts_per_step // world) * r.n
         # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
-        # keys in float32 (values bf16), so those count as float32.
-        kv_dtype = ("bf16", 2) if hi == 2 and r.lean_decode else ("float32", 4)
+        # keys in float32 (values bf16), so those count as float32. The lean step does not run with LoRA layers, a
+        # compiled step or attention other than SDPA/eager (`vlrft.rollout.lean_decode.unsupported_reason`).
+        lean = r.lean_decode and not r.compile_decode and m.lora.rank <= 0 and m.attn_implementation in ("sdpa", "eager")
+        kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
         kv = rows * seq_len * kv_bytes_per_token(shape, kv_dtype[1])
         comps.append(Component("engine_kv_cache", kv, rollout,
                                f"hf engine: {kv_dtype[0]} KV cache of the rank's {rows} rollouts x {seq_len} tokens"))

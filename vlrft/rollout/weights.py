@@ -177,7 +177,7 @@ class PolicyWeights:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self._entries)
 
-    def _materialise(self, entry: _Entry, device: torch.device | str) -> torch.Tensor:
+    def _materialise(self, entry: _Entry, device: torch.device | str | None) -> torch.Tensor:
         tensor = entry.produce()
         if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
             tensor = tensor.full_tensor()
@@ -185,8 +185,10 @@ class PolicyWeights:
         return tensor.to(device=device, dtype=dtype).contiguous()
 
     @torch.no_grad()
-    def buckets(self, bucket_bytes: int, device: torch.device | str) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (checkpoint name, tensor) of about `bucket_bytes` each (a bigger tensor goes alone)."""
+    def buckets(self, bucket_bytes: int, device: torch.device | str | None
+                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Lists of (checkpoint name, tensor) of about `bucket_bytes` each (a bigger tensor goes alone), on `device`
+        (None: where each gathered tensor is)."""
         planned: list[list[_Entry]] = [[]]
         size = 0
         for entry in self._entries:

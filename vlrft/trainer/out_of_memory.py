@@ -16,6 +16,8 @@ import torch
 from vlrft.config import Config
 from vlrft.errors import UserError
 
+# torch >= 2.5 names it torch.OutOfMemoryError (CUDA's and other devices'); 2.4 only torch.cuda.OutOfMemoryError.
+DEVICE_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 RESUME = ("Nothing of this step was saved; after changing the config, resume from the last checkpoint with "
           "train.resume=auto. `vlrft plan CONFIG` estimates each phase's memory per device")
 
@@ -29,7 +31,7 @@ def explain_out_of_memory(where: str, fixes: Sequence[str]) -> Iterator[None]:
     """Re-raise a device out-of-memory error inside the block as `OutOfMemory`: `where` it happened, `fixes`."""
     try:
         yield
-    except torch.OutOfMemoryError as exc:
+    except DEVICE_OUT_OF_MEMORY as exc:
         lines = str(exc).strip().splitlines()
         cause = lines[0].rstrip(".") if lines else "out of memory"
         raise OutOfMemory(f"{where}: the device ran out of memory ({cause}). To fit it: {'; '.join(fixes)}. "
@@ -69,9 +71,11 @@ def training_fixes(cfg: Config) -> list[str]:
         fixes.append("or set train.max_tokens_per_micro_batch (micro-batches by a token budget)")
     if not cfg.model.gradient_checkpointing:
         fixes.append("set model.gradient_checkpointing=true (activations recomputed in backward)")
-    if t.strategy in ("single", "ddp"):
-        fixes.append(f"shard the weights, gradients and optimizer state over the ranks: train.strategy=fsdp2 "
-                     f"(now {t.strategy})")
+    if t.strategy == "ddp":
+        fixes.append("shard the weights, gradients and optimizer state over the ranks: train.strategy=fsdp2 "
+                     "(now ddp)")
+    elif t.strategy == "single":
+        fixes.append("use more GPUs with train.strategy=fsdp2 under torchrun (sharded state)")
     elif t.strategy == "fsdp2" and not t.fsdp.cpu_offload:
         fixes.append("keep shards and optimizer state in host memory: train.fsdp.cpu_offload=true")
     elif t.strategy == "deepspeed" and t.deepspeed.zero_stage == 2:

@@ -347,7 +347,7 @@ class Trainer:
                      f"train.eval_n={cfg.train.eval_n} times)")
         out_of_memory = explain_out_of_memory(f"step {step}, evaluation",
                                               sampling_fixes(cfg, self.strategy.world_size, batch_fix))
-        with self.engine_awake(), out_of_memory:  # as for rollouts: a colocated engine's memory only beside offloaded state
+        with out_of_memory, self.engine_awake():  # as for rollouts: a colocated engine's memory only beside offloaded state
             return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
                                      world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
                                      sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts,
@@ -372,7 +372,11 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
-        with self.engine_awake():  # fsdp2 with vLLM/SGLang: the trainer's state in host memory meanwhile
+        engine_fixes = sampling_fixes(self.cfg, self.strategy.world_size)
+        waking = explain_out_of_memory(f"step {step}, handing the GPU between the trainer's state and the engine "
+                                       f"(rollout.engine={self.cfg.rollout.engine})",
+                                       engine_fixes)  # sampling's own errors are named inside collect
+        with waking, self.engine_awake():  # fsdp2 with vLLM/SGLang: the trainer's state in host memory meanwhile
             collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         # 2. Running reward normalisation (optional), its moments over all ranks.
@@ -386,7 +390,10 @@ class Trainer:
         with self.timer("time/train"):
             loss_stats, skipped = update(self._update_deps(step), collected, experience)
         # 5. The engine samples the next step from the new weights.
-        self.engine.update_weights(self.actor)
+        sync_fixes = [f"lower rollout.weight_sync_bucket_mb (now {self.cfg.rollout.weight_sync_bucket_mb})",
+                      *engine_fixes]
+        with explain_out_of_memory(f"step {step}, weight sync to the engine", sync_fixes):
+            self.engine.update_weights(self.actor)
         # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
