@@ -14,17 +14,11 @@ tests.
 
 import importlib.util
 import json
-import socket
 import sys
 import types
 
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _weight_load import fill_with_nan, free_port, policy_buckets, report
 
 
 def placeholder_for_missing_kernels() -> None:
@@ -57,10 +51,7 @@ def load_into_sglang(model_dir: str, lora: bool) -> dict:
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
-    from vlrft.models.actor import apply_lora
-    from vlrft.models.loading import load_policy
     from vlrft.rollout.sglang import config_overrides
-    from vlrft.rollout.weights import PolicyWeights
 
     # What `SGLangEngine` passes too (Qwen2-VL folders saved by transformers 5 lack the `in_chans` SGLang reads).
     server_args = ServerArgs(model_path=model_dir, device="cpu", dtype="float32",
@@ -74,33 +65,9 @@ def load_into_sglang(model_dir: str, lora: bool) -> dict:
         initialize_model_parallel(backend="gloo")  # the widths (all 1) come from the published config
     engine_model = get_model(model_config=ModelConfig.from_server_args(server_args),
                              load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"))
-    with torch.no_grad():
-        for param in engine_model.parameters():
-            param.fill_(float("nan"))
-    policy = load_policy(model_dir, dtype="float32", device="cpu")
-    base_sum = float(sum(t.double().sum() for t in policy.state_dict().values()))
-    if lora:
-        torch.manual_seed(0)
-        policy = apply_lora(policy, rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
-        with torch.no_grad():  # PEFT starts B at zero; non-zero, the merged weights differ from the base ones
-            for name, param in policy.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0.0, 0.05)
-    sent = [pair for bucket in PolicyWeights(policy, torch.float32).buckets(1 << 16, "cpu") for pair in bucket]
-    loaded = engine_model.load_weights(iter(sent))
-    params = dict(engine_model.named_parameters())
-    if loaded is None:  # SGLang's Qwen-VL classes report nothing: written is what no longer holds only NaN
-        loaded = [name for name, p in params.items() if not torch.isnan(p).all()]
-    return {
-        "architecture": type(engine_model).__name__,
-        "params": sorted(params),
-        "loaded": sorted(loaded),
-        "still_nan": sorted(name for name, p in params.items() if torch.isnan(p).any()),
-        "base_sum": base_sum,
-        "sent_sum": float(sum(t.double().sum() for _, t in sent)),
-        "engine_sum": float(sum(p.double().sum() for p in params.values())),
-        "sent": len(sent),
-    }
+    fill_with_nan(engine_model)
+    base_sum, sent = policy_buckets(model_dir, lora)
+    return report(engine_model, engine_model.load_weights(iter(sent)), base_sum, sent)
 
 
 def main() -> None:

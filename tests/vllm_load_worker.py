@@ -12,16 +12,10 @@ must not leak into the other tests.
 
 import json
 import os
-import socket
 import sys
 
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _weight_load import fill_with_nan, free_port, policy_buckets, report
 
 
 _PLACEHOLDERS = []
@@ -49,10 +43,6 @@ def load_into_vllm(model_dir: str, lora: bool) -> dict:
     from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from vlrft.models.actor import apply_lora
-    from vlrft.models.loading import load_policy
-    from vlrft.rollout.weights import PolicyWeights
-
     config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32", enforce_eager=True),
                         load_config=LoadConfig(load_format="dummy"))
     with set_current_vllm_config(config):
@@ -62,31 +52,9 @@ def load_into_vllm(model_dir: str, lora: bool) -> dict:
             ensure_model_parallel_initialized(1, 1)
         with torch.device("cpu"):
             engine_model = initialize_model(vllm_config=config)
-        with torch.no_grad():
-            for param in engine_model.parameters():
-                param.fill_(float("nan"))
-        policy = load_policy(model_dir, dtype="float32", device="cpu")
-        base_sum = float(sum(t.double().sum() for t in policy.state_dict().values()))
-        if lora:
-            torch.manual_seed(0)
-            policy = apply_lora(policy, rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
-            with torch.no_grad():  # PEFT starts B at zero; non-zero, the merged weights differ from the base ones
-                for name, param in policy.named_parameters():
-                    if "lora_B" in name:
-                        param.normal_(0.0, 0.05)
-        sent = [pair for bucket in PolicyWeights(policy, torch.float32).buckets(1 << 16, "cpu") for pair in bucket]
-        loaded = engine_model.load_weights(iter(sent))
-        params = dict(engine_model.named_parameters())
-        return {
-            "architecture": type(engine_model).__name__,
-            "params": sorted(params),
-            "loaded": sorted(loaded),
-            "still_nan": sorted(name for name, p in params.items() if torch.isnan(p).any()),
-            "base_sum": base_sum,
-            "sent_sum": float(sum(t.double().sum() for _, t in sent)),
-            "engine_sum": float(sum(p.double().sum() for p in params.values())),
-            "sent": len(sent),
-        }
+        fill_with_nan(engine_model)
+        base_sum, sent = policy_buckets(model_dir, lora)
+        return report(engine_model, engine_model.load_weights(iter(sent)), base_sum, sent)
 
 
 def main() -> None:
