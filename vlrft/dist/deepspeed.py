@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import is_peft_model, save_adapter_gathered, save_policy_streamed
+from vlrft.dist.hf_export import save_gathered
 from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel, collective_timeout)
 from vlrft.errors import UserError
@@ -276,9 +276,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             engine = self._engine_of(part.module)
             engine.save_checkpoint(str(folder / CHECKPOINT_DIR / name), tag=TAG, save_latest=False)
         policy = self._engine_of(parts["policy"].module)
-        if _is_zero3(policy):  # rank 0 never holds the whole model: one shard file at a time, or only the adapter
-            save = save_adapter_gathered if is_peft_model(hf_model) else save_policy_streamed
-            save(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+        if _is_zero3(policy):
+            save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
             return
         if self.is_main:  # ZeRO-2: every rank holds the whole weights
             hf_model.save_pretrained(folder / "model", safe_serialization=True)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import is_peft_model, save_adapter_gathered, save_policy_streamed
+from vlrft.dist.hf_export import save_gathered
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 from vlrft.models import precision
 
@@ -255,9 +255,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
             model_state, optim_state = get_state_dict(part.module, part.optimizer)
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
-        # Rank 0 never holds the whole model: the policy one shard file at a time, or only a LoRA policy's adapter.
-        save = save_adapter_gathered if is_peft_model(hf_model) else save_policy_streamed
-        save(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+        save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Read `sharded/` into this run's shards, whatever number of processes wrote it."""

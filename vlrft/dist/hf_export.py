@@ -66,8 +66,12 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     processor.save_pretrained(folder)
 
 
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config")
+def save_gathered(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
+                  gather: Callable[[Sequence[torch.Tensor]], ContextManager]) -> None:
+    """A sharded policy's `model/` folder: only a LoRA policy's adapter, else the policy one shard file at a time;
+    rank 0 never holds the whole model. Every rank calls this together."""
+    save = save_adapter_gathered if hasattr(hf_model, "peft_config") else save_policy_streamed
+    save(hf_model, processor, folder, is_main=is_main, gather=gather)
 
 
 def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
@@ -76,9 +80,9 @@ def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_ma
     gathered, on every rank together; rank 0 hands it to PEFT. The frozen base weights are never gathered."""
     kept = {name: tensor for name, tensor in hf_model.state_dict(keep_vars=True).items()
             if "lora_" in name or ".modules_to_save." in name}
-    with gather(list(kept.values())):
-        whole = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().to("cpu").clone()
-                 for name, t in kept.items()}
+    with gather(list(kept.values())):  # full_tensor() is a collective: every rank, only rank 0 keeps a copy
+        whole = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in kept.items()}
+        whole = {name: t.to("cpu").clone() for name, t in whole.items()} if is_main else {}
     if is_main:
         hf_model.save_pretrained(folder, state_dict=whole, safe_serialization=True)
         processor.save_pretrained(folder)

@@ -128,6 +128,9 @@ class Trainer:
         self.rewards = self._build_rewards()
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
+        # What an out-of-memory error names as the way out, per phase (from the config alone: built once).
+        self.sampling_memory_fixes = tuple(sampling_fixes(cfg, world))
+        self.training_memory_fixes = tuple(training_fixes(cfg))
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.engine = make_engine(cfg, EngineDeps(actor=self.actor, processor=self.processor, tokens=self.tokens,
                                                   strategy=self.strategy, prompts_per_rank=self.prompts_per_rank,
@@ -318,7 +321,7 @@ class Trainer:
         return CollectDeps(algo=self.cfg.algorithm, rollout=self.cfg.rollout, prompts_per_rank=self.prompts_per_rank,
                            samples=self.train_samples, sampler=self.sampler, encoder=self.encoder, engine=self.engine,
                            sampling=self.sampling, rewards=self.rewards, strategy=self.strategy, timer=self.timer,
-                           sampling_memory_fixes=tuple(sampling_fixes(self.cfg, self.strategy.world_size)))
+                           sampling_memory_fixes=self.sampling_memory_fixes)
 
     def _experience_deps(self) -> ExperienceDeps:
         return ExperienceDeps(algo=self.cfg.algorithm, group_size=self.cfg.rollout.n, batching=self._batching(),
@@ -337,7 +340,7 @@ class Trainer:
                           temperature=self.train_temperature, kl_coef=self.kl_controller.value, step=step,
                           lr=self.cfg.train.lr, critic=self.critic_wrapped, message=self.message,
                           skip_zero_advantage_rows=self.cfg.train.skip_zero_advantage_rows,
-                          memory_fixes=tuple(training_fixes(self.cfg)))
+                          memory_fixes=self.training_memory_fixes)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out accuracy/pass@k/reward at `step` (see `vlrft.trainer.evaluate`)."""
@@ -372,10 +375,9 @@ class Trainer:
         step = self.step_count + 1
         self._times.clear()
         start = time.perf_counter()
-        engine_fixes = sampling_fixes(self.cfg, self.strategy.world_size)
         waking = explain_out_of_memory(f"step {step}, handing the GPU between the trainer's state and the engine "
                                        f"(rollout.engine={self.cfg.rollout.engine})",
-                                       engine_fixes)  # sampling's own errors are named inside collect
+                                       self.sampling_memory_fixes)  # sampling's own errors are named inside collect
         with waking, self.engine_awake():  # fsdp2 with vLLM/SGLang: the trainer's state in host memory meanwhile
             collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
@@ -384,14 +386,14 @@ class Trainer:
             self.reward_moments.update(collected.rewards, reduce=self.sum_reduce)
             collected.rewards = self.reward_moments.normalize(collected.rewards)
         # 3. Experience: old/ref logprobs and values under the weights that sampled, then advantages.
-        with explain_out_of_memory(f"step {step}, old/reference logprobs and values", training_fixes(self.cfg)):
+        with explain_out_of_memory(f"step {step}, old/reference logprobs and values", self.training_memory_fixes):
             experience = make_experience(self._experience_deps(), collected)
         # 4. Update: PPO epochs over mini-batches; each optimizer step agrees across ranks.
         with self.timer("time/train"):
             loss_stats, skipped = update(self._update_deps(step), collected, experience)
         # 5. The engine samples the next step from the new weights.
         sync_fixes = [f"lower rollout.weight_sync_bucket_mb (now {self.cfg.rollout.weight_sync_bucket_mb})",
-                      *engine_fixes]
+                      *self.sampling_memory_fixes]
         with explain_out_of_memory(f"step {step}, weight sync to the engine", sync_fixes):
             self.engine.update_weights(self.actor)
         # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
