@@ -2,10 +2,11 @@
 
 import base64
 import io
+import threading
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from _data_helpers import noise_image, write_mp4, write_png, write_png_bomb
 from vlrft.data.media import (MediaError, MediaLimits, PixelBounds, fit_image, frame_indices, load_image,
@@ -73,6 +74,49 @@ def test_corrupt_bytes_and_urls_are_refused(tmp_path):
     truncated.write_bytes(io.BytesIO(write_png(tmp_path / "full.png", noise_image(64, 64)).read_bytes()).read()[:200])
     with pytest.raises(MediaError, match="truncated or corrupt"):
         load_image(str(truncated))
+
+
+def test_concurrent_checks_cannot_swap_each_others_warning_filters(tmp_path, monkeypatch):
+    """The media check runs in a thread pool. An over-limit image must get the same answer while another thread is
+    decoding: PIL warns about it while reading the header, and that warning must never become an error there."""
+    big = write_png_bomb(tmp_path / "big.png", 10000, 10000)  # over PIL's warning threshold, under its hard limit
+    good = write_png(tmp_path / "good.png", noise_image(30, 40, seed=1))
+    big_in_open, good_in_load, big_done = threading.Event(), threading.Event(), threading.Event()
+    real_open, real_load = Image.open, ImageFile.ImageFile.load
+
+    def slow_open(source, *args, **kwargs):  # a slow disk: big.png's header read waits for good.png's decode
+        if str(source) == str(big):
+            big_in_open.set()
+            good_in_load.wait(timeout=1.0)
+        return real_open(source, *args, **kwargs)
+
+    def slow_load(image):
+        if image.size == (40, 30):
+            good_in_load.set()
+            big_done.wait(timeout=1.0)
+        return real_load(image)
+
+    monkeypatch.setattr(Image, "open", slow_open)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", slow_load)
+    answers = {}
+
+    def check(name, path):
+        try:
+            answers[name] = load_image(str(path)).size
+        except Exception as exc:  # noqa: BLE001 - the answer is what this test compares
+            answers[name] = f"{type(exc).__name__}: {exc}"
+        if name == "big":
+            big_done.set()
+
+    first = threading.Thread(target=check, args=("big", big))
+    first.start()
+    assert big_in_open.wait(timeout=5)
+    second = threading.Thread(target=check, args=("good", good))
+    second.start()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert answers["good"] == (40, 30)
+    assert answers["big"].startswith("MediaError") and "data.max_source_pixels" in answers["big"], answers["big"]
 
 
 def test_decompression_bomb_is_refused_before_decoding(tmp_path):

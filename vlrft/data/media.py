@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,10 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 _EXIF_ORIENTATION = 0x0112
+# `warnings.catch_warnings` edits process-wide filters and restores them on exit; two threads inside it at once
+# (the media check runs in a thread pool) restore each other's filters and turn a warning into an error at random.
+# The only filter this module ever edits is taken under this lock, around the header read alone.
+_WARNING_FILTERS = threading.Lock()
 
 
 class MediaError(Exception):
@@ -109,7 +114,7 @@ def _open_bytes(data: bytes, what: str) -> Image.Image:
 def _pil_open(source: Any, unreadable: str) -> Image.Image:
     """`Image.open` (header only) with PIL's errors turned into `MediaError`; size limits are ours to check."""
     try:
-        with warnings.catch_warnings():
+        with _WARNING_FILTERS, warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             return Image.open(source)
     except Image.DecompressionBombError as exc:  # over twice PIL's limit: refused while reading the header
@@ -164,10 +169,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
-    """Decode an image reference to an RGB PIL image; raises `MediaError` saying why it cannot."""
-    source = open_image_source(ref)
-    width, height = source.size
+def _check_size(ref: Any, width: int, height: int, limits: MediaLimits) -> None:
     if width < 1 or height < 1:
         raise MediaError(f"image {_describe(ref)} has an empty size {width}x{height}")
     if width * height > limits.max_source_pixels:
@@ -178,14 +180,21 @@ def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
     if ratio > limits.max_aspect_ratio:
         raise MediaError(f"image {_describe(ref)} is {width}x{height}, an aspect ratio of {ratio:.0f}:1 over the "
                          f"limit {limits.max_aspect_ratio:g}:1; crop or pad it")
+
+
+def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
+    """Decode an image reference to an RGB PIL image; raises `MediaError` saying why it cannot."""
+    source = open_image_source(ref)
+    width, height = source.size
+    _check_size(ref, width, height, limits)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            source.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        source.load()
+    except Image.DecompressionBombError as exc:
         raise MediaError(f"image {_describe(ref)} was refused as a decompression bomb ({exc})") from None
     except OSError as exc:
         raise MediaError(f"image {_describe(ref)} is truncated or corrupt ({exc})") from None
+    if source.size != (width, height):  # a GIF frame may grow the canvas while it decodes
+        _check_size(ref, *source.size, limits)
     if source.getexif().get(_EXIF_ORIENTATION, 1) != 1:
         source = ImageOps.exif_transpose(source)
     return to_rgb(source)
