@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _bucket_watch import BucketWatch
 from vlrft.dist.hf_export import INDEX, save_policy_streamed
 from vlrft.models.loading import load_policy, load_processor
 
@@ -49,3 +50,15 @@ def test_streamed_export_holds_what_save_pretrained_writes_in_several_shard_file
     assert all(torch.equal(v, expected[k]) for k, v in loaded.state_dict().items())
     assert (tmp_path / "streamed" / "preprocessor_config.json").is_file() or \
         (tmp_path / "streamed" / "processor_config.json").is_file()
+
+
+def test_rank_0_holds_one_bucket_at_a_time(tmp_path, tiny_vlm_dir, monkeypatch):
+    """The point of the streamed export: while a bucket is gathered, the one written before it is already freed
+    (a loop variable or `enumerate`'s cached tuple kept it alive, doubling rank 0's memory)."""
+    folder = tiny_vlm_dir("qwen2_5_vl")
+    model, processor = load_policy(folder, dtype="float32"), load_processor(folder)
+    watch = BucketWatch(monkeypatch)
+    save_policy_streamed(model, processor, tmp_path / "streamed", is_main=True, gather=watch.gather,
+                         shard_bytes=1 << 16)
+    assert len(watch.alive_at_each_gather) > 3 and len(watch.handed_out) == len(_tensors(tmp_path / "streamed"))
+    assert watch.alive_at_each_gather == [0] * len(watch.alive_at_each_gather)

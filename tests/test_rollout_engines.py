@@ -537,6 +537,22 @@ def test_update_weights_reads_the_live_parameters(engine_parts):
     assert torch.equal(received["lm_head.weight"], model.lm_head.weight)
 
 
+def test_weight_sync_holds_one_bucket_at_a_time(engine_parts, monkeypatch):
+    """The engine's transient memory during a sync is one bucket (`rollout.weight_sync_bucket_mb`), not two."""
+    from _bucket_watch import BucketWatch
+
+    model, processor = engine_parts
+    watch = BucketWatch(monkeypatch)
+    layout = RankLayout(0, 1, 1)
+    engine = ColocatedEngine(RecordingBackend(), lambda batch: [], layout, GroupComm(layout), lambda: model,
+                             processor.tokenizer, tokens_of_model(processor, model),
+                             EngineOptions(torch.float32, "cpu", bucket_bytes=1 << 16, gather=watch.gather),
+                             every_rank_drives=True)
+    engine.update_weights(model)
+    assert len(watch.alive_at_each_gather) > 3
+    assert watch.alive_at_each_gather == [0] * len(watch.alive_at_each_gather)
+
+
 def test_bad_prompt_is_raised_before_the_engine_runs(engine_parts):
     model, processor = engine_parts
     backend = RecordingBackend()

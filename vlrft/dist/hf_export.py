@@ -38,14 +38,15 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     parts: list[tuple[Path, list[str]]] = []
     total, dtype = 0, None
     # The other ranks keep their gathered copies where they are (no copy to host memory); only rank 0 writes.
-    for i, bucket in enumerate(PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else None)):
-        if not is_main:
-            continue  # the other ranks only take part in the gathers
-        part = folder / f"part-{i:05d}.safetensors"
-        save_file({name: tensor for name, tensor in bucket}, str(part), metadata={"format": "pt"})
-        parts.append((part, [name for name, _ in bucket]))
-        total += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-        dtype = dtype or next((t.dtype for _, t in bucket if t.is_floating_point()), None)
+    # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
+    for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else None):
+        if is_main:  # the other ranks only take part in the gathers
+            part = folder / f"part-{len(parts):05d}.safetensors"
+            save_file(dict(bucket), str(part), metadata={"format": "pt"})
+            parts.append((part, [name for name, _ in bucket]))
+            total += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            dtype = dtype or next((t.dtype for _, t in bucket if t.is_floating_point()), None)
+        del bucket  # freed before the next bucket is gathered: rank 0 holds one bucket, not two
     if not is_main:
         return
     weight_map = {}

@@ -332,6 +332,7 @@ class ColocatedEngine:
             for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
                 if self.drives:
                     self.backend.load(bucket)
+                del bucket  # not held while the next bucket is gathered
         if self.drives:
             self.backend.weights_loaded()
         self.weights_current = True
@@ -345,6 +346,7 @@ class ColocatedEngine:
         for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
             packed = self.comm.gather_to_leader(self.pack_bucket(bucket))
             self._leader_step(lambda: self.backend.load(packed))
+            del bucket, packed  # not held while the next bucket is gathered
         self._leader_step(self.backend.weights_loaded if self.drives else lambda: None)
 
     def _leader_step(self, step: Callable[[], None]) -> None:

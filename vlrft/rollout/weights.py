@@ -184,11 +184,14 @@ class PolicyWeights:
         dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
         return tensor.to(device=device, dtype=dtype).contiguous()
 
-    @torch.no_grad()
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Lists of (checkpoint name, tensor) of about `bucket_bytes` each (a bigger tensor goes alone), on `device`
-        (None: where each gathered tensor is)."""
+        (None: where each gathered tensor is).
+
+        This generator keeps no reference to a bucket it has handed out. A `for` loop's variable does, while the
+        next bucket is gathered: end the loop body with `del bucket` so that only one bucket is alive at a time.
+        """
         planned: list[list[_Entry]] = [[]]
         size = 0
         for entry in self._entries:
@@ -200,6 +203,7 @@ class PolicyWeights:
         for entries in planned:
             if not entries:
                 continue
-            with self._gather([e.source for e in entries]):
-                bucket = [(e.name, self._materialise(e, device)) for e in entries]
-            yield bucket
+            # Not `@torch.no_grad()` on this method: its generator wrapper keeps the last bucket it passed on.
+            with torch.no_grad(), self._gather([e.source for e in entries]):
+                handed = [[(e.name, self._materialise(e, device)) for e in entries]]
+            yield handed.pop()  # not kept in this frame while the caller uses it and asks for the next
