@@ -37,9 +37,10 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
         folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
     total, dtype = 0, None
-    # The other ranks keep their gathered copies where they are (no copy to host memory); only rank 0 writes.
+    # Only rank 0 writes. The other ranks take part in each gather and drop its result at once ("meta" keeps the
+    # shape, not the data), so they hold one gathered tensor at a time, not a bucket.
     # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
-    for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else None):
+    for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
         if is_main:  # the other ranks only take part in the gathers
             part = folder / f"part-{len(parts):05d}.safetensors"
             save_file(dict(bucket), str(part), metadata={"format": "pt"})
