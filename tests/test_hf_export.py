@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from _bucket_watch import BucketWatch
 from vlrft.dist.hf_export import INDEX, save_policy_streamed
 from vlrft.models.loading import load_policy, load_processor
+from vlrft.rollout.weights import PolicyWeights
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:
@@ -62,3 +63,27 @@ def test_rank_0_holds_one_bucket_at_a_time(tmp_path, tiny_vlm_dir, monkeypatch):
                          shard_bytes=1 << 16)
     assert len(watch.alive_at_each_gather) > 3 and len(watch.handed_out) == len(_tensors(tmp_path / "streamed"))
     assert watch.alive_at_each_gather == [0] * len(watch.alive_at_each_gather)
+
+
+def test_other_ranks_write_nothing_and_keep_no_gathered_tensor(tmp_path, tiny_vlm_dir, monkeypatch):
+    """A rank other than 0 only takes part in the gathers: what it receives is dropped at once."""
+    folder = tiny_vlm_dir("qwen2_5_vl")
+    model, processor = load_policy(folder, dtype="float32"), load_processor(folder)
+    watch = BucketWatch(monkeypatch)
+    handed_out = []
+    watched = PolicyWeights._materialise
+
+    def recording(weights, entry, device):
+        tensor = watched(weights, entry, device)
+        handed_out.append((tensor.device.type, tuple(tensor.shape)))
+        return tensor
+
+    monkeypatch.setattr(PolicyWeights, "_materialise", recording)
+    save_policy_streamed(model, processor, tmp_path / "rank1", is_main=False, gather=watch.gather,
+                         shard_bytes=1 << 16)
+    assert not (tmp_path / "rank1").exists()
+    assert len(watch.alive_at_each_gather) > 3
+    assert watch.alive_at_each_gather == [0] * len(watch.alive_at_each_gather)
+    expected = {tuple(p.shape) for p in model.state_dict().values()}
+    assert handed_out and all(kind == "meta" for kind, _ in handed_out)
+    assert {shape for _, shape in handed_out} <= expected

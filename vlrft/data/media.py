@@ -28,7 +28,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 _EXIF_ORIENTATION = 0x0112
 # `warnings.catch_warnings` edits process-wide filters and restores them on exit; two threads inside it at once
 # (the media check runs in a thread pool) restore each other's filters and turn a warning into an error at random.
-# The only filter this module ever edits is taken under this lock, around the header read alone.
+# The only filter this module ever edits is taken under this lock, around `Image.open` alone (the header read;
+# decoding runs outside it, in parallel).
 _WARNING_FILTERS = threading.Lock()
 
 
@@ -189,11 +190,12 @@ def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
     _check_size(ref, width, height, limits)
     try:
         source.load()
-    except Image.DecompressionBombError as exc:
+    # The warning only where the process made warnings errors (e.g. `python -W error`); PIL warns while decoding TIFF.
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaError(f"image {_describe(ref)} was refused as a decompression bomb ({exc})") from None
     except OSError as exc:
         raise MediaError(f"image {_describe(ref)} is truncated or corrupt ({exc})") from None
-    if source.size != (width, height):  # a GIF frame may grow the canvas while it decodes
+    if source.size != (width, height):  # formats whose size can change on load
         _check_size(ref, *source.size, limits)
     if source.getexif().get(_EXIF_ORIENTATION, 1) != 1:
         source = ImageOps.exif_transpose(source)

@@ -37,8 +37,9 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
         folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
     total, dtype = 0, None
-    # Only rank 0 writes. The other ranks take part in each gather and drop its result at once ("meta" keeps the
-    # shape, not the data), so they hold one gathered tensor at a time, not a bucket.
+    # Only rank 0 writes. The other ranks take part in each gather and drop each gathered tensor at once ("meta"
+    # keeps the shape, not the data): under FSDP2 they hold one tensor at a time; ZeRO-3's GatheredParameters still
+    # holds the bucket's parameters whole on every rank while it is open.
     # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
     for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
         if is_main:  # the other ranks only take part in the gathers
