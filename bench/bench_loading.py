@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Host memory while loading the policy under each strategy, per rank (CPU, gloo, 2 processes).
 
-    PYTHONPATH=. python bench/bench_loading.py [--strategies ddp fsdp2 zero2 zero3] [--hidden 1024] [--layers 12]
-                                               [--nproc 2]
+    PYTHONPATH=. python bench/bench_loading.py [--strategies ddp fsdp2 fsdp2_read_f32 zero2 zero3] [--hidden 1024]
+                                               [--layers 12] [--nproc 2] [--checkpoint-dtype bfloat16] [--repeats 3]
 
 Builds a random Qwen2-VL-shaped model (tiny vocabulary, real layer shapes) once, then for each strategy
 launches `torchrun` and reports each rank's peak RSS above its RSS after imports, after loading the policy
 and after preparing it for training (optimizer created, no step taken), and how many parameters the rank
 holds. Under DDP and ZeRO-2 every rank reads the whole checkpoint; under FSDP2 rank 0 reads it and the
 others build on the meta device and receive only their shards; ZeRO-3 builds the model inside
-`deepspeed.zero.Init` (rank 0 reads the checkpoint, every rank keeps its partition).
+`deepspeed.zero.Init` (rank 0 reads the checkpoint, every rank keeps its partition). Under FSDP2 rank 0 reads
+a bfloat16 checkpoint in bfloat16 (`--checkpoint-dtype bfloat16`; `fsdp2_read_f32` is the same load reading it
+in float32).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STRATEGIES = {"ddp": [], "fsdp2": [], "zero2": ["train.deepspeed.zero_stage=2"],
+STRATEGIES = {"ddp": [], "fsdp2": [], "fsdp2_read_f32": [], "zero2": ["train.deepspeed.zero_stage=2"],
               "zero3": ["train.deepspeed.zero_stage=3"]}  # name -> config overrides
+# fsdp2_read_f32: the peer of fsdp2 for a bfloat16 checkpoint, rank 0 reading it in float32 (the training dtype),
+# as vlrft did before and as trainers that load the policy in float32 on rank 0 do.
 
 
 def local_numel(p) -> int:
@@ -43,7 +47,11 @@ def worker(name: str, model_dir: str, out: str) -> None:
     from vlrft.config import load_config
     from vlrft.dist.strategy import ModelSource, make_strategy
 
-    kind = "deepspeed" if name.startswith("zero") else name
+    kind = "deepspeed" if name.startswith("zero") else name.removesuffix("_read_f32")
+    if name.endswith("_read_f32"):
+        import vlrft.dist.fsdp2
+
+        vlrft.dist.fsdp2._read_dtype = lambda source, config: source.dtype
     cfg = load_config(None, [f"train.strategy={kind}", *STRATEGIES[name]], validate=False)
     strategy = make_strategy(kind, cfg)
     # Import what loading imports first, so the figure is memory for weights, not for code.
@@ -73,6 +81,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--checkpoint-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the dtype the checkpoint is saved in (Qwen releases: bfloat16); training is float32")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each strategy, interleaved")
     args = parser.parse_args()
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
@@ -80,9 +91,17 @@ def main() -> None:
     spec = TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=4,
                     intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden_size=512, vision_heads=8)
     model_dir = build_tiny_vlm(folder / "model", spec)
+    if args.checkpoint_dtype != "float32":
+        from vlrft.models.loading import load_policy
+
+        model = load_policy(model_dir, dtype=args.checkpoint_dtype)
+        for weights in [*model_dir.glob("*.safetensors"), *model_dir.glob("*.safetensors.index.json")]:
+            weights.unlink()
+        model.save_pretrained(model_dir)
+        del model
     size_mib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
-    print(f"checkpoint: {size_mib:.0f} MiB (float32)")
-    for name in args.strategies:
+    print(f"checkpoint: {size_mib:.0f} MiB ({args.checkpoint_dtype})")
+    for name in [n for _ in range(args.repeats) for n in args.strategies]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -85,6 +85,26 @@ def run_plan(plan_file: str) -> None:
     strategy.close()
 
 
+def load(folder: str, out: str) -> None:
+    """Load `folder` as the float32 policy under FSDP2; rank 0 saves the gathered weights and buffers, and the dtype
+    it read the checkpoint in."""
+    import vlrft.models.loading as loading
+    from vlrft.dist.strategy import ModelSource
+
+    read = []
+    load_policy = loading.load_policy
+    loading.load_policy = lambda *args, **kwargs: read.append(kwargs["dtype"]) or load_policy(*args, **kwargs)
+    strategy = make_strategy("fsdp2")
+    model = strategy.load_model(ModelSource(folder, "float32"), trainable=True)
+    root, _ = strategy.prepare_trainable(model, lambda params: torch.optim.AdamW(params, lr=0.0))
+    params = {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+              for name, p in root.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
+    if strategy.is_main:
+        torch.save({"params": params, "buffers": buffers, "read": read}, out)
+    strategy.close()
+
+
 def fail() -> None:
     import torch.distributed as dist
 
@@ -97,5 +117,10 @@ def fail() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    fail() if sys.argv[1] == "fail" else run_plan(sys.argv[1])
+    if sys.argv[1] == "fail":
+        fail()
+    elif sys.argv[1] == "load":
+        load(sys.argv[2], sys.argv[3])
+    else:
+        run_plan(sys.argv[1])
     exit_process(0)  # as `vlrft train` does under torchrun: no interpreter teardown after the run

@@ -231,6 +231,35 @@ def test_a_2_rank_checkpoint_resumes_on_1_rank(setup, sharded):
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_bfloat16_checkpoint_is_read_in_bfloat16_and_loads_the_same_float32_weights(tmp_path, tiny_vlm_dir):
+    """Rank 0 reads a bfloat16 release in bfloat16 (half the host memory of a float32 copy); the float32 shards get
+    exactly the values a one-process float32 load gives, buffers (rotary inv_freq) included."""
+    import shutil
+
+    from vlrft.models.loading import load_policy
+
+    source = Path(tiny_vlm_dir("qwen2_5_vl"))
+    folder = tmp_path / "bf16"
+    shutil.copytree(source, folder)
+    for weights_file in folder.glob("*.safetensors"):
+        weights_file.unlink()
+    load_policy(source, dtype="bfloat16").save_pretrained(folder)
+    out = tmp_path / "loaded.pt"
+    proc = torchrun("fsdp_worker.py", "load", str(folder), str(out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = torch.load(out)
+    assert loaded["read"] == ["bfloat16"]
+    one = load_policy(folder, dtype="float32")
+    expected = dict(one.named_parameters())
+    assert sorted(loaded["params"]) == sorted(expected)
+    for name, value in loaded["params"].items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[name].detach()), name
+    expected_buffers = dict(one.named_buffers())
+    assert loaded["buffers"].keys() == expected_buffers.keys()
+    for name, value in loaded["buffers"].items():
+        assert value.dtype == expected_buffers[name].dtype and torch.equal(value, expected_buffers[name]), name
+
+
 def test_one_failing_rank_ends_the_whole_job(tmp_path):
     start = time.perf_counter()
     proc = torchrun("fsdp_worker.py", "fail", timeout=180)

@@ -107,6 +107,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
                                trust_remote_code=source.trust_remote_code, device=self.device)
         dtype = DTYPES.get(source.dtype, torch.float32)
         config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
+        read_dtype = _read_dtype(source, config)  # before from_config sets config.dtype to the model's
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(
                 config, dtype=dtype, attn_implementation=source.attn_implementation,
@@ -115,8 +116,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
             model.generation_config = GenerationConfig.from_pretrained(str(source.path))
         full, buffers = {}, {}
         if self.is_main:
-            loaded = load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
-                                 trust_remote_code=source.trust_remote_code, device="cpu")
+            loaded = load_policy(source.path, dtype=read_dtype, device="cpu",
+                                 attn_implementation=source.attn_implementation,
+                                 trust_remote_code=source.trust_remote_code)
             full, buffers = loaded.state_dict(), dict(loaded.named_buffers())
         self._pending[id(model)] = (full, buffers)
         return model
@@ -135,7 +137,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         meta = {name: (tuple(b.shape), b.dtype) for name, b in hf_model.named_buffers()}
         for name in sorted(meta):
             shape, dtype = meta[name]
-            value = buffers[name].to(device) if self.is_main else torch.empty(shape, dtype=dtype, device=device)
+            value = buffers[name].to(device=device, dtype=dtype) if self.is_main else \
+                torch.empty(shape, dtype=dtype, device=device)
             dist.broadcast(value, src=0)
             owner, _, leaf = name.rpartition(".")
             hf_model.get_submodule(owner)._buffers[leaf] = value.to(self.device)
@@ -270,6 +273,26 @@ class FSDP2Strategy(ProcessGroupStrategy):
         for name, part in parts.items():
             set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optimizer"])
+
+
+def _read_dtype(source: ModelSource, config) -> str:
+    """The dtype rank 0 reads the checkpoint in: the checkpoint's own where it is narrower than `source.dtype`.
+
+    A bfloat16 release trained with float32 weights is read in bfloat16 (half the bytes in rank 0's host memory);
+    `set_model_state_dict` casts each broadcast tensor into the float32 shards, which is exact. A LoRA adapter
+    folder is merged into its base in `source.dtype`, as before.
+    """
+    from vlrft.models.loading import DTYPES, adapter_base
+
+    wanted = DTYPES.get(source.dtype, torch.float32)
+    stored = getattr(config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    if (stored not in names or stored.itemsize >= wanted.itemsize
+            or (Path(source.path).is_dir() and adapter_base(source.path) is not None)):
+        return source.dtype
+    return names[stored]
 
 
 def _offload_during_rollout(options, cfg, device: torch.device) -> bool:
