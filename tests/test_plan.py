@@ -191,6 +191,30 @@ class Ran:
         self.returncode, self.stdout, self.stderr = returncode, out.out, out.err
 
 
+def test_host_memory_of_the_first_node_follows_the_strategy():
+    """Rank 0's checkpoint read at start-up and the state offloaded to the CPU, per node."""
+    shape = load_model_shape("Qwen/Qwen2.5-VL-72B-Instruct")
+    assert shape.checkpoint_bytes == 2  # the release's config.json says bfloat16
+    assert _tiny_shape().checkpoint_bytes == 4  # no dtype in config.json: transformers reads float32
+    cfg = load_config(CONFIG_7B, validate=False)
+    n, hw = shape.num_parameters, Hardware(gpus_per_node=8, nodes=4, gpu_memory=80 * GiB)
+    fsdp = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2"), suggest=False)
+    assert fsdp.host_total("load") == 2 * n  # rank 0 reads the bf16 checkpoint in bf16 (vlrft.dist.fsdp2)
+    assert fsdp.host_total("rollout") == int((4 * n + 8 * n) / 4)  # vLLM: shards and moments offloaded
+    assert fsdp.host_total("train") == 0
+    offload = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", offload_optimizer=True, offload_params=True),
+                          suggest=False)
+    assert offload.host_total("train") == int(16 * n / 4)  # a quarter of the float32 state on each of 4 nodes
+    assert offload.host_total("load") == 2 * n + int(16 * n / 4)
+    ddp = plan_memory(cfg, shape, Hardware(gpus_per_node=8), StrategyChoice("ddp"), suggest=False)
+    assert ddp.host_total("load") == 8 * 4 * n  # every rank loads the policy in float32
+    zero = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=3, offload_optimizer=True),
+                       suggest=False)
+    assert zero.host_total("train") == int(12 * n / 4)
+    figures = fsdp.to_json()
+    assert figures["per_node_host_bytes"]["checkpoint_read"] == 2 * n and figures["host_phases"]["load"] == 2 * n
+
+
 @pytest.fixture
 def vlrft(capsys):
     """Run `vlrft ARGS` in this process (the same `main` as the console script); returns code, stdout, stderr."""

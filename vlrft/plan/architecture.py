@@ -81,6 +81,7 @@ class ModelShape:
     vision: VisionShape
     tie_word_embeddings: bool
     source: str  # where the config was read from
+    checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json `dtype`; float32 if unsaid)
 
     def tensors(self) -> list[Tensor]:
         return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
@@ -238,7 +239,9 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
         deepstack_layers=len(vision_cfg.get("deepstack_visual_indexes") or []),
     )
     tied = config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
-    return ModelShape(model_type, text, vision, bool(tied), source)
+    stored = str(text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "float32")
+    checkpoint_bytes = 2 if stored in ("bfloat16", "float16") else 4
+    return ModelShape(model_type, text, vision, bool(tied), source, checkpoint_bytes)
 
 
 def shipped_config_path(name: str) -> Path:

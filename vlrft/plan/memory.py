@@ -36,6 +36,7 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so l
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
+HOST_PHASES = ("load", "rollout", "train")
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class StrategyChoice:
 class Component:
     name: str
     bytes: int
-    phases: tuple[str, ...]  # "rollout", "train"
+    phases: tuple[str, ...]  # "rollout", "train" (host memory also "load")
     note: str
 
 
@@ -89,6 +90,10 @@ class MemoryPlan:
     engine_kv_bytes: int | None = None  # vLLM/SGLang: KV cache left after the engine's weights
     engine_kv_needed: int | None = None  # one sequence of max_model_len tokens
     suggestions: list[str] = field(default_factory=list)
+    host: list[Component] = field(default_factory=list)  # host memory of one node (the first, where rank 0 is)
+
+    def host_total(self, phase: str) -> int:
+        return sum(c.bytes for c in self.host if phase in c.phases)
 
     def phase_total(self, phase: str) -> int:
         return sum(c.bytes for c in self.components if phase in c.phases)
@@ -127,6 +132,8 @@ class MemoryPlan:
             "engine_kv_cache_bytes": self.engine_kv_bytes, "engine_kv_needed_bytes": self.engine_kv_needed,
             "total": self.total, "peak_phase": self.peak_phase, "capacity": self.capacity, "fits": self.fits,
             "suggestions": self.suggestions,
+            "per_node_host_bytes": {c.name: c.bytes for c in self.host},
+            "host_phases": {phase: self.host_total(phase) for phase in HOST_PHASES},
         }
 
 
@@ -252,6 +259,50 @@ def hf_engine_weights(params: int, s: StrategyChoice) -> tuple[int, str]:
     return cast, "hf engine: bf16 copy of the float32 weights, made under autocast for each generate call"
 
 
+def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, params: int,
+                trainable: int) -> list[Component]:
+    """Host memory of one node (the first: rank 0's) for the policy: the checkpoint read at start-up and the state
+    offloaded to the CPU. Not counted: the reference and critic loads (they come after the policy's copy is freed),
+    the processes' own memory (CUDA context, libraries: a few GiB per rank) and the page cache."""
+    ranks = min(hardware.gpus_per_node, hardware.world_size)
+    share = ranks / hardware.world_size  # the part of a sharded state that one node's ranks hold
+    stored = "bfloat16" if shape.checkpoint_bytes == 2 else "float32"
+    lora = cfg.model.lora.rank > 0
+    comps = []
+    if strategy.name == "fsdp2" and not lora:
+        comps.append(Component("checkpoint_read", shape.checkpoint_bytes * params, ("load",),
+                               f"rank 0 reads the checkpoint in its own dtype ({stored}); the other ranks receive "
+                               "their shards"))
+    elif strategy.name == "deepspeed" and strategy.zero_stage >= 3 and not lora:
+        pass  # built inside zero.Init from the checkpoint; not estimated (bench/bench_loading.py measures it)
+    else:
+        comps.append(Component("checkpoint_read", 4 * params * ranks, ("load",),
+                               f"each of the node's {ranks} rank(s) loads the whole policy in float32 before moving "
+                               "it to its GPU"))
+    if strategy.name == "fsdp2" and (strategy.offload_optimizer or strategy.offload_params):
+        comps.append(Component("offloaded_state", int((4 * params + 12 * trainable) * share),
+                               ("load", "rollout", "train"),  # the shards are made on the host at load
+                               "train.fsdp.cpu_offload: the node's float32 shards, gradients and AdamW moments"))
+    elif strategy.name == "fsdp2" and _offloads_during_rollout(cfg):
+        comps.append(Component("offloaded_during_rollout", int((4 * params + 8 * trainable) * share), ("rollout",),
+                               "train.fsdp.offload_during_rollout: the node's shards and AdamW moments while the "
+                               "engine samples"))
+    if strategy.name == "deepspeed":
+        offloaded = (12 * trainable if strategy.offload_optimizer else 0) + \
+            (4 * params if strategy.offload_params and strategy.zero_stage >= 3 else 0)
+        if offloaded:
+            comps.append(Component("offloaded_state", int(offloaded * share), ("rollout", "train"),
+                                   "ZeRO offload: the node's partitions of the float32 master weights and AdamW "
+                                   "moments" + (" and of the parameters" if strategy.offload_params else "")))
+    return comps
+
+
+def _offloads_during_rollout(cfg) -> bool:
+    """`train.fsdp.offload_during_rollout` as FSDP2 resolves it on GPUs: null means on with vLLM/SGLang."""
+    chosen = getattr(getattr(cfg.train, "fsdp", None), "offload_during_rollout", None)
+    return bool(chosen) if chosen is not None else cfg.rollout.engine in ("vllm", "sglang")
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
@@ -342,7 +393,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     comps.append(Component("cuda_reserve", CUDA_RESERVE, both, "CUDA context, NCCL buffers, allocator slack"))
     plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
                       hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
-                      engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed)
+                      engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
+                      host=host_memory(cfg, shape, hardware, strategy, params, trainable))
     if suggest and not plan.fits:
         plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan)
     return plan
@@ -437,6 +489,12 @@ def format_plan(plan: MemoryPlan) -> str:
     if plan.engine_kv_bytes is not None:
         lines.append(f"  engine KV cache {_gib(plan.engine_kv_bytes)} available, {_gib(plan.engine_kv_needed)} "
                      "needed for one sequence of max_model_len tokens")
+    if plan.host:
+        lines += ["", f"{'host memory, first node':<26}{'bytes':>12}  {'phase':<15}note"]
+        for c in plan.host:
+            lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {'+'.join(c.phases):<15}{c.note}")
+        lines.append("  " + ", ".join(f"{phase} {_gib(plan.host_total(phase))}" for phase in HOST_PHASES)
+                     + " (the policy's part; processes and page cache come on top)")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines += ["", f"{verdict}: peak {_gib(plan.total)} ({plan.peak_phase}) of {_gib(plan.capacity)} per GPU"]
     if plan.suggestions:
