@@ -274,7 +274,10 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                f"rank 0 reads the checkpoint in its own dtype ({stored}); the other ranks receive "
                                "their shards"))
     elif strategy.name == "deepspeed" and strategy.zero_stage >= 3 and not lora:
-        pass  # built inside zero.Init from the checkpoint; not estimated (bench/bench_loading.py measures it)
+        # built inside zero.Init; rank 0's checkpoint tensors are copied into every rank's partition (measured with
+        # bench/bench_loading.py: rank 0 +4360 MiB for a 2102 MiB bf16 checkpoint, its float32 partition included)
+        comps.append(Component("checkpoint_read", shape.checkpoint_bytes * params, ("load",),
+                               f"ZeRO-3: rank 0 reads the checkpoint ({stored}); every rank keeps its partition"))
     else:
         comps.append(Component("checkpoint_read", 4 * params * ranks, ("load",),
                                f"each of the node's {ranks} rank(s) loads the whole policy in float32 before moving "
