@@ -260,6 +260,26 @@ def test_a_bfloat16_checkpoint_is_read_in_bfloat16_and_loads_the_same_float32_we
         assert value.dtype == expected_buffers[name].dtype and torch.equal(value, expected_buffers[name]), name
 
 
+def test_the_read_dtype_comes_from_the_tensors_then_from_the_config(tmp_path, tiny_vlm_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from vlrft.dist.fsdp2 import _read_dtype
+    from vlrft.dist.strategy import ModelSource
+
+    folder = Path(tiny_vlm_dir("qwen2_5_vl"))  # float32 tensors
+    config = AutoConfig.from_pretrained(folder)
+    config.dtype = torch.bfloat16  # a config that says bfloat16 over float32 tensors: the tensors decide
+    assert _read_dtype(ModelSource(folder, "float32"), config) == "float32"
+    # Not a local folder (a Hub id): Qwen3-VL's config keeps its dtype in text_config only
+    text_only = SimpleNamespace(dtype=None, get_text_config=lambda: SimpleNamespace(dtype="bfloat16"))
+    assert _read_dtype(ModelSource("Qwen/Qwen3-VL-4B-Instruct", "float32"), text_only) == "bfloat16"
+    assert _read_dtype(ModelSource("Qwen/Qwen3-VL-4B-Instruct", "bfloat16"), text_only) == "bfloat16"
+    float16 = SimpleNamespace(dtype=torch.float16)  # same width as the model's bfloat16: read as the model's
+    assert _read_dtype(ModelSource("some/model", "bfloat16"), float16) == "bfloat16"
+
+
 def test_one_failing_rank_ends_the_whole_job(tmp_path):
     start = time.perf_counter()
     proc = torchrun("fsdp_worker.py", "fail", timeout=180)

@@ -204,13 +204,18 @@ def test_host_memory_of_the_first_node_follows_the_strategy():
     assert fsdp.host_total("train") == 0
     offload = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", offload_optimizer=True, offload_params=True),
                           suggest=False)
-    assert offload.host_total("train") == int(16 * n / 4)  # a quarter of the float32 state on each of 4 nodes
-    assert offload.host_total("load") == 2 * n + int(16 * n / 4)
+    # a quarter of the float32 state on each of 4 nodes: shards from the load, moments from the first step on
+    assert offload.host_total("train") == int(4 * n / 4) + int(8 * n / 4) + int(4 * n / 4)
+    assert offload.host_total("rollout") == int(4 * n / 4) + int(8 * n / 4)
+    assert offload.host_total("load") == 2 * n + int(4 * n / 4)
     ddp = plan_memory(cfg, shape, Hardware(gpus_per_node=8), StrategyChoice("ddp"), suggest=False)
     assert ddp.host_total("load") == 8 * 4 * n  # every rank loads the policy in float32
     zero = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=3, offload_optimizer=True),
                        suggest=False)
-    assert zero.host_total("train") == int(12 * n / 4) and zero.host_total("load") == 2 * n
+    assert zero.host_total("train") == int(12 * n / 4) and zero.host_total("load") == 2 * n + int(12 * n / 4)
+    with_reference = plan_memory(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.04)), shape, hw,
+                                 StrategyChoice("fsdp2"), suggest=False)
+    assert with_reference.host_total("rollout") == int((4 * n + 8 * n + 2 * n) / 4)  # its bf16 shards go too
     figures = fsdp.to_json()
     assert figures["per_node_host_bytes"]["checkpoint_read"] == 2 * n and figures["host_phases"]["load"] == 2 * n
 

@@ -279,20 +279,44 @@ def _read_dtype(source: ModelSource, config) -> str:
     """The dtype rank 0 reads the checkpoint in: the checkpoint's own where it is narrower than `source.dtype`.
 
     A bfloat16 release trained with float32 weights is read in bfloat16 (half the bytes in rank 0's host memory);
-    `set_model_state_dict` casts each broadcast tensor into the float32 shards, which is exact. A LoRA adapter
-    folder is merged into its base in `source.dtype`, as before.
+    `set_model_state_dict` casts each broadcast tensor into the float32 shards, which is exact. The checkpoint's
+    dtype is the widest floating dtype among the tensors of a local folder's safetensors files (their headers),
+    else its config's (top level or `text_config`, as Qwen3-VL writes it). A LoRA adapter folder is merged into its
+    base in `source.dtype`, as before.
     """
     from vlrft.models.loading import DTYPES, adapter_base
 
     wanted = DTYPES.get(source.dtype, torch.float32)
-    stored = getattr(config, "dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored, None)
+    folder = Path(source.path)
+    if folder.is_dir() and adapter_base(folder) is not None:
+        return source.dtype
+    stored = _widest_stored_dtype(folder) if folder.is_dir() else None
+    if stored is None:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        stored = getattr(config, "dtype", None) or getattr(text_config, "dtype", None)
+        if isinstance(stored, str):
+            stored = getattr(torch, stored, None)
     names = {dtype: name for name, dtype in DTYPES.items()}
-    if (stored not in names or stored.itemsize >= wanted.itemsize
-            or (Path(source.path).is_dir() and adapter_base(source.path) is not None)):
+    if stored not in names or stored.itemsize >= wanted.itemsize:
         return source.dtype
     return names[stored]
+
+
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _widest_stored_dtype(folder: Path) -> torch.dtype | None:
+    """The widest floating dtype in `folder`'s safetensors files, read from their headers (None: no such file)."""
+    from safetensors import safe_open
+
+    widest = None
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                dtype = _SAFETENSORS_FLOATS.get(f.get_slice(name).get_dtype())
+                if dtype is not None and (widest is None or dtype.itemsize > widest.itemsize):
+                    widest = dtype
+    return widest
 
 
 def _offload_during_rollout(options, cfg, device: torch.device) -> bool:

@@ -261,7 +261,7 @@ def hf_engine_weights(params: int, s: StrategyChoice) -> tuple[int, str]:
 
 def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, params: int,
                 trainable: int) -> list[Component]:
-    """Host memory of one node (the first: rank 0's) for the policy: the checkpoint read at start-up and the state
+    """Host memory of one node (the first: rank 0's): the policy's checkpoint read at start-up and the state
     offloaded to the CPU. Not counted: the reference and critic loads (they come after the policy's copy is freed),
     the processes' own memory (CUDA context, libraries: a few GiB per rank) and the page cache."""
     ranks = min(hardware.gpus_per_node, hardware.world_size)
@@ -283,18 +283,25 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                f"each of the node's {ranks} rank(s) loads the whole policy in float32 before moving "
                                "it to its GPU"))
     if strategy.name == "fsdp2" and (strategy.offload_optimizer or strategy.offload_params):
-        comps.append(Component("offloaded_state", int((4 * params + 12 * trainable) * share),
-                               ("load", "rollout", "train"),  # the shards are made on the host at load
-                               "train.fsdp.cpu_offload: the node's float32 shards, gradients and AdamW moments"))
+        comps += [  # the shards are made on the host at load, the moments at the first step, gradients per step
+            Component("offloaded_shards", int(4 * params * share), ("load", "rollout", "train"),
+                      "train.fsdp.cpu_offload: the node's float32 shards"),
+            Component("offloaded_moments", int(8 * trainable * share), ("rollout", "train"),
+                      "train.fsdp.cpu_offload: the node's AdamW moments"),
+            Component("offloaded_gradients", int(4 * trainable * share), ("train",),
+                      "train.fsdp.cpu_offload: the node's float32 gradient shards")]
     elif strategy.name == "fsdp2" and _offloads_during_rollout(cfg):
-        comps.append(Component("offloaded_during_rollout", int((4 * params + 8 * trainable) * share), ("rollout",),
-                               "train.fsdp.offload_during_rollout: the node's shards and AdamW moments while the "
-                               "engine samples"))
+        others = (2 if strategy.mixed_precision else 4) * params if cfg.algorithm.kl_coef > 0 else 0  # reference
+        if cfg.algorithm.advantage == "gae":
+            others += 12 * params  # the critic's shards and moments
+        comps.append(Component("offloaded_during_rollout", int((4 * params + 8 * trainable + others) * share),
+                               ("rollout",), "train.fsdp.offload_during_rollout: the node's shards and AdamW moments "
+                               "(and reference / critic shards) while the engine samples"))
     if strategy.name == "deepspeed":
         offloaded = (12 * trainable if strategy.offload_optimizer else 0) + \
             (4 * params if strategy.offload_params and strategy.zero_stage >= 3 else 0)
-        if offloaded:
-            comps.append(Component("offloaded_state", int(offloaded * share), ("rollout", "train"),
+        if offloaded:  # DeepSpeed allocates them when the engine is built
+            comps.append(Component("offloaded_state", int(offloaded * share), ("load", "rollout", "train"),
                                    "ZeRO offload: the node's partitions of the float32 master weights and AdamW "
                                    "moments" + (" and of the parameters" if strategy.offload_params else "")))
     return comps
@@ -493,9 +500,9 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"  engine KV cache {_gib(plan.engine_kv_bytes)} available, {_gib(plan.engine_kv_needed)} "
                      "needed for one sequence of max_model_len tokens")
     if plan.host:
-        lines += ["", f"{'host memory, first node':<26}{'bytes':>12}  {'phase':<15}note"]
+        lines += ["", f"{'host memory, first node':<26}{'bytes':>12}  {'phase':<20}note"]
         for c in plan.host:
-            lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {'+'.join(c.phases):<15}{c.note}")
+            lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {'+'.join(c.phases):<20}{c.note}")
         lines.append("  " + ", ".join(f"{phase} {_gib(plan.host_total(phase))}" for phase in HOST_PHASES)
                      + " (the policy's part; processes and page cache come on top)")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
