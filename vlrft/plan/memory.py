@@ -203,7 +203,6 @@ class _ModelState:
 
 
 def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> _ModelState:
-    frozen = params - trainable
     hi = 2 if s.mixed_precision else 4  # low-precision compute bytes
     if s.name in ("single", "ddp"):
         buckets = 4 * trainable if s.name == "ddp" and world > 1 else 0
