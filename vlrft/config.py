@@ -358,6 +358,13 @@ class FSDPConfig:
         "host memory while the rollout engine is awake, and back after it sleeps; null = on with CUDA and "
         "rollout.engine vllm/sglang. Not with the hf engine (it generates with these weights)")
 
+    def offloads_during_rollout(self, engine: str, on_gpu: bool) -> bool:
+        """`offload_during_rollout` resolved (FSDP2 and the memory plan): null means on with CUDA and an engine
+        that holds its own weights."""
+        if self.offload_during_rollout is not None:
+            return bool(self.offload_during_rollout)
+        return on_gpu and engine in ("vllm", "sglang")
+
 
 @dataclass
 class DeepSpeedConfig:

@@ -107,7 +107,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
                                trust_remote_code=source.trust_remote_code, device=self.device)
         dtype = DTYPES.get(source.dtype, torch.float32)
         config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
-        read_dtype = _read_dtype(source, config)  # before from_config sets config.dtype to the model's
+        # Only rank 0 reads the checkpoint; before from_config sets config.dtype to the model's.
+        read_dtype = _read_dtype(source, config) if self.is_main else source.dtype
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(
                 config, dtype=dtype, attn_implementation=source.attn_implementation,
@@ -321,10 +322,7 @@ def _widest_stored_dtype(folder: Path) -> torch.dtype | None:
 
 def _offload_during_rollout(options, cfg, device: torch.device) -> bool:
     """train.fsdp.offload_during_rollout, resolved: null means on with CUDA and an engine with its own weights."""
-    if options.offload_during_rollout is not None:
-        return bool(options.offload_during_rollout)
-    engine = cfg.rollout.engine if cfg is not None else "hf"
-    return device.type == "cuda" and engine in ("vllm", "sglang")
+    return options.offloads_during_rollout(cfg.rollout.engine if cfg is not None else "hf", device.type == "cuda")
 
 
 @contextlib.contextmanager

@@ -274,7 +274,7 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                "their shards"))
     elif strategy.name == "deepspeed" and strategy.zero_stage >= 3 and not lora:
         # built inside zero.Init; rank 0's checkpoint tensors are copied into every rank's partition (measured with
-        # bench/bench_loading.py: rank 0 +4360 MiB for a 2102 MiB bf16 checkpoint, its float32 partition included)
+        # bench/bench_loading.py: rank 0 holds about the checkpoint more than rank 1 after loading; docs/deepspeed.md)
         comps.append(Component("checkpoint_read", shape.checkpoint_bytes * params, ("load",),
                                f"ZeRO-3: rank 0 reads the checkpoint ({stored}); every rank keeps its partition"))
     else:
@@ -289,7 +289,7 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                       "train.fsdp.cpu_offload: the node's AdamW moments"),
             Component("offloaded_gradients", int(4 * trainable * share), ("train",),
                       "train.fsdp.cpu_offload: the node's float32 gradient shards")]
-    elif strategy.name == "fsdp2" and _offloads_during_rollout(cfg):
+    elif strategy.name == "fsdp2" and cfg.train.fsdp.offloads_during_rollout(cfg.rollout.engine, on_gpu=True):
         others = (2 if strategy.mixed_precision else 4) * params if cfg.algorithm.kl_coef > 0 else 0  # reference
         if cfg.algorithm.advantage == "gae":
             others += 12 * params  # the critic's shards and moments
@@ -304,12 +304,6 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                    "ZeRO offload: the node's partitions of the float32 master weights and AdamW "
                                    "moments" + (" and of the parameters" if strategy.offload_params else "")))
     return comps
-
-
-def _offloads_during_rollout(cfg) -> bool:
-    """`train.fsdp.offload_during_rollout` as FSDP2 resolves it on GPUs: null means on with vLLM/SGLang."""
-    chosen = getattr(getattr(cfg.train, "fsdp", None), "offload_during_rollout", None)
-    return bool(chosen) if chosen is not None else cfg.rollout.engine in ("vllm", "sglang")
 
 
 def _gib(n: int) -> str:
