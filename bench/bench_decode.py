@@ -19,7 +19,9 @@ autocast, as the trainer's hf engine does on GPUs (its mixed precision). Compare
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import shutil
 import statistics
 import sys
 import tempfile
@@ -62,6 +64,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench_decode_"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     folder = build_tiny_vlm(work / "model", TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                                                       num_kv_heads=2, intermediate_size=args.hidden * 2,
                                                       min_pixels=112 * 112, max_pixels=112 * 112))

@@ -17,8 +17,10 @@ in float32).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -87,7 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
-    folder = Path(tempfile.mkdtemp())
+    folder = Path(tempfile.mkdtemp(prefix="bench_loading_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # gigabytes of checkpoint
     spec = TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=4,
                     intermediate_size=args.hidden * 11 // 4, vision_depth=4, vision_hidden_size=512, vision_heads=8)
     model_dir = build_tiny_vlm(folder / "model", spec)

@@ -25,6 +25,8 @@ machine): min/median/max over `--repeats` interleaved repeats.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -112,6 +114,7 @@ def main() -> None:
     from vlrft.trainer.micro_batches import RowLengths, forward_tokens, real_tokens
 
     folder = Path(tempfile.mkdtemp(prefix="bench_padding_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     build_tiny_vlm(folder, TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
                                     intermediate_size=2 * args.hidden, vocab_size=args.vocab))
     model = load_policy(folder)

@@ -45,8 +45,10 @@ Needs `pip install 'vlrft[bench]'` (TRL). Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -647,6 +649,8 @@ def main() -> None:
     if args.batch_size % args.group_size or args.batch_size % args.micro_batch_size:
         raise SystemExit("--batch-size must be a multiple of --group-size and of --micro-batch-size")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    if not args.workdir:  # a --workdir is kept for inspection
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
     results = {}
     for setting in args.settings:
         results[setting] = run_setting(args, setting, root / setting)

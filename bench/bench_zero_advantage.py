@@ -16,6 +16,8 @@ update is the same either way (tests/test_micro_batches.py); only the time diffe
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,6 +57,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench_zero_advantage_"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     pixels = 112 * 112
     model = build_tiny_vlm(work / "model", TinySpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                                                     intermediate_size=1024, min_pixels=pixels, max_pixels=pixels))
