@@ -1,4 +1,5 @@
-"""Counts the weight buckets' tensors still alive each time the next bucket is gathered (one bucket at a time)."""
+"""Counts the weight buckets' tensors still alive each time a tensor is gathered after its bucket was handed out
+(one bucket at a time)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,33 @@ from vlrft.rollout.weights import PolicyWeights
 
 
 class BucketWatch:
-    """Records a weak reference to every tensor `PolicyWeights` hands out; `gather` (the strategy's gather
-    context, a no-op here) notes how many of them are alive when a bucket's gather starts."""
+    """Records a weak reference to every tensor `PolicyWeights` hands out, by bucket; `gather` (the strategy's
+    gather context, a no-op here, called for each tensor) notes how many tensors of buckets already handed out
+    are still alive."""
 
     def __init__(self, monkeypatch):
-        self.handed_out: list[weakref.ref] = []
+        self.building: list[weakref.ref] = []  # the tensors of the bucket being gathered
+        self.handed_out: list[weakref.ref] = []  # those of the buckets already handed out
         self.alive_at_each_gather: list[int] = []
-        materialise = PolicyWeights._materialise
+        materialise, buckets = PolicyWeights._materialise, PolicyWeights.buckets
 
         def watched(weights, entry, device):
             tensor = materialise(weights, entry, device)
-            self.handed_out.append(weakref.ref(tensor))
+            self.building.append(weakref.ref(tensor))
             return tensor
 
+        def watched_buckets(weights, *args, **kwargs):
+            produced = buckets(weights, *args, **kwargs)
+            while True:  # not a `for` loop: its variable would keep the bucket while the caller asks for the next
+                handed = [next(produced, None)]
+                if handed[0] is None:
+                    return
+                self.handed_out += self.building
+                self.building = []
+                yield handed.pop()
+
         monkeypatch.setattr(PolicyWeights, "_materialise", watched)
+        monkeypatch.setattr(PolicyWeights, "buckets", watched_buckets)
 
     def gather(self, params):
         self.alive_at_each_gather.append(sum(ref() is not None for ref in self.handed_out))

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
+from _sharded_sync import assert_lora_sync_merges_the_adapters
 from _torchrun import failure_output, run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,13 +238,15 @@ def test_zero3_trains_critic_reference_and_lora_like_one_process(setup):
     folder = setup["folder"]
     ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
     lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
-    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo), run_args(setup, "LORA", *lora)])
+    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo),
+                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"))])
     for name, overrides in (("PPO", ppo), ("LORA", lora)):
         cfg = load_config(setup["config"], [f"train.output_dir={folder / (name + '-single')}", "train.strategy=single",
                                             *overrides])
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
-            history = Trainer(cfg).fit()
+            trainer = Trainer(cfg)
+            history = trainer.fit()
         run = results[0 if name == "PPO" else 1]
         assert "history" in run, run  # the worker caught a UserError: show it (seen once in a CI rehearsal)
         ours = run["history"][0]
@@ -257,6 +260,8 @@ def test_zero3_trains_critic_reference_and_lora_like_one_process(setup):
         # 1e-4 = 10 % of one AdamW step at lr 1e-3: Adam's first step turns float noise in near-zero gradients into
         # visible weight moves (measured up to 1.6e-5 here); the grad-norm / value-loss / KL checks above are tight
         assert_close(ours_saved, single_saved, atol=1e-4)
+    # vLLM/SGLang weight sync of the LoRA policy: ZeRO-3 partitions the adapters too, gathered with each weight
+    assert_lora_sync_merges_the_adapters(torch.load(folder / "sync_lora.pt"), trainer, setup["model"])
 
 
 @torchrun_test

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
+from _sharded_sync import assert_lora_sync_merges_the_adapters
 from _torchrun import run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,8 +151,8 @@ def test_fsdp2_trains_with_the_hf_engine_and_evaluates(setup, sharded):
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
 
 
-def single_run(setup, name: str, *overrides: str) -> list[dict]:
-    """The run `name` in this process (strategy single) with the scripted completions; its history."""
+def single_run(setup, name: str, *overrides: str):
+    """The run `name` in this process (strategy single) with the scripted completions: (trainer, history)."""
     from scripted_engine import ScriptedEngine
 
     from vlrft.config import load_config
@@ -161,7 +162,8 @@ def single_run(setup, name: str, *overrides: str) -> list[dict]:
                                         *overrides])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
-        return Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        return trainer, trainer.fit()
 
 
 def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
@@ -169,9 +171,10 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
     folder = setup["folder"]
     ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
     lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
-    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo), run_args(setup, "LORA", *lora)])
+    results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo),
+                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"))])
     for name, overrides in (("PPO", ppo), ("LORA", lora)):
-        history = single_run(setup, name + "-single", *overrides)
+        trainer, history = single_run(setup, name + "-single", *overrides)
         ours = results[0 if name == "PPO" else 1]["history"][0]
         assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
         if name == "PPO":  # the critic was sharded and trained too
@@ -180,6 +183,8 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
         sharded_weights = load_file(folder / name / "checkpoints" / "step_1" / "model" / file)
         single_weights = load_file(folder / (name + "-single") / "checkpoints" / "step_1" / "model" / file)
         assert_close(sharded_weights, single_weights, atol=1e-5 if name == "PPO" else 1e-4)
+    # vLLM/SGLang weight sync of the LoRA policy: the merge reads the adapters' DTensor shards
+    assert_lora_sync_merges_the_adapters(torch.load(folder / "sync_lora.pt"), trainer, setup["model"])
 
 
 def test_fsdp2_trains_mixed_image_and_text_only_prompts_like_one_process(setup):
@@ -202,7 +207,7 @@ def test_fsdp2_trains_mixed_image_and_text_only_prompts_like_one_process(setup):
     hf = results.pop()["history"]
     assert hf[-1]["step"] == 1 and hf[-1]["completions/mean_length"] > 0 and hf[-1]["actor/grad_norm"] > 0
     seconds = time.perf_counter() - start
-    single = single_run(setup, "MIX-single", *common)
+    _, single = single_run(setup, "MIX-single", *common)
     assert_runs_match_single(setup, "MIX-single", ("MIX8", "MIX4"), steps=(1, 2))
     for run in results:
         for ours, theirs in zip(run["history"], single):

@@ -1,6 +1,7 @@
 """The memory plan: exact parameter counts from config.json, per-GPU bytes by strategy, the `vlrft plan` command."""
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,8 +10,8 @@ import torch
 
 from vlrft.config import load_config
 from vlrft.errors import UserError
-from vlrft.plan import (GiB, Hardware, StrategyChoice, check_fits, check_fits_at_load, load_model_shape, plan_memory,
-                        shape_from_config)
+from vlrft.plan import (GiB, Hardware, StrategyChoice, check_fits, check_fits_at_load, host_memory_warning,
+                        load_model_shape, node_memory_bytes, plan_memory, shape_from_config)
 from vlrft.plan.architecture import shipped_config_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,6 +219,41 @@ def test_host_memory_of_the_first_node_follows_the_strategy():
     assert with_reference.host_total("rollout") == int((4 * n + 8 * n + 2 * n) / 4)  # its bf16 shards go too
     figures = fsdp.to_json()
     assert figures["per_node_host_bytes"]["checkpoint_read"] == 2 * n and figures["host_phases"]["load"] == 2 * n
+
+
+def test_a_node_with_too_little_host_memory_is_warned_of_with_the_phase_and_the_largest_part():
+    """72B on 4 nodes with FSDP2 cpu_offload: 273.5 GiB per node in training (the config's comment)."""
+    shape = load_model_shape("Qwen/Qwen2.5-VL-72B-Instruct")
+    cfg = load_config(CONFIG_7B, validate=False)
+    hw = Hardware(gpus_per_node=8, nodes=4, gpu_memory=80 * GiB)
+    plan = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", offload_optimizer=True, offload_params=True),
+                       suggest=False)
+    need = plan.host_total("train")
+    assert need == max(plan.host_total(p) for p in ("load", "rollout", "train"))
+    assert host_memory_warning(plan, need) is None  # exactly enough
+    warning = host_memory_warning(plan, 256 * GiB)
+    assert warning is not None and "\n" not in warning
+    assert f"{need / GiB:.1f} GiB of host memory (train phase" in warning and "has 256.0 GiB" in warning
+    assert "offloaded_moments" in warning  # the largest part of the train phase: what to offload less
+    no_offload = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2"), suggest=False)
+    assert host_memory_warning(no_offload, 256 * GiB) is None  # 72B's bf16 read (136 GiB) and the rollout offload fit
+
+
+def test_node_memory_is_the_cgroup_limit_where_lower_than_the_machines(tmp_path):
+    machine = node_memory_bytes(tmp_path / "no-cgroup")
+    assert machine == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")  # no limit
+    assert node_memory_bytes(v2) == machine
+    (v2 / "memory.max").write_text(f"{machine // 4}\n")  # a pod limited to a quarter of the machine
+    assert node_memory_bytes(v2) == machine // 4
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
+    assert node_memory_bytes(v1) == machine
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{GiB}\n")
+    assert node_memory_bytes(v1) == GiB
 
 
 @pytest.fixture

@@ -1,19 +1,22 @@
 """The memory plan: per-GPU bytes of a config by arithmetic on the model's config.json (`vlrft plan`).
 
 `plan_for_config` is what both `vlrft plan` and the trainer's load-time check call;
-`check_fits_at_load` stops a CUDA run with one line when the plan says it cannot fit.
+`check_fits_at_load` stops a CUDA run with one line when the plan says it cannot fit, and
+`host_memory_warning` says when the first node's host memory will not hold what the plan puts there.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from vlrft.errors import UserError
 from vlrft.plan.architecture import ModelShape, load_model_shape, shape_from_config
-from vlrft.plan.memory import GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
+from vlrft.plan.memory import HOST_PHASES, GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
 
 __all__ = ["GiB", "Hardware", "MemoryPlan", "ModelShape", "StrategyChoice", "check_fits", "check_fits_at_load", "format_plan",
-           "load_model_shape", "plan_for_config", "plan_memory", "shape_from_config", "strategy_from_config"]
+           "host_memory_warning", "load_model_shape", "node_memory_bytes", "plan_for_config", "plan_memory",
+           "shape_from_config", "strategy_from_config"]
 
 SKIP_ENV = "VLRFT_SKIP_MEMORY_PLAN"
 
@@ -73,3 +76,37 @@ def check_fits_at_load(cfg, world_size: int) -> MemoryPlan | None:
     hardware = Hardware(gpus_per_node=per_node, nodes=max(1, world_size // per_node),
                         gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     return check_fits(cfg, hardware)
+
+
+def node_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The memory this process's node lets it use: the machine's RAM, or the container's cgroup limit where lower
+    (a Kubernetes pod or a Slurm job is killed at its limit, not at the machine's RAM)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            text = limit_file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) or a huge number (v1) when there is no limit
+            total = min(total, int(text))
+        break
+    return total
+
+
+def host_memory_warning(plan: MemoryPlan, node_memory: int) -> str | None:
+    """One line when the plan's host memory of the first node exceeds `node_memory`, else None.
+
+    A warning, not an error: the checkpoint read is memory-mapped (the kernel can drop its pages), and the plan
+    does not count the processes' own memory; but past the node's memory the kernel kills the job without a
+    Python traceback, so it is said before any model loads."""
+    if not plan.host:
+        return None
+    phase = max(HOST_PHASES, key=plan.host_total)
+    need = plan.host_total(phase)
+    if need <= node_memory:
+        return None
+    largest = max((c for c in plan.host if phase in c.phases), key=lambda c: c.bytes)
+    return (f"memory plan: the first node needs about {need / GiB:.1f} GiB of host memory ({phase} phase; the "
+            f"largest part: {largest.name}, {largest.bytes / GiB:.1f} GiB) but has {node_memory / GiB:.1f} GiB; the "
+            "kernel may kill the job. Offload less (train.fsdp.cpu_offload, train.fsdp.offload_during_rollout, "
+            "train.deepspeed.offload_*) or use more nodes; `vlrft plan CONFIG` shows the breakdown")

@@ -10,9 +10,11 @@ computed per layer without touching the trained model); tied weights are sent on
 (transformers' tied-weights map), never by storage address: a sharded parameter (`DTensor`) has
 `data_ptr() == 0`, so addresses would make every same-shape parameter look tied.
 
-A sharded policy (FSDP2 `DTensor`s, ZeRO-3 partitions) is gathered one bucket at a time on every
+A sharded policy (FSDP2 `DTensor`s, ZeRO-3 partitions) is gathered one tensor at a time on every
 rank in lock-step (`full_tensor()` is a collective; `gather` is the strategy's context for the
-bucket's parameters), so every rank must iterate `buckets()` to the end even if only one sends.
+parameters one tensor is made of: the weight, and a LoRA layer's adapters), so every rank must
+iterate `buckets()` to the end even if only one sends. A rank holds the bucket it builds and one
+gathered tensor, never a bucket's worth of gathered parameters besides.
 
 Tensors are produced lazily, one bucket of at most `bucket_bytes` at a time, so syncing a 7B model
 never materialises a second full copy of it on the device.
@@ -79,6 +81,11 @@ def _merged(weight: torch.Tensor, module: nn.Module) -> Callable[[], torch.Tenso
     return produce
 
 
+def _adapter_weights(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A LoRA layer's own parameters (A, B, magnitudes), not its base layer's."""
+    return tuple(p for name, p in module.named_parameters() if not name.startswith("base_layer."))
+
+
 def tied_weight_names(model: nn.Module) -> set[str]:
     """State-dict names of weights tied to another weight (e.g. lm_head.weight when embeddings are tied).
 
@@ -132,6 +139,7 @@ class _Entry:
     name: str  # checkpoint name
     source: torch.Tensor  # the parameter (or buffer) it is read from
     produce: Callable[[], torch.Tensor]
+    gathered: tuple[torch.Tensor, ...]  # what `produce` reads: the source, and a LoRA layer's adapter weights
     nbytes: int  # at the engine dtype
 
 
@@ -151,19 +159,22 @@ class PolicyWeights:
         tied = tied_weight_names(self.model)
         plain: dict[str, torch.Tensor] = {}
         producers: dict[str, Callable[[], torch.Tensor]] = {}
+        reads: dict[str, tuple[torch.Tensor, ...]] = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             name = _clean_name(key)
             if name is None or name in tied:  # a tied weight (lm_head = embed_tokens): engines tie it themselves
                 continue
             plain[name] = tensor
             module = lora.get(key.rsplit(".base_layer.", 1)[0]) if ".base_layer." in key else None
-            producers[name] = _merged(tensor, module) if module is not None and key.endswith(".weight") \
-                else (lambda t=tensor: t.detach())
+            merged = module is not None and key.endswith(".weight")
+            producers[name] = _merged(tensor, module) if merged else (lambda t=tensor: t.detach())
+            # ZeRO-3 partitions the adapters too: merging gathers them with the weight
+            reads[name] = (tensor, *_adapter_weights(module)) if merged else (tensor,)
         names = checkpoint_names(self.model, plain)
         # Sharded tensors are gathered collectively: every rank must walk the buckets in lock-step.
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
-            _Entry(names[name], plain[name], producers[name],
+            _Entry(names[name], plain[name], producers[name], reads[name],
                    _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if dtype is not None and
                                           plain[name].is_floating_point() else plain[name].element_size()))
             for name in plain
@@ -178,11 +189,12 @@ class PolicyWeights:
         return sum(e.nbytes for e in self._entries)
 
     def _materialise(self, entry: _Entry, device: torch.device | str | None) -> torch.Tensor:
-        tensor = entry.produce()
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
-            tensor = tensor.full_tensor()
-        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
-        return tensor.to(device=device, dtype=dtype).contiguous()
+        with torch.no_grad(), self._gather(list(entry.gathered)):  # released before the next tensor is gathered
+            tensor = entry.produce()
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
+                tensor = tensor.full_tensor()
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+            return tensor.to(device=device, dtype=dtype).contiguous()
 
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -204,6 +216,5 @@ class PolicyWeights:
             if not entries:
                 continue
             # Not `@torch.no_grad()` on this method: its generator wrapper keeps the last bucket it passed on.
-            with torch.no_grad(), self._gather([e.source for e in entries]):
-                handed = [[(e.name, self._materialise(e, device)) for e in entries]]
+            handed = [[(e.name, self._materialise(e, device)) for e in entries]]
             yield handed.pop()  # not kept in this frame while the caller uses it and asks for the next

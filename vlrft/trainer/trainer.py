@@ -27,7 +27,7 @@ from vlrft.models import precision
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
-from vlrft.plan import check_fits_at_load
+from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
 from vlrft.rollout.base import EngineDeps, SamplingParams
 from vlrft.tokens import TokenSpec
@@ -101,7 +101,10 @@ class Trainer:
             self.strategy.barrier()
             built = Path(cfg.model.path) / "config.json"
             self._every_rank_sees(built, f"model.path={cfg.model.path} (built by rank 0)")
-        check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the memory plan says it cannot fit
+        plan = check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the plan says it cannot fit
+        warning = host_memory_warning(plan, node_memory_bytes()) if plan is not None else None
+        if warning:  # printed by rank 0, whose node the plan's host figures are
+            self.message(warning)
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
         self.wrapped, self.optimizer = self.strategy.prepare_trainable(self.actor, self._make_optimizer)
