@@ -345,7 +345,7 @@ class ColocatedEngine:
         """
         for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
             packed = self.comm.gather_to_leader(self.pack_bucket(bucket))
-            self._leader_step(lambda: self.backend.load(packed))
+            self._leader_step(lambda packed=packed: self.backend.load(packed))  # run by the leader only
             del bucket, packed  # not held while the next bucket is gathered
         self._leader_step(self.backend.weights_loaded if self.drives else lambda: None)
 
