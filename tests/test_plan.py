@@ -239,21 +239,32 @@ def test_a_node_with_too_little_host_memory_is_warned_of_with_the_phase_and_the_
     assert host_memory_warning(no_offload, 256 * GiB) is None  # 72B's bf16 read (136 GiB) and the rollout offload fit
 
 
-def test_node_memory_is_the_cgroup_limit_where_lower_than_the_machines(tmp_path):
-    machine = node_memory_bytes(tmp_path / "no-cgroup")
-    assert machine == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    (v2 / "memory.max").write_text("max\n")  # no limit
-    assert node_memory_bytes(v2) == machine
-    (v2 / "memory.max").write_text(f"{machine // 4}\n")  # a pod limited to a quarter of the machine
-    assert node_memory_bytes(v2) == machine // 4
-    v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
-    assert node_memory_bytes(v1) == machine
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{GiB}\n")
-    assert node_memory_bytes(v1) == GiB
+def test_node_memory_is_the_lowest_limit_of_the_process_cgroups_or_the_machines_ram(tmp_path):
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert node_memory_bytes(tmp_path, tmp_path / "no-such-file") == machine
+    assert node_memory_bytes() <= machine  # this machine's own cgroups, whatever they say
+
+    def limits(own: str, files: dict[str, str]) -> int:
+        (tmp_path / "self").write_text(own)
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text + "\n")
+        return node_memory_bytes(tmp_path, tmp_path / "self")
+
+    # cgroup v2 inside a container (its own namespace): the limit is at the root
+    assert limits("0::/\n", {"memory.max": "max"}) == machine
+    assert limits("0::/\n", {"memory.max": str(machine // 4)}) == machine // 4
+    # v2 without a namespace (a Slurm step): the job's limit sits above the process's own cgroup, which has none
+    job = "system.slice/slurmstepd.scope/job_7"
+    assert limits(f"0::/{job}/step_0/user/task_0\n",
+                  {"memory.max": "max", f"{job}/memory.max": str(GiB),
+                   f"{job}/step_0/user/task_0/memory.max": "max"}) == GiB
+    # v1: the memory controller's own hierarchy; 2**63 - 4096 is v1's "no limit"
+    for name in list(tmp_path.rglob("memory.max")):
+        name.unlink()
+    assert limits("4:memory:/pod\n1:cpu:/pod\n", {"memory/memory.limit_in_bytes": str(2**63 - 4096),
+                                                    "memory/pod/memory.limit_in_bytes": str(2**63 - 4096)}) == machine
+    assert limits("4:memory:/pod\n", {"memory/pod/memory.limit_in_bytes": str(3 * GiB)}) == 3 * GiB
 
 
 @pytest.fixture

@@ -37,9 +37,8 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
         folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
     total, dtype = 0, None
-    # Only rank 0 writes. The other ranks take part in each gather and drop each gathered tensor at once ("meta"
-    # keeps the shape, not the data): under FSDP2 they hold one tensor at a time; ZeRO-3's GatheredParameters still
-    # holds the bucket's parameters whole on every rank while it is open.
+    # Only rank 0 writes. The other ranks take part in each gather (one tensor at a time) and drop each gathered
+    # tensor at once ("meta" keeps the shape, not the data): they hold one tensor at a time, never a bucket.
     # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
     for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
         if is_main:  # the other ranks only take part in the gathers

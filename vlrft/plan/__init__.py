@@ -78,18 +78,32 @@ def check_fits_at_load(cfg, world_size: int) -> MemoryPlan | None:
     return check_fits(cfg, hardware)
 
 
-def node_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The memory this process's node lets it use: the machine's RAM, or the container's cgroup limit where lower
-    (a Kubernetes pod or a Slurm job is killed at its limit, not at the machine's RAM)."""
+def node_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup"), own_cgroups: Path = Path("/proc/self/cgroup")) -> int:
+    """The memory this process may use: the machine's RAM, or the lowest memory limit of its cgroup and the cgroups
+    above it (a Kubernetes pod or a Slurm job is killed at its limit, not at the machine's RAM)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):  # cgroup v2, v1
-        try:
-            text = limit_file.read_text().strip()
-        except OSError:
+    try:
+        lines = own_cgroups.read_text().splitlines()  # "0::/path" (v2), "4:memory:/path" (v1)
+    except OSError:
+        return total
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        if hierarchy == "0":
+            top, limit_file = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            top, limit_file = cgroup_root / "memory", "memory.limit_in_bytes"
+        else:
             continue
-        if text.isdigit():  # "max" (v2) or a huge number (v1) when there is no limit
-            total = min(total, int(text))
-        break
+        folder = top / path.strip("/")
+        for level in [folder, *folder.parents]:
+            try:
+                text = (level / limit_file).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit():  # "max" (v2) or a huge number (v1) when there is no limit
+                total = min(total, int(text))
+            if level == top:
+                break
     return total
 
 
