@@ -175,6 +175,8 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
                                    run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"))])
     for name, overrides in (("PPO", ppo), ("LORA", lora)):
         trainer, history = single_run(setup, name + "-single", *overrides)
+        if name == "LORA":
+            single_lora = trainer  # what one process's weight sync of the trained LoRA policy sends
         ours = results[0 if name == "PPO" else 1]["history"][0]
         assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
         if name == "PPO":  # the critic was sharded and trained too
@@ -184,7 +186,7 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
         single_weights = load_file(folder / (name + "-single") / "checkpoints" / "step_1" / "model" / file)
         assert_close(sharded_weights, single_weights, atol=1e-5 if name == "PPO" else 1e-4)
     # vLLM/SGLang weight sync of the LoRA policy: the merge reads the adapters' DTensor shards
-    assert_lora_sync_merges_the_adapters(torch.load(folder / "sync_lora.pt"), trainer, setup["model"])
+    assert_lora_sync_merges_the_adapters(torch.load(folder / "sync_lora.pt"), single_lora, setup["model"])
 
 
 def test_fsdp2_trains_mixed_image_and_text_only_prompts_like_one_process(setup):

@@ -9,6 +9,7 @@ none of them runs a model. The real engines are exercised in tests/test_rollout_
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import math
@@ -393,20 +394,26 @@ def test_buckets_are_bounded_and_cover_every_weight_once(tiny_vlm_dir):
     assert [name for bucket in buckets for name, _ in bucket] == weights.names
 
 
-def test_lora_policy_is_sent_merged_without_touching_the_trained_model(tiny_vlm_dir):
+def _lora_actor(folder):
+    """(an ActorVL with LoRA adapters whose B is non-zero, what PEFT's own merge of it sends)."""
     from vlrft.models.actor import ActorVL, apply_lora
     from vlrft.models.loading import load_policy
 
-    folder = tiny_vlm_dir("qwen2_vl")
     peft_model = apply_lora(load_policy(folder), rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
     torch.manual_seed(0)
     for name, param in peft_model.named_parameters():
         if "lora_B" in name:  # LoRA starts at B = 0; give the adapters a real delta
             param.data.normal_(0, 0.5)
-    actor = ActorVL(peft_model, image_token_id=6, video_token_id=7)
-    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
     reference = copy.deepcopy(peft_model).merge_and_unload()  # PEFT's own merge, on a copy
     reference_sent = {name: t for b in PolicyWeights(reference, torch.float32).buckets(1 << 30, "cpu") for name, t in b}
+    return ActorVL(peft_model, image_token_id=6, video_token_id=7), reference_sent
+
+
+def test_lora_policy_is_sent_merged_without_touching_the_trained_model(tiny_vlm_dir):
+    folder = tiny_vlm_dir("qwen2_vl")
+    actor, reference_sent = _lora_actor(folder)
+    peft_model = actor.model
+    before = {k: v.clone() for k, v in peft_model.state_dict().items()}
 
     weights = PolicyWeights(actor, torch.float32)
     sent = {name: t for bucket in weights.buckets(1 << 30, "cpu") for name, t in bucket}
@@ -418,6 +425,38 @@ def test_lora_policy_is_sent_merged_without_touching_the_trained_model(tiny_vlm_
         torch.testing.assert_close(sent[name], tensor, rtol=1e-6, atol=1e-6)
     after = peft_model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing merged into the trained model
+
+
+def test_a_partitioned_lora_layer_is_gathered_with_its_adapters_one_tensor_at_a_time(tiny_vlm_dir):
+    """ZeRO-3 partitions every parameter, a LoRA layer's adapters included (an ungathered adapter reads as an
+    empty partition: a zero delta, no error). Here a gather that, like ZeRO-3's, holds parameters whole only
+    inside its context: each sent tensor gathers all it reads, never two tensors' gathers at once."""
+    actor, reference_sent = _lora_actor(tiny_vlm_dir("qwen2_vl"))
+    whole = {id(p): p.data for p in actor.parameters()}
+    for p in actor.parameters():
+        p.data = torch.empty(0, dtype=p.dtype)  # partitioned: this rank holds nothing of it
+    opened: list[int] = []
+
+    @contextlib.contextmanager
+    def gather(tensors):
+        params = [t for t in tensors if id(t) in whole]  # buffers are never partitioned
+        assert all(p.numel() == 0 for p in params)  # not nested in another tensor's gather
+        opened.append(len(params))
+        for p in params:
+            p.data = whole[id(p)]
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    sent = {name: t for bucket in PolicyWeights(actor, torch.float32, gather).buckets(1 << 30, "cpu")
+            for name, t in bucket}
+    assert sorted(sent) == sorted(reference_sent)
+    for name, tensor in reference_sent.items():
+        torch.testing.assert_close(sent[name], tensor, rtol=1e-6, atol=1e-6)
+    assert max(opened) == 3  # a LoRA layer's weight with its A and B; every other tensor alone
+    assert all(p.numel() == 0 for p in actor.parameters())  # nothing left gathered
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle

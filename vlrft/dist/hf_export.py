@@ -2,7 +2,7 @@
 
 `save_pretrained` wants the whole state dict in one process: for a sharded 72B policy that is 288 GB of
 float32 in rank 0's host memory at every checkpoint. Here every rank walks `PolicyWeights.buckets` in
-lock-step (each bucket gathered collectively) and rank 0 writes each bucket as one safetensors file as it
+lock-step (each tensor gathered collectively) and rank 0 writes each bucket as one safetensors file as it
 arrives, then the index, the config and the processor: rank 0 holds one bucket (`SHARD_BYTES`) at a time.
 Names are those `save_pretrained` writes (`PolicyWeights`: transformers' reversion of its in-memory names,
 tied weights once), dtypes the weights' own, so `from_pretrained` reads the folder as it reads one

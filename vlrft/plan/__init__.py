@@ -87,7 +87,10 @@ def node_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup"), own_cgroups: P
     except OSError:
         return total
     for line in lines:
-        hierarchy, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:  # a line this reading does not know: no limit learnt from it
+            continue
+        hierarchy, controllers, path = parts
         if hierarchy == "0":
             top, limit_file = cgroup_root, "memory.max"
         elif "memory" in controllers.split(","):

@@ -155,7 +155,7 @@ class EngineOptions:
     device: torch.device | str  # where sent tensors are materialised (the rank's GPU)
     sleep_between_steps: bool = True
     bucket_bytes: int = 512 << 20
-    # The strategy's context for reading a bucket's parameters whole (ZeRO-3); None: nothing to gather.
+    # The strategy's context for reading parameters whole (ZeRO-3), opened per tensor; None: nothing to gather.
     gather: Callable[[list[torch.Tensor]], ContextManager] | None = None
     seed: int = 0  # the engine's sampling seed: equal on the ranks of a tensor-parallel group (RankLayout.seed)
 
