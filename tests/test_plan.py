@@ -299,6 +299,22 @@ def test_plan_command_exit_status_and_json(vlrft):
     assert bad.returncode == 2 and "--gpu-memory" in bad.stderr
 
 
+def test_plan_command_checks_the_nodes_host_memory_when_given(vlrft):
+    roomy = vlrft("plan", CONFIG_7B, "--gpus", "8", "--host-memory", "2TiB")
+    assert roomy.returncode == 0, roomy.stdout
+    assert "host memory: the first node's largest phase fits in 2048.0 GiB" in roomy.stdout
+    small = vlrft("plan", CONFIG_7B, "--gpus", "8", "--host-memory", "8GiB", "--json")
+    figures = json.loads(small.stdout)
+    assert small.returncode == 1 and figures["fits"] is True  # the GPUs fit; the node's RAM does not
+    assert figures["host_fits"] is False and figures["host_memory"] == 8 * GiB
+    assert max(figures["host_phases"].values()) > 8 * GiB
+    text = vlrft("plan", CONFIG_7B, "--gpus", "8", "--host-memory", "8GiB")
+    assert text.returncode == 1 and "memory plan: the first node needs about" in text.stdout
+    assert "host_memory" not in json.loads(vlrft("plan", CONFIG_7B, "--json").stdout)  # only when asked
+    bad = vlrft("plan", CONFIG_7B, "--host-memory", "plenty")
+    assert bad.returncode == 2 and "--host-memory" in bad.stderr
+
+
 def test_plan_command_reads_any_model_folder(tiny_vlm_dir, tmp_path, vlrft):
     folder = tiny_vlm_dir("qwen3_vl")
     config = tmp_path / "tiny.yaml"

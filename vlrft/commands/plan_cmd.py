@@ -2,6 +2,7 @@
 
     vlrft plan configs/qwen2_5_vl_7b_grpo_geometry3k.yaml --gpus 8 --gpu-memory 80GiB
     vlrft plan CONFIG --gpus 8 --nodes 2 --strategy deepspeed --zero-stage 3 --json
+    vlrft plan CONFIG --gpus 8 --nodes 4 --offload --host-memory 512GiB   # the nodes' RAM checked too
 
 Reads only the model's config.json (a local folder, a config shipped with vlrft for the Hub names of
 the shipped configs, or --model-config), never the weights.
@@ -19,12 +20,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 *
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--gpu-memory") -> int:
     """'80GiB', '80GB', '141 GB', '79.6GiB' -> bytes. A bare number means GiB."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS:
-        raise UserError(f"plan: --gpu-memory {text!r} is not a size; write e.g. 80GiB, 80GB or 141GB")
+        raise UserError(f"plan: {option} {text!r} is not a size; write e.g. 80GiB, 80GB or 141GB")
     value = float(match.group(1))
     return int(value * (_UNITS[unit] if unit else 1 << 30))
 
@@ -43,12 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", default=None, metavar="PATH",
                         help="the model's config.json (or its folder) when model.path is not local")
     parser.add_argument("--images-per-prompt", type=int, default=1, help="images in each prompt (default 1)")
+    parser.add_argument("--host-memory", default=None, metavar="SIZE",
+                        help="RAM of one node (or its job's memory limit), e.g. 512GiB: also check the first node's "
+                             "host memory (exit 1 when above it)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from vlrft.config import load_config
-    from vlrft.plan import Hardware, format_plan, plan_for_config, strategy_from_config
+    from vlrft.plan import GiB, Hardware, format_plan, host_memory_warning, plan_for_config, strategy_from_config
 
     cfg = load_config(args.config, args.overrides, validate=False)
     strategy = strategy_from_config(cfg, args.strategy, args.zero_stage, args.offload)
@@ -64,6 +68,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"plan: strategy 'single' runs one process, not {hardware.world_size}; pass --strategy ddp, "
                         "fsdp2 or deepspeed, or --gpus 1")
     cfg.validate(hardware.world_size)
+    node_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory is not None else None
     plan = plan_for_config(cfg, hardware, strategy, args.model_config, args.images_per_prompt)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else format_plan(plan))
-    return 0 if plan.fits else 1
+    host_warning = host_memory_warning(plan, node_memory) if node_memory is not None else None
+    if args.json:
+        figures = plan.to_json()
+        if node_memory is not None:
+            figures.update(host_memory=node_memory, host_fits=host_warning is None)
+        print(json.dumps(figures, indent=2))
+    else:
+        print(format_plan(plan))
+        if node_memory is not None:
+            print(host_warning or f"host memory: the first node's largest phase fits in {node_memory / GiB:.1f} GiB")
+    return 0 if plan.fits and host_warning is None else 1
