@@ -12,6 +12,7 @@ from vlrft.config import load_config
 from vlrft.errors import UserError
 from vlrft.logging import read_metrics
 from vlrft.models.actor import ActorVL
+from vlrft.models.loading import load_processor
 from vlrft.trainer import Trainer
 
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -135,6 +136,24 @@ def test_non_finite_loss_skips_the_update(tmp_path, tiny_vlm_dir, shapes, capsys
         assert "optimizer step is skipped on every rank" in capsys.readouterr().out
     finally:
         POLICY_LOSSES.pop("nan_for_test")
+
+
+def test_a_node_below_the_plans_host_memory_is_warned_of_before_the_model_loads(tmp_path, tiny_vlm_dir, shapes,
+                                                                                 monkeypatch, capsys):
+    """On GPUs the trainer checks the plan at load (a no-op on CPU): here the plan of the tiny model is handed in
+    as the GPU check would, on a node said to have 1 KiB."""
+    from vlrft.plan import GiB, Hardware, plan_for_config
+
+    cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=1")
+    plan = plan_for_config(cfg, Hardware(gpus_per_node=1, gpu_memory=80 * GiB))
+    loaded = []
+    monkeypatch.setattr("vlrft.trainer.trainer.check_fits_at_load", lambda cfg, world: plan)
+    monkeypatch.setattr("vlrft.trainer.trainer.node_memory_bytes", lambda: 1 << 10)  # the tiny policy: 0.9 MB
+    monkeypatch.setattr("vlrft.trainer.trainer.load_processor",
+                        lambda *a, **k: loaded.append(capsys.readouterr().out) or load_processor(*a, **k))
+    Trainer(cfg)
+    assert loaded and "memory plan: the first node needs about" in loaded[0]  # said before anything loads
+    assert "but has 0.0 GiB" in loaded[0] and "checkpoint_read" in loaded[0]
 
 
 def test_a_failing_reward_names_the_function_or_counts_as_not_applicable(tmp_path, tiny_vlm_dir, shapes):
