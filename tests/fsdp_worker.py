@@ -28,12 +28,29 @@ from vlrft.rollout.weights import PolicyWeights  # noqa: E402
 
 
 def sync_weights(trainer, out: Path) -> None:
-    """Every rank walks the buckets (gathering is collective); each records what it would send."""
+    """Every rank walks the buckets (gathering is collective); each records what it would send, in float32 and
+    in bfloat16 (with the dtypes FSDP2's `full_tensor()` gathered in)."""
+    from torch.distributed.tensor import DTensor
+
     engine = RecordingEngine()
     for bucket in PolicyWeights(trainer.actor, torch.float32, trainer.strategy.gathered).buckets(1 << 16, "cpu"):
         engine.load(bucket)
+    gathered_dtypes = set()
+    full_tensor = DTensor.full_tensor
+
+    def recording(self, *args, **kwargs):
+        gathered_dtypes.add(str(self.dtype))
+        return full_tensor(self, *args, **kwargs)
+
+    DTensor.full_tensor = recording
+    try:
+        bf16 = {name: t for bucket in PolicyWeights(trainer.actor, torch.bfloat16, trainer.strategy.gathered)
+                .buckets(1 << 16, "cpu") for name, t in bucket}
+    finally:
+        DTensor.full_tensor = full_tensor
     if trainer.strategy.is_main:
-        torch.save({"received": engine.received, "duplicates": engine.duplicates}, out)
+        torch.save({"received": engine.received, "duplicates": engine.duplicates, "received_bf16": bf16,
+                    "gathered_dtypes_bf16": sorted(gathered_dtypes)}, out)
 
 
 def _count_lean_decode_steps() -> list[int]:

@@ -139,6 +139,10 @@ def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup
     # and exactly the weights FSDP2 saved for that step
     saved = weights(setup, "A", 3)
     assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
+    # A bfloat16 engine's sync: each shard is cast before it is gathered (half the bytes), same values
+    assert sent["gathered_dtypes_bf16"] == ["torch.bfloat16"]
+    assert sorted(sent["received_bf16"]) == sorted(sent["received"])
+    assert all(torch.equal(sent["received_bf16"][k], v.to(torch.bfloat16)) for k, v in sent["received"].items())
 
 
 def test_fsdp2_trains_with_the_hf_engine_and_evaluates(setup, sharded):

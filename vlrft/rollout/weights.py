@@ -191,9 +191,10 @@ class PolicyWeights:
     def _materialise(self, entry: _Entry, device: torch.device | str | None) -> torch.Tensor:
         with torch.no_grad(), self._gather(list(entry.gathered)):  # released before the next tensor is gathered
             tensor = entry.produce()
-            if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
-                tensor = tensor.full_tensor()
             dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+            if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
+                # cast the shard, then gather: a bfloat16 engine's sync moves and holds half of float32's bytes
+                tensor = tensor.to(dtype).full_tensor()
             return tensor.to(device=device, dtype=dtype).contiguous()
 
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
