@@ -137,9 +137,8 @@ def _numel(tensor: torch.Tensor) -> int:
 @dataclass(frozen=True)
 class _Entry:
     name: str  # checkpoint name
-    source: torch.Tensor  # the parameter (or buffer) it is read from
     produce: Callable[[], torch.Tensor]
-    gathered: tuple[torch.Tensor, ...]  # what `produce` reads: the source, and a LoRA layer's adapter weights
+    gathered: tuple[torch.Tensor, ...]  # what `produce` reads: the parameter (or buffer), and a LoRA layer's adapters
     nbytes: int  # at the engine dtype
 
 
@@ -174,7 +173,7 @@ class PolicyWeights:
         # Sharded tensors are gathered collectively: every rank must walk the buckets in lock-step.
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
-            _Entry(names[name], plain[name], producers[name], reads[name],
+            _Entry(names[name], producers[name], reads[name],
                    _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if dtype is not None and
                                           plain[name].is_floating_point() else plain[name].element_size()))
             for name in plain
