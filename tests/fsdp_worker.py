@@ -29,17 +29,18 @@ from vlrft.rollout.weights import PolicyWeights  # noqa: E402
 
 def sync_weights(trainer, out: Path) -> None:
     """Every rank walks the buckets (gathering is collective); each records what it would send, in float32 and
-    in bfloat16 (with the dtypes FSDP2's `full_tensor()` gathered in)."""
+    in bfloat16 (with the dtypes FSDP2's `full_tensor()` gathered in, and the devices it gathered on)."""
     from torch.distributed.tensor import DTensor
 
     engine = RecordingEngine()
     for bucket in PolicyWeights(trainer.actor, torch.float32, trainer.strategy.gathered).buckets(1 << 16, "cpu"):
         engine.load(bucket)
-    gathered_dtypes = set()
+    gathered_dtypes, gathered_devices = set(), set()
     full_tensor = DTensor.full_tensor
 
     def recording(self, *args, **kwargs):
         gathered_dtypes.add(str(self.dtype))
+        gathered_devices.add(self.device.type)
         return full_tensor(self, *args, **kwargs)
 
     DTensor.full_tensor = recording
@@ -50,7 +51,8 @@ def sync_weights(trainer, out: Path) -> None:
         DTensor.full_tensor = full_tensor
     if trainer.strategy.is_main:
         torch.save({"received": engine.received, "duplicates": engine.duplicates, "received_bf16": bf16,
-                    "gathered_dtypes_bf16": sorted(gathered_dtypes)}, out)
+                    "gathered_dtypes_bf16": sorted(gathered_dtypes), "gathered_devices_bf16": sorted(gathered_devices)},
+                   out)
 
 
 def _count_lean_decode_steps() -> list[int]:

@@ -141,7 +141,22 @@ def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup
     assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
     # A bfloat16 engine's sync: each shard is cast before it is gathered (half the bytes), same values
     assert sent["gathered_dtypes_bf16"] == ["torch.bfloat16"]
+    assert sent["gathered_devices_bf16"] == ["cpu"]  # where the shards are: nothing moved on a CPU mesh
     assert sorted(sent["received_bf16"]) == sorted(sent["received"])
+    assert all(torch.equal(sent["received_bf16"][k], v.to(torch.bfloat16)) for k, v in sent["received"].items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: train.fsdp.cpu_offload keeps the shards in "
+                    "host memory under a CUDA device mesh, which a CPU machine cannot build")
+def test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync(setup):
+    """With train.fsdp.cpu_offload the shards live in host memory; the weight sync moves each to the GPU before
+    gathering it (NCCL), instead of gathering host tensors over the process group's gloo backend."""
+    run_plan(setup["folder"], 1, [run_args(setup, "OFFLOAD", "train.total_steps=1", "train.fsdp.cpu_offload=true",
+                                           sync_out=str(setup["folder"] / "sync_offload.pt"))])
+    sent = torch.load(setup["folder"] / "sync_offload.pt")
+    assert sent["gathered_devices_bf16"] == ["cuda"]
+    saved = weights(setup, "OFFLOAD", 1)
+    assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
     assert all(torch.equal(sent["received_bf16"][k], v.to(torch.bfloat16)) for k, v in sent["received"].items())
 
 

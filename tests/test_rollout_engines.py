@@ -37,7 +37,7 @@ from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOu
                                     vllm_requests)
 from vlrft.rollout.sglang import sglang_sampling_params
 from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
-from vlrft.rollout.weights import PolicyWeights
+from vlrft.rollout.weights import PolicyWeights, on_mesh_device
 
 ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 DATA = DataConfig(max_prompt_length=512, video_fps=2.0)
@@ -457,6 +457,33 @@ def test_a_partitioned_lora_layer_is_gathered_with_its_adapters_one_tensor_at_a_
         torch.testing.assert_close(sent[name], tensor, rtol=1e-6, atol=1e-6)
     assert max(opened) == 3  # a LoRA layer's weight with its A and B; every other tensor alone
     assert all(p.numel() == 0 for p in actor.parameters())  # nothing left gathered
+
+
+class MockHostShardOfACudaMesh:
+    """A mock of what cannot exist on a CPU machine: an FSDP2 `cpu_offload` shard, a DTensor whose local values
+    live in host memory under a CUDA device mesh. It records where it was when gathered."""
+
+    def __init__(self, values: torch.Tensor, device: str = "cpu", gathered_on: list[str] | None = None):
+        self.values, self.device = values, torch.device(device)
+        self.device_mesh = SimpleNamespace(device_type="cuda")
+        self.gathered_on = [] if gathered_on is None else gathered_on
+
+    def to(self, device):
+        return MockHostShardOfACudaMesh(self.values, device, self.gathered_on)
+
+    def full_tensor(self) -> torch.Tensor:
+        self.gathered_on.append(self.device.type)
+        return self.values
+
+
+def test_an_offloaded_shard_is_gathered_on_its_meshs_device_not_over_the_cpu_group():
+    """FSDP2 cpu_offload: gathering the host shard as it is would run the all-gather over gloo (the process
+    group's CPU backend); the shard goes to the mesh's device first, as FSDP2's own unshard does."""
+    shard = MockHostShardOfACudaMesh(torch.ones(3))
+    on_mesh_device(shard).full_tensor()
+    assert shard.gathered_on == ["cuda"]
+    already = MockHostShardOfACudaMesh(torch.ones(3), device="cuda")
+    assert on_mesh_device(already) is already  # no copy where the shard is already on its mesh's device
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one prepared run with a time limit each, about 9.5 minutes in all
+# Every check that needs a GPU, in one prepared run with a time limit each, about 11 minutes in all
 # (a lent GPU machine has minutes, not hours). Run from the repository root:
 #
 #     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)
 #     OUT=/tmp/out SIZE=1.5b GRAPHS=1 bash tools/gpu_checks.sh   # a larger model; also with CUDA graphs
 #
 # 1. imports and the GPU, then `vlrft env`; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast; the
-# engine GPU tests skip without vLLM/SGLang); 3. the hf engine's decode rates on a 0.5B-shaped random
-# model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py);
+# engine GPU tests skip without vLLM/SGLang), and FSDP2 cpu_offload's weight sync gathering on the GPU;
+# 3. the hf engine's decode rates on a 0.5B-shaped random model, float32 weights under bf16 autocast as the
+# trainer samples (bench/bench_decode.py);
 # 4. training MFU, rollout tokens/s and peak memory beside the plan for a random Qwen2.5-VL of
 # $SIZE (default 0.5b), one process (tools/gpu_bench.py), with GRAPHS=1 also with
 # rollout.cuda_graph_decode. A step that fails or runs out of time is reported and the next one runs.
@@ -45,6 +46,8 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
 fi
 step cuda_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
     tests/test_rollout_engines_gpu.py -k "cuda or gpu"
+step offload_sync 120 python -m pytest -q -x -p no:cacheprovider \
+    tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync
 step decode_rates 120 python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
     --tokens 256 --regimes 1,3 --repeats 3
 step train_bench 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \

@@ -134,6 +134,18 @@ def _numel(tensor: torch.Tensor) -> int:
     return int(getattr(tensor, "ds_numel", tensor.numel()))
 
 
+def on_mesh_device(shard: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard moved to its device mesh's device type, where it is elsewhere.
+
+    FSDP2's `cpu_offload` keeps the shards in host memory under a CUDA mesh; gathered as they are,
+    the all-gather would run on the CPU tensors, over the process group's gloo backend (slow across
+    nodes). FSDP2's own unshard copies a shard to the GPU first, and so does this: the gather then
+    runs over NCCL, one tensor at a time. `"cuda"` is the current device, which each rank has set.
+    """
+    device_type = shard.device_mesh.device_type
+    return shard if shard.device.type == device_type else shard.to(device_type)
+
+
 @dataclass(frozen=True)
 class _Entry:
     name: str  # checkpoint name
@@ -193,7 +205,7 @@ class PolicyWeights:
             dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
             if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
                 # cast the shard, then gather: a bfloat16 engine's sync moves and holds half of float32's bytes
-                tensor = tensor.to(dtype).full_tensor()
+                tensor = on_mesh_device(tensor.to(dtype)).full_tensor()
             return tensor.to(device=device, dtype=dtype).contiguous()
 
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
