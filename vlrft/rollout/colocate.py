@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import torch
@@ -72,7 +73,9 @@ class RankLayout:
 class GroupComm:
     """Object collectives inside this rank's tensor-parallel group (gloo: prompts and results stay on the CPU)."""
 
-    def __init__(self, layout: RankLayout):
+    def __init__(self, layout: RankLayout, timeout: timedelta | None = None):
+        """`timeout`: the group's collective timeout (`train.dist_timeout_minutes`; None: torch's gloo default,
+        30 min). Members wait in it while the leader's engine starts and generates."""
         self.layout = layout
         self.group = None
         if layout.tp_size > 1:
@@ -82,7 +85,7 @@ class GroupComm:
                 raise ConfigError(f"config: rollout.tensor_parallel_size={layout.tp_size} needs the processes of a "
                                   "torchrun launch (torch.distributed is not initialised)")
             ranks = [list(range(g * layout.tp_size, (g + 1) * layout.tp_size)) for g in range(layout.num_groups)]
-            self.group, _ = dist.new_subgroups_by_enumeration(ranks, backend="gloo")
+            self.group, _ = dist.new_subgroups_by_enumeration(ranks, timeout=timeout, backend="gloo")
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every member's `obj`, in member order (just `[obj]` without tensor parallelism)."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlrft.dist.strategy import collective_timeout
 from vlrft.errors import require
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
@@ -231,7 +232,7 @@ class SGLangEngine(ColocatedEngine):
         sgl = require("sglang", "rollout.engine=sglang", extra="sglang")
         strategy = deps.strategy
         layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
-        comm = GroupComm(layout)
+        comm = GroupComm(layout, collective_timeout(cfg))
         backend = None
         if layout.is_leader:
             device = torch.device(strategy.device)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vlrft.dist.strategy import collective_timeout
 from vlrft.errors import UserError, require
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
@@ -177,7 +178,7 @@ class VLLMEngine(ColocatedEngine):
         layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
         # Under torchrun the process group exists: vLLM joins it (external launcher) instead of making its own.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        comm = GroupComm(layout)
+        comm = GroupComm(layout, collective_timeout(cfg))
         # The engine core must live in this process: the policy's tensors are loaded into its model.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
