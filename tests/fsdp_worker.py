@@ -4,7 +4,8 @@
 processes (one FSDP2 strategy, one process group), each with the `ScriptedEngine` test double
 unless the run says `"scripted": false` (then the configured engine), and rank 0 writes the
 plan's "out" file: each run's metric history; a run with "sync_out" also saves what a weight sync
-from the shards sent. `python fsdp_worker.py fail` has rank 1
+from the shards sent; one with "watch_gradients" records whether each backward left every trained parameter
+with its reduced gradient shard. `python fsdp_worker.py fail` has rank 1
 raise while rank 0 waits in a collective.
 """
 
@@ -70,6 +71,25 @@ def _count_lean_decode_steps() -> list[int]:
     return counter
 
 
+def watch_gradients(strategy) -> list[bool]:
+    """After each backward, whether every trained parameter holds its reduced shard of the gradient (a sharded
+    gradient as big as its parameter's shard), i.e. nothing waits unreduced on unsharded parameters."""
+    from torch.distributed.tensor import DTensor
+
+    sharded_after_each: list[bool] = []
+    backward = strategy.backward
+
+    def watched(loss, module):
+        backward(loss, module)
+        trained = [p for p in module.parameters() if p.requires_grad]
+        sharded_after_each.append(bool(trained) and all(
+            isinstance(p, DTensor) and isinstance(p.grad, DTensor)
+            and p.grad.to_local().numel() == p.to_local().numel() for p in trained))
+
+    strategy.backward = watched
+    return sharded_after_each
+
+
 def run_plan(plan_file: str) -> None:
     from vlrft.trainer import Trainer
 
@@ -90,6 +110,7 @@ def run_plan(plan_file: str) -> None:
         cfg = load_config(run["config"], overrides, validate=False)
         if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
             strategy = make_strategy(cfg.train.strategy, cfg)
+        sharded_grads = watch_gradients(strategy) if run.get("watch_gradients") else None
         try:
             trainer = Trainer(cfg, strategy)
             history = trainer.fit()
@@ -98,7 +119,10 @@ def run_plan(plan_file: str) -> None:
             continue
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
-        results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0]})
+        if sharded_grads is not None:
+            strategy.backward = type(strategy).backward.__get__(strategy)  # unwatched for the next run
+        results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
+                        "gradients_sharded_after_each_backward": sharded_grads})
     if strategy.is_main:
         Path(plan["out"]).write_text(json.dumps(results))
     strategy.close()

@@ -58,13 +58,14 @@ def sharded(setup):
     start = time.perf_counter()
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "A", sync_out=str(setup["folder"] / "sync.pt")),
-        run_args(setup, "B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1"),
+        run_args(setup, "B", "train.total_steps=1", "train.micro_batch_completions_per_rank=1", watch_gradients=True),
         run_args(setup, "C", "train.total_steps=2", "train.eval_every=2", "train.micro_batch_completions_per_rank=2",
                  scripted=False),
         # as A, with the shards and optimizer state copied to host memory and back around every rollout
         run_args(setup, "O", "rollout.engine=vllm", "train.fsdp.offload_during_rollout=true", new_strategy=True),
     ])
     return {"A": results[0]["history"], "B": results[1]["history"], "C": results[2]["history"],
+            "B_gradients_sharded": results[1]["gradients_sharded_after_each_backward"],
             "O": results[3]["history"], "seconds": time.perf_counter() - start}
 
 
@@ -125,6 +126,13 @@ def test_offloading_during_rollout_trains_bitwise_like_without(setup, sharded):
 
 def test_fsdp2_micro_batch_1_and_4_give_the_same_weights(setup, sharded):
     assert_close(weights(setup, "B", 1), weights(setup, "A", 1))
+
+
+def test_accumulated_gradients_stay_sharded_after_every_micro_batch(sharded):
+    """Run B: 8 micro-batches of one completion per rank. After each backward every trained parameter holds its
+    reduced shard of the gradient; FSDP2's no-sync accumulation would keep whole float32 gradients on every rank
+    (on a GPU, the whole model's gradients: +31 GiB per GPU for 7B) until the last micro-batch."""
+    assert sharded["B_gradients_sharded"] == [True] * 8
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup, sharded, single):
