@@ -145,6 +145,25 @@ def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():
     assert engine.phase_total("rollout") - base.phase_total("rollout") == pytest.approx(0.3 * 80 * GiB, abs=1)
 
 
+def test_with_tools_the_plan_counts_a_whole_trajectory_after_the_prompt():
+    """Multi-turn rows hold the prompt plus up to rollout.max_trajectory_tokens: the training activations and the
+    engine's longest sequence are counted at that length, not at prompt + max_new_tokens."""
+    from vlrft.config import ToolConfig
+
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    cfg = load_config(CONFIG_7B, validate=False)
+    hw, fsdp = Hardware(), StrategyChoice("fsdp2")
+    base = plan_memory(cfg, shape, hw, fsdp)
+    tools = replace(cfg.rollout, engine="vllm", tools=[ToolConfig(name="zoom")],
+                    max_trajectory_tokens=4 * cfg.rollout.max_new_tokens)
+    plan = plan_memory(replace(cfg, rollout=tools), shape, hw, fsdp)
+    assert plan.component("activations") > base.component("activations")
+    vllm = plan_memory(replace(cfg, rollout=replace(cfg.rollout, engine="vllm")), shape, hw, fsdp)
+    longer = cfg.data.max_prompt_length + tools.max_trajectory_tokens
+    shorter = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    assert plan.engine_kv_needed * shorter == vllm.engine_kv_needed * longer
+
+
 def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     cfg = load_config(CONFIG_7B, validate=False)

@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlrft.config import Config, DataConfig
+from vlrft.config import Config, DataConfig, ToolConfig
 from vlrft.data import PromptEncoder, Sample
 from vlrft.errors import ConfigError, MissingDependencyError
 from vlrft.rollout.base import SamplingParams
@@ -35,7 +35,7 @@ from vlrft.rollout.outputs import (EngineError, EngineSample, PromptMismatchErro
 from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOutput, expand_vision_placeholders,
                                     fold_vision_placeholders, placeholder_runs, sglang_requests, tokens_per_item,
                                     vllm_requests)
-from vlrft.rollout.sglang import sglang_sampling_params
+from vlrft.rollout.sglang import sglang_engine_kwargs, sglang_sampling_params
 from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
 from vlrft.rollout.weights import PolicyWeights, on_mesh_device
 
@@ -126,6 +126,20 @@ def test_vllm_engine_kwargs_follow_the_config():
     assert kwargs["enforce_eager"] is True and kwargs["seed"] == 7  # engine_kwargs win
     older = vllm_engine_kwargs(cfg, RankLayout(0, 1, 1), distributed=False, supported=set())
     assert "logprobs_mode" not in older and "distributed_executor_backend" not in older
+
+
+def test_with_tools_the_engines_take_a_whole_trajectory_after_the_prompt():
+    """A later turn's request is the prompt plus the trajectory so far (up to rollout.max_trajectory_tokens), which
+    a context of prompt + max_new_tokens would refuse mid-run."""
+    cfg = Config()
+    cfg.rollout.max_new_tokens, cfg.data.max_prompt_length = 512, 1024
+    cfg.rollout.tools, cfg.rollout.max_trajectory_tokens = [ToolConfig(name="zoom")], 3000
+    layout = RankLayout(0, 1, 1)
+    assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 4024
+    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 4024
+    cfg.rollout.max_model_len = 5000  # an explicit length wins
+    assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 5000
+    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 5000
 
 
 # ---------------------------------------------------------------------------------------------- requests

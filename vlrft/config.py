@@ -162,7 +162,7 @@ class RolloutConfig:
     sleep_between_steps: bool = option(True, "vLLM/SGLang: release engine weights and KV cache while the trainer "
                                        "runs")
     max_model_len: int | None = option(None, "vLLM/SGLang: longest sequence; default: data.max_prompt_length + "
-                                       "rollout.max_new_tokens")
+                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens)")
     weight_sync_bucket_mb: int = option(512, "vLLM/SGLang: weights are sent to the engine in buckets of about "
                                         "this many MB")
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
@@ -212,6 +212,16 @@ class RolloutConfig:
                 TOOLS.is_known(spec.name)
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace("rollout.tools[*].name", f"rollout.tools[{i}].name", 1)) from None
+
+    @property
+    def tokens_after_prompt(self) -> int:
+        """Most tokens a row holds after its prompt: one completion, or with tools a whole trajectory."""
+        return self.max_trajectory_tokens if self.tools else self.max_new_tokens
+
+    def engine_max_len(self, max_prompt_length: int) -> int:
+        """vLLM/SGLang's longest sequence: `max_model_len`, else the prompt budget plus what may follow it (with
+        tools a later turn's request is the prompt and the trajectory so far)."""
+        return self.max_model_len or max_prompt_length + self.tokens_after_prompt
 
     @property
     def batch_size(self) -> int:

@@ -343,7 +343,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         resident = critic.parameters + critic.optimizer + critic.buffers
         comps.append(Component("critic", resident, both, "value model: parameters + optimizer state (as the policy)"))
         comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
-    seq_len = d.max_prompt_length + r.max_new_tokens
+    seq_len = d.max_prompt_length + r.tokens_after_prompt  # a trajectory with tools
     patches = d.max_pixels // (shape.vision.patch_size ** 2)
     if t.max_tokens_per_micro_batch > 0:
         # A token budget bounds the forward's tokens, not its rows (a row longer than the budget runs alone). Each
@@ -383,7 +383,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         weights = 2 * params // r.tensor_parallel_size
         kv_avail = budget - weights - 1 * GiB  # vLLM keeps about 1 GiB for its own activations
-        max_len = r.max_model_len or seq_len
+        max_len = r.engine_max_len(d.max_prompt_length)
         kv_needed = max_len * kv_bytes_per_token(shape, 2) // r.tensor_parallel_size
         comps.append(Component("engine_weights", weights, rollout,
                                f"{r.engine}: bfloat16 weights / tensor_parallel_size {r.tensor_parallel_size}"))
@@ -439,7 +439,7 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         key = "train.fsdp.cpu_offload: true" if strategy.name == "fsdp2" else "train.deepspeed.offload_optimizer: true"
         add(f"offload to the CPU ({key})", trial(s=dataclasses.replace(strategy, offload_optimizer=True)))
     budget = cfg.train.max_tokens_per_micro_batch
-    seq_len = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.tokens_after_prompt
     while budget > seq_len:  # with a token budget the rows do not bound a forward; the budget does
         budget = max(seq_len, budget // 2)
         p = trial(c=_with(cfg, "train", max_tokens_per_micro_batch=budget))

@@ -103,7 +103,7 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
         tp_size=r.tensor_parallel_size,
         base_gpu_id=gpu_id,
         mem_fraction_static=r.gpu_memory_utilization,
-        context_length=r.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        context_length=r.engine_max_len(cfg.data.max_prompt_length),
         enable_memory_saver=r.sleep_between_steps,
         random_seed=layout.seed(cfg.train.seed),
         port=30000 + 10 * layout.group,  # engines of one node must not share ports

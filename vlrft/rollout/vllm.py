@@ -87,7 +87,7 @@ def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: se
         trust_remote_code=cfg.model.trust_remote_code,
         tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
-        max_model_len=r.max_model_len or cfg.data.max_prompt_length + r.max_new_tokens,
+        max_model_len=r.engine_max_len(cfg.data.max_prompt_length),
         enable_sleep_mode=r.sleep_between_steps,
         enable_prefix_caching=True,  # the n completions of a prompt share its prefill
         seed=layout.seed(cfg.train.seed),
