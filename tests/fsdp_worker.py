@@ -90,6 +90,17 @@ def watch_gradients(strategy) -> list[bool]:
     return sharded_after_each
 
 
+def _resharded(model) -> bool | None:
+    """Whether every parameter of a frozen model is back to its shard (None: no such model). FSDP2 swaps a module's
+    parameters for whole tensors while they are gathered; the root (embeddings, LM head) is the one FSDP2 may
+    keep gathered after a forward, and a frozen model runs no backward that would reshard it."""
+    if model is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in model.parameters())
+
+
 def run_plan(plan_file: str) -> None:
     from vlrft.trainer import Trainer
 
@@ -122,7 +133,8 @@ def run_plan(plan_file: str) -> None:
         if sharded_grads is not None:
             strategy.backward = type(strategy).backward.__get__(strategy)  # unwatched for the next run
         results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
-                        "gradients_sharded_after_each_backward": sharded_grads})
+                        "gradients_sharded_after_each_backward": sharded_grads,
+                        "reference_resharded": _resharded(trainer.ref)})
     if strategy.is_main:
         Path(plan["out"]).write_text(json.dumps(results))
     strategy.close()

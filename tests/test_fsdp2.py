@@ -204,6 +204,8 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
         trainer, history = single_run(setup, name + "-single", *overrides)
         if name == "LORA":
             single_lora = trainer  # what one process's weight sync of the trained LoRA policy sends
+        if name == "PPO":  # the reference's forward left no gathered copy of its weights behind
+            assert results[0]["reference_resharded"] is True
         ours = results[0 if name == "PPO" else 1]["history"][0]
         assert ours["actor/grad_norm"] == pytest.approx(history[0]["actor/grad_norm"], rel=1e-4)
         if name == "PPO":  # the critic was sharded and trained too
