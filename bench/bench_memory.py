@@ -42,7 +42,7 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def write_config(folder: Path, model: Path, strategy: str) -> Path:
+def write_config(folder: Path, model: Path, strategy: str, micro_batch: int = 4) -> Path:
     import yaml
 
     cfg = {
@@ -51,7 +51,8 @@ def write_config(folder: Path, model: Path, strategy: str) -> Path:
                  "min_pixels": 3136, "max_pixels": 3136, "max_prompt_length": 256},
         "rollout": {"engine": "hf", "n": 2, "global_batch_completions": 8, "max_new_tokens": 4, "min_new_tokens": 4},
         "reward": {"functions": [{"name": "exact_match"}]},
-        "train": {"output_dir": str(folder / f"run_{strategy}"), "skip_zero_advantage_rows": False, "total_steps": 1, "micro_batch_completions_per_rank": 4,
+        "train": {"output_dir": str(folder / f"run_{strategy}"), "skip_zero_advantage_rows": False, "total_steps": 1,
+                  "micro_batch_completions_per_rank": micro_batch,
                   "strategy": strategy, "eval_before_training": False},
         "logging": {"tensorboard": False, "progress": False, "completions_every": 0},
     }
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bench_memory")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeout", type=int, default=1200)
+    parser.add_argument("--micro-batch", type=int, default=4, help="completions per forward/backward (4 per rank "
+                        "in all: 4 = one micro-batch, 1 = four, with gradients accumulated over them)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{strategy}: skipped (make_strategy in this checkout knows {', '.join(known)})")
             continue
         start = time.perf_counter()
-        out = run(write_config(folder, model, strategy), args.ranks, args.timeout)
+        out = run(write_config(folder, model, strategy, args.micro_batch), args.ranks, args.timeout)
         if out is not None:
             out["wall_s"] = round(time.perf_counter() - start, 1)
             results.append(out)

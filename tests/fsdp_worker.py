@@ -128,10 +128,11 @@ def run_plan(plan_file: str) -> None:
         except UserError as exc:  # a run expected to be refused: every rank raises it together
             results.append({"error": str(exc), "traceback": traceback.format_exc()})  # where, if it was not expected
             continue
+        finally:
+            if sharded_grads is not None:
+                del strategy.backward  # unwatched for the next run
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
-        if sharded_grads is not None:
-            strategy.backward = type(strategy).backward.__get__(strategy)  # unwatched for the next run
         results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
                         "gradients_sharded_after_each_backward": sharded_grads,
                         "reference_resharded": _resharded(trainer.ref)})

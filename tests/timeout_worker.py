@@ -1,8 +1,8 @@
 """Run under torchrun by tests/test_distributed.py: the process groups' timeout is train.dist_timeout_minutes.
 
 `python tests/timeout_worker.py OUT STRATEGY MINUTES`: builds the strategy from a config with that timeout, reads
-the timeout of every process group it made (and of a colocated engine's tensor-parallel group), then rank 0 stays away for 3x the timeout while the other ranks wait
-at a barrier; each rank writes what happened to OUT.rankN.json.
+the timeout of every process group it made and of the engines' tensor-parallel group, then rank 0 stays away for
+3x the timeout while the other ranks wait at a barrier; each rank writes what happened to OUT.rankN.json.
 """
 
 import json
@@ -14,15 +14,15 @@ import torch.distributed as dist
 
 from vlrft.config import Config
 from vlrft.dist.process_exit import exit_process
-from vlrft.dist.strategy import collective_timeout, make_strategy
-from vlrft.rollout.colocate import GroupComm, RankLayout
+from vlrft.dist.strategy import make_strategy
+from vlrft.rollout.colocate import tensor_parallel_group
 
 
 def group_timeouts(strategy, cfg) -> list[float]:
     """The timeout of every group the strategy made, and of the group a colocated engine's tensor-parallel
     members wait in (built as vLLM/SGLang build it)."""
-    engine_group = GroupComm(RankLayout(strategy.rank, strategy.world_size, 2), collective_timeout(cfg)).group
-    groups = [dist.distributed_c10d._get_default_group(), strategy._cpu_group, engine_group]
+    _, engine_group = tensor_parallel_group(cfg, strategy.rank, strategy.world_size)  # as vLLM/SGLang build it
+    groups = [dist.distributed_c10d._get_default_group(), strategy._cpu_group, engine_group.group]
     return [group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for group in groups if group is not None]
 
@@ -32,6 +32,7 @@ def main() -> None:
     cfg = Config()
     cfg.train.strategy = name
     cfg.train.dist_timeout_minutes = minutes
+    cfg.rollout.tensor_parallel_size = 2  # the engines' group: both ranks
     strategy = make_strategy(name, cfg)
     report = {"timeouts_s": group_timeouts(strategy, cfg)}
     if strategy.rank == 0:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one prepared run with a time limit each, about 11 minutes in all
+# Every check that needs a GPU, in one prepared run with a time limit each, about 11 minutes in all,
+# at most 13.5 (the steps' limits)
 # (a lent GPU machine has minutes, not hours). Run from the repository root:
 #
 #     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)

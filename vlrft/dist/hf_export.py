@@ -80,10 +80,13 @@ def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_ma
                           gather: Callable[[Sequence[torch.Tensor]], ContextManager]) -> None:
     """A LoRA policy: only what PEFT's `save_pretrained` keeps (`lora_*` tensors, `modules_to_save` copies) is
     gathered, on every rank together; rank 0 hands it to PEFT. The frozen base weights are never gathered."""
+    from vlrft.rollout.weights import on_mesh_device
+
     kept = {name: tensor for name, tensor in hf_model.state_dict(keep_vars=True).items()
             if "lora_" in name or ".modules_to_save." in name}
     with gather(list(kept.values())):  # full_tensor() is a collective: every rank, only rank 0 keeps a copy
-        whole = {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for name, t in kept.items()}
+        whole = {name: (on_mesh_device(t).full_tensor() if hasattr(t, "full_tensor") else t).detach()
+                 for name, t in kept.items()}
         whole = {name: t.to("cpu").clone() for name, t in whole.items()} if is_main else {}
     if is_main:
         hf_model.save_pretrained(folder, state_dict=whole, safe_serialization=True)

@@ -358,7 +358,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         rows, tokens_per_row = t.micro_batch_completions_per_rank, seq_len
         images = rows * images_per_prompt
         what = f"micro-batch {rows} x {seq_len} tokens"
-        completion_tokens = rows * r.max_new_tokens
+        completion_tokens = rows * r.tokens_after_prompt
     acts = activation_bytes(shape, rows, tokens_per_row, images, patches, m.gradient_checkpointing, hi)
     comps.append(Component("activations", acts, train,
                            f"{what}, {images} image(s) of {patches} "

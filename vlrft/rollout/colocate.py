@@ -119,6 +119,16 @@ class GroupComm:
         return out[0]
 
 
+
+def tensor_parallel_group(cfg, rank: int, world_size: int) -> tuple[RankLayout, GroupComm]:
+    """This rank's place among the engines' tensor-parallel groups, and its group's object collectives, which take
+    the run's collective timeout (`train.dist_timeout_minutes`): members wait in them for their leader's engine."""
+    from vlrft.dist.strategy import collective_timeout
+
+    layout = RankLayout(rank, world_size, cfg.rollout.tensor_parallel_size)
+    return layout, GroupComm(layout, collective_timeout(cfg))
+
+
 class Backend(Protocol):
     """The engine-specific half of a colocated engine (only on ranks that drive an engine)."""
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrft.dist.strategy import collective_timeout
 from vlrft.errors import require
 from vlrft.rollout.base import SamplingParams
-from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
+from vlrft.rollout.colocate import (DTYPES, ColocatedEngine, EngineOptions, RankLayout,
+                                    tensor_parallel_group)
 from vlrft.rollout.outputs import EngineError, EngineSample, sglang_samples
 from vlrft.rollout.requests import PromptRequest, pixel_bounds, sglang_requests
 
@@ -231,8 +231,7 @@ class SGLangEngine(ColocatedEngine):
     def from_deps(cls, cfg, deps) -> "SGLangEngine":
         sgl = require("sglang", "rollout.engine=sglang", extra="sglang")
         strategy = deps.strategy
-        layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
-        comm = GroupComm(layout, collective_timeout(cfg))
+        layout, comm = tensor_parallel_group(cfg, strategy.rank, strategy.world_size)
         backend = None
         if layout.is_leader:
             device = torch.device(strategy.device)

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vlrft.dist.strategy import collective_timeout
 from vlrft.errors import UserError, require
 from vlrft.rollout.base import SamplingParams
-from vlrft.rollout.colocate import DTYPES, ColocatedEngine, EngineOptions, GroupComm, RankLayout
+from vlrft.rollout.colocate import (DTYPES, ColocatedEngine, EngineOptions, RankLayout,
+                                    tensor_parallel_group)
 from vlrft.rollout.outputs import EngineError, EngineSample, vllm_samples
 from vlrft.rollout.requests import PromptRequest, pixel_bounds, vllm_requests
 
@@ -175,10 +175,9 @@ class VLLMEngine(ColocatedEngine):
     def from_deps(cls, cfg, deps) -> "VLLMEngine":
         vllm = require("vllm", "rollout.engine=vllm", extra="vllm")
         strategy = deps.strategy
-        layout = RankLayout(strategy.rank, strategy.world_size, cfg.rollout.tensor_parallel_size)
+        layout, comm = tensor_parallel_group(cfg, strategy.rank, strategy.world_size)
         # Under torchrun the process group exists: vLLM joins it (external launcher) instead of making its own.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        comm = GroupComm(layout, collective_timeout(cfg))
         # The engine core must live in this process: the policy's tensors are loaded into its model.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":

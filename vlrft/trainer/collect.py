@@ -69,7 +69,7 @@ def shape_rewards(total: torch.Tensor, rollouts: Rollouts, algo: AlgorithmConfig
     rewards = total.clone()
     if algo.overlong_buffer > 0:
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
-        limit = rollout.max_trajectory_tokens if rollout.tools else rollout.max_new_tokens  # multi-turn
+        limit = rollout.tokens_after_prompt  # with tools, the whole trajectory's budget
         rewards = rewards + overlong_penalty(lengths, limit, algo.overlong_buffer, algo.overlong_penalty)
     return clip_rewards(rewards, algo.reward_clip)
 

@@ -46,6 +46,7 @@ def sampling_fixes(cfg: Config, world_size: int, batch_fix: str | None = None) -
     if r.engine == "hf":
         fixes = [batch_fix or f"lower rollout.global_batch_completions (now {r.global_batch_completions}: the hf "
                  f"engine samples this rank's {per_rank} completions at once, their KV caches side by side)",
+                 f"or rollout.max_trajectory_tokens (now {r.max_trajectory_tokens})" if r.tools else
                  f"or rollout.max_new_tokens (now {r.max_new_tokens})"]
         if cfg.train.strategy in ("fsdp2", "deepspeed"):
             fixes.append(f"the hf engine gathers the whole policy on every rank under train.strategy="
