@@ -1,5 +1,7 @@
 """The lean decode step (vlrft.rollout.lean_decode) computes what transformers' layers compute, per architecture."""
 
+import math
+
 import pytest
 import torch
 
@@ -90,6 +92,27 @@ def test_sampling_with_rows_stopping_early_equals_transformers_layers(setup, lea
     _assert_same(lean, _run(setup, sampling, lean=False))
     assert FINISH_STOP in lean.finish_reasons
     assert len(set(lean_steps)) > 1, "no row stopped early, so dropping rows was not exercised"
+
+
+def test_stopped_rows_leave_the_kv_cache_only_once_half_of_its_rows_have_stopped(setup, monkeypatch):
+    """Dropping rows copies the whole KV cache. Rows that stop stay in it, computed and not reported, until at most
+    half of its rows are still running: a decode call copies it at most log2(rows) times, not once per step in
+    which some row stopped. What is sampled is what transformers' layers sample (the test above)."""
+    drops: list[tuple[int, int]] = []  # (rows in the cache, rows kept)
+    keep = decode_module.LeanDecoder.keep
+
+    def counted(self, index):
+        drops.append((self.position.shape[0], index.shape[0]))
+        return keep(self, index)
+
+    monkeypatch.setattr(decode_module.LeanDecoder, "keep", counted)
+    sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    out = _run(setup, sampling, lean=True)
+    rows = len(out.completion_ids)
+    stop_steps = {len(ids) for ids, reason in zip(out.completion_ids, out.finish_reasons) if reason == FINISH_STOP}
+    assert len(stop_steps) > 2, "too few distinct stop steps to show anything"
+    assert drops and all(2 * kept <= before for before, kept in drops)
+    assert len(drops) <= math.log2(rows)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "in_place"])
