@@ -94,20 +94,22 @@ def test_sampling_with_rows_stopping_early_equals_transformers_layers(setup, lea
     assert len(set(lean_steps)) > 1, "no row stopped early, so dropping rows was not exercised"
 
 
-def test_stopped_rows_leave_the_kv_cache_only_once_half_of_its_rows_have_stopped(setup, monkeypatch):
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers_layers"])
+def test_stopped_rows_leave_the_kv_cache_only_once_half_of_its_rows_have_stopped(setup, monkeypatch, lean):
     """Dropping rows copies the whole KV cache. Rows that stop stay in it, computed and not reported, until at most
     half of its rows are still running: a decode call copies it at most log2(rows) times, not once per step in
     which some row stopped. What is sampled is what transformers' layers sample (the test above)."""
     drops: list[tuple[int, int]] = []  # (rows in the cache, rows kept)
-    keep = decode_module.LeanDecoder.keep
+    decoder = decode_module.LeanDecoder if lean else decode_module._TransformersDecoder
+    keep = decoder.keep
 
     def counted(self, index):
-        drops.append((self.position.shape[0], index.shape[0]))
+        drops.append((self.position.shape[-1], index.shape[0]))
         return keep(self, index)
 
-    monkeypatch.setattr(decode_module.LeanDecoder, "keep", counted)
+    monkeypatch.setattr(decoder, "keep", counted)
     sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
-    out = _run(setup, sampling, lean=True)
+    out = _run(setup, sampling, lean=lean)
     rows = len(out.completion_ids)
     stop_steps = {len(ids) for ids, reason in zip(out.completion_ids, out.finish_reasons) if reason == FINISH_STOP}
     assert len(stop_steps) > 2, "too few distinct stop steps to show anything"

@@ -118,29 +118,29 @@ def _select_rows(cache, index: torch.Tensor) -> None:
 class HalvingRowsDecoder:
     """A decoder whose stopped rows are dropped from it only once at most half of its rows are still reported.
 
-    Dropping rows copies the whole KV cache (`LeanDecoder.keep`). Dropping them at every step where some
+    Dropping rows copies the whole KV cache (`keep` of `LeanDecoder` / `_TransformersDecoder`). Dropping them at
+    every step where some
     row stopped would copy it up to once per step: on a GPU, 128 rows of a 7B model stopping at scattered
     steps copy it about a hundred times per decode call (terabytes of memory traffic). Until the next
     halving a stopped row is computed on, fed token 0, and not reported; the copies then add up to about
     two caches per call. The reported rows' arithmetic and the sampling are unchanged.
     """
 
-    def __init__(self, decoder):
-        self.decoder = decoder
+    def __init__(self, decoder, rows: int):
+        self.decoder, self.rows = decoder, rows  # rows: how many `decoder` computes
         self.alive: torch.Tensor | None = None  # rows of `decoder` still reported (None: all of them)
         self.tokens: torch.Tensor | None = None  # a step's input for every row of `decoder`
 
     def keep(self, index: torch.Tensor) -> None:
         """Report only rows `index` of those reported so far."""
         alive = index if self.alive is None else self.alive.index_select(0, index)
-        rows = self.decoder.position.shape[0]
-        if 2 * alive.shape[0] <= rows:  # shapes only: no device sync
+        if 2 * alive.shape[0] <= self.rows:  # shapes only: no device sync
             self.decoder.keep(alive)
-            self.alive, self.tokens = None, None
+            self.rows, self.alive, self.tokens = alive.shape[0], None, None
         else:
             self.alive = alive
             if self.tokens is None:
-                self.tokens = torch.zeros(rows, dtype=torch.long, device=alive.device)
+                self.tokens = torch.zeros(self.rows, dtype=torch.long, device=alive.device)
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         if self.alive is None:
@@ -249,7 +249,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
 
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
     for prompt + max_new_tokens positions and written in place each step (rows that stop are
-    dropped by one index_select); `compile_step` compiles the per-token backbone call. With
+    dropped by one index_select once at most half of the rows still run: `HalvingRowsDecoder`); `compile_step` compiles the per-token backbone call. With
     `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
     Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
@@ -288,11 +288,11 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
                               fixed_shapes=fixed)
         if fixed:
             decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
-        else:
-            decoder = HalvingRowsDecoder(decoder)
     else:
         decoder = _TransformersDecoder(backbone, out.past_key_values, rows, mask[rows], position, max_new, mm.dtype,
                                        static_cache, compile_step)
+    if not (use_lean and fixed):  # fixed-shape steps keep every row anyway
+        decoder = HalvingRowsDecoder(decoder, len(rows))
     out = None  # the prefill's cache now lives in the decoder
     total = len(rows)
     # Buffers for every position the group can reach, written in place: the history (prompt + generated
