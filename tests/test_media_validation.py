@@ -62,6 +62,28 @@ def test_with_skip_bad_media_are_left_out_and_training_runs(tmp_path, tiny_vlm_d
     trainer.fit()
 
 
+@pytest.mark.distributed
+def test_every_rank_checks_its_share_of_the_images_and_all_leave_out_the_same_samples(tmp_path, tiny_vlm_dir,
+                                                                                      monkeypatch):
+    """On many ranks and millions of images one rank checking everything would keep the others waiting past the
+    collective timeout: each rank decodes its share, and every rank leaves out the same bad samples."""
+    from _torchrun import failure_output, torchrun
+
+    monkeypatch.setenv("VLRFT_CACHE_DIR", str(tmp_path / "cache"))  # nothing known yet: every image is decoded
+    data = make_data(tmp_path, n=9, bad={4: b"GIF89a", 7: b""})
+    overrides = [f"model.path={tiny_vlm_dir()}", "model.dtype=float32", f"data.train_files=[{data}]",
+                 "data.on_bad_sample=skip", "rollout.n=2", "rollout.global_batch_completions=4",
+                 f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
+                 "train.strategy=ddp", "logging.progress=false"]
+    out = tmp_path / "reports.json"
+    proc = torchrun("validation_worker.py", str(out), *overrides, timeout=300)
+    assert proc.returncode == 0, failure_output(proc)
+    reports = sorted(json.loads(out.read_text()), key=lambda r: r["rank"])
+    decoded = [sorted(Path(ref).name for ref in r["decoded"]) for r in reports]
+    assert decoded == [["0.png", "2.png", "4.png", "6.png", "8.png"], ["1.png", "3.png", "5.png", "7.png"]]
+    assert reports[0]["kept"] == reports[1]["kept"] == ["0", "1", "2", "3", "5", "6", "8"]
+
+
 def test_images_that_passed_are_not_decoded_again_until_they_change(tmp_path, monkeypatch):
     from vlrft.data import validate
 

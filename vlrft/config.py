@@ -104,7 +104,8 @@ class DataConfig:
     on_bad_sample: Literal["error", "skip"] = option(
         "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
     validate_media: bool = option(True, "before training, check every prompt and decode every image once (cached "
-                                  "by file fingerprint); bad ones are errors or skips per data.on_bad_sample")
+                                  "by file fingerprint; each rank checks its share); bad ones are errors or skips "
+                                  "per data.on_bad_sample")
     max_source_pixels: int = option(89_478_485, "images larger than this (width*height) are refused before "
                                     "decoding (decompression bombs)")
     max_aspect_ratio: float = option(200.0, "images longer than this ratio are refused (Qwen-VL cannot patch them)")
