@@ -112,3 +112,28 @@ def test_a_placeholder_count_mismatch_is_found_before_training(tmp_path, tiny_vl
     data.write_text("\n".join(lines) + "\n")
     with pytest.raises(UserError, match=r"1 of 8 samples are unusable, first: train.jsonl line 3, field 'prompt': the prompt has 2 <image>"):
         Trainer(config(tmp_path, tiny_vlm_dir(), data))
+
+
+def test_a_corrupt_or_frameless_video_is_found_at_start_and_a_good_one_is_opened_once(tmp_path, monkeypatch):
+    """A corrupt video used to pass the start-up check (only its existence was checked) and fail the step that
+    drew it, on one rank, mid-run."""
+    pytest.importorskip("av")
+    from _data_helpers import write_mp4
+    from vlrft.data import Sample, validate
+
+    monkeypatch.setenv("VLRFT_CACHE_DIR", str(tmp_path / "cache"))
+    write_mp4(tmp_path / "good.mp4", num_frames=4, fps=2)
+    (tmp_path / "bad.mp4").write_bytes(b"\x00" * 100)
+    samples = [Sample(id=name, prompt="<video>What happens?", videos=[str(tmp_path / name)])
+               for name in ("good.mp4", "bad.mp4")]
+    opened = []
+    real = validate.check_video_file
+    monkeypatch.setattr(validate, "check_video_file", lambda path, limits: opened.append(path.name) or real(path, limits))
+    problems = validate.find_bad_media(samples, MediaLimits())
+    assert [(p.index, p.field) for p in problems] == [(1, "videos[0]")]
+    assert "cannot decode video" in problems[0].reason
+    assert sorted(opened) == ["bad.mp4", "good.mp4"]
+    opened.clear()
+    assert validate.find_bad_media(samples, MediaLimits()) == problems and opened == ["bad.mp4"]  # good: cached
+    assert validate.find_bad_media(samples, MediaLimits(max_source_pixels=100))[0].index == 0  # 56x56 frames
+

@@ -103,9 +103,9 @@ class DataConfig:
     video_max_frames: int = option(32, "at most this many frames per video")
     on_bad_sample: Literal["error", "skip"] = option(
         "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
-    validate_media: bool = option(True, "before training, check every prompt and decode every image once (cached "
-                                  "by file fingerprint; each rank checks its share); bad ones are errors or skips "
-                                  "per data.on_bad_sample")
+    validate_media: bool = option(True, "before training, check every prompt, decode every image once and open "
+                                  "every video file (cached by file fingerprint; each rank checks its share); bad "
+                                  "ones are errors or skips per data.on_bad_sample")
     max_source_pixels: int = option(89_478_485, "images larger than this (width*height) are refused before "
                                     "decoding (decompression bombs)")
     max_aspect_ratio: float = option(200.0, "images longer than this ratio are refused (Qwen-VL cannot patch them)")

@@ -243,6 +243,32 @@ def frame_indices(total: int, source_fps: float, fps: float, max_frames: int, fr
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
+def check_video_file(path: Path, limits: MediaLimits = MediaLimits()) -> None:
+    """Raise `MediaError` unless `path` opens as a video with a frame count whose first frame decodes within
+    `limits`: what `load_video` needs, found at start without decoding the whole file."""
+    try:
+        import av
+    except ImportError:
+        raise MediaError("decoding video files needs PyAV; install it with: pip install 'vlrft[video]'") from None
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError(f"'{path}' has no video stream")
+            stream = container.streams.video[0]
+            if not stream.frames:
+                raise MediaError(f"'{path}' reports no frame count; re-encode it (e.g. ffmpeg -i in.webm out.mp4)")
+            frame = next(container.decode(stream), None)
+    except MediaError:
+        raise
+    except Exception as exc:  # PyAV raises its own error types for corrupt or unsupported files
+        raise MediaError(f"cannot decode video '{path}': {type(exc).__name__}: {exc}") from None
+    if frame is None:
+        raise MediaError(f"cannot decode video '{path}': no frame decodes")
+    if frame.width * frame.height > limits.max_source_pixels:
+        raise MediaError(f"video '{path}' frames are {frame.width}x{frame.height}, over the "
+                         f"{limits.max_source_pixels}-pixel limit")
+
+
 def load_video(ref: Any, fps: float, max_frames: int, frame_factor: int = 1, bounds: PixelBounds | None = None,
                limits: MediaLimits = MediaLimits()) -> LoadedVideo:
     """Decode a video file (PyAV) or a list of frame references, sample frames and fit them to `bounds`."""

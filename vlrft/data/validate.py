@@ -1,10 +1,10 @@
 """Check every sample's media before training, so a bad image stops the run at step 0, not at step k.
 
 `find_bad_media(samples, limits)` decodes each image once (threads: PIL releases the GIL while
-decoding) with the same loader and limits training uses, checks that frame lists decode and video
-files exist, and returns the problems found. Images that passed are remembered in a small SQLite
-cache keyed by a fingerprint (path + size + mtime, or a hash of inline bytes, plus the limits), so
-a re-run skips them. The cache lives in `$VLRFT_CACHE_DIR` (default `~/.cache/vlrft`).
+decoding) with the same loader and limits training uses, checks that frame lists decode and that
+video files open with a frame count and decode their first frame, and returns the problems found.
+Images and video files that passed are remembered in a small SQLite cache keyed by a fingerprint
+(path + size + mtime, or a hash of inline bytes, plus the limits), so a re-run skips them. The cache lives in `$VLRFT_CACHE_DIR` (default `~/.cache/vlrft`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlrft.data.media import MediaError, MediaLimits, load_image, local_path
+from vlrft.data.media import MediaError, MediaLimits, check_video_file, load_image, local_path
 from vlrft.data.sample import Sample
 
 DECODER_VERSION = "1"  # bump when vlrft.data.media decodes differently, to invalidate cached results
@@ -124,9 +124,14 @@ def _check_video(ref: Any, limits: MediaLimits) -> str | None:
                 return f"frame {f}: {reason}"
         return None
     if isinstance(ref, (str, Path)) and not str(ref).startswith(("http://", "https://")):
-        if not local_path(str(ref)).is_file():
-            return f"video file not found: '{local_path(str(ref))}'"
-    return None  # decoded (and checked) when its batch is encoded
+        path = local_path(str(ref))
+        if not path.is_file():
+            return f"video file not found: '{path}'"
+        try:
+            check_video_file(path, limits)  # opened and its first frame decoded; the frames are sampled when encoded
+        except MediaError as exc:
+            return str(exc)
+    return None
 
 
 def find_bad_prompts(samples: Sequence[Sample], system_prompt: str | None = None,
@@ -151,7 +156,8 @@ def find_bad_media(samples: Sequence[Sample], limits: MediaLimits, workers: int 
         for k, ref in enumerate(sample.images):
             jobs.append((i, f"images[{k}]", "image", ref, _fingerprint(ref, limits)))
         for k, ref in enumerate(sample.videos):
-            jobs.append((i, f"videos[{k}]", "video", ref, None))
+            key = _fingerprint(ref, limits) if isinstance(ref, (str, Path)) else None  # a file; frames: per image
+            jobs.append((i, f"videos[{k}]", "video", ref, None if key is None else f"video|{key}"))
     cache = _Cache(cache_dir() if use_cache else None)
     try:
         known = cache.known(sorted({j[4] for j in jobs if j[4] is not None}))
