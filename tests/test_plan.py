@@ -159,8 +159,8 @@ def test_with_tools_the_plan_counts_a_whole_trajectory_after_the_prompt():
     plan = plan_memory(replace(cfg, rollout=tools), shape, hw, fsdp)
     assert plan.component("activations") > base.component("activations")
     vllm = plan_memory(replace(cfg, rollout=replace(cfg.rollout, engine="vllm")), shape, hw, fsdp)
-    longer = cfg.data.max_prompt_length + tools.max_trajectory_tokens + cfg.rollout.max_new_tokens + 1
-    shorter = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens + 1
+    longer = cfg.data.max_prompt_length + tools.max_trajectory_tokens + cfg.rollout.max_new_tokens
+    shorter = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     assert plan.engine_kv_needed * shorter == vllm.engine_kv_needed * longer
 
 

@@ -119,7 +119,7 @@ def test_vllm_engine_kwargs_follow_the_config():
     kwargs = vllm_engine_kwargs(cfg, RankLayout(rank=3, world_size=4, tp_size=2), distributed=True,
                                 supported={"logprobs_mode"})
     assert kwargs["model"] == "/models/qwen" and kwargs["dtype"] == "bfloat16"
-    assert kwargs["max_model_len"] == 1281  # prompt budget + completion budget + 1
+    assert kwargs["max_model_len"] == 1280  # prompt budget + completion budget
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["gpu_memory_utilization"] == 0.4
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["logprobs_mode"] == "processed_logprobs"
@@ -130,14 +130,13 @@ def test_vllm_engine_kwargs_follow_the_config():
 
 def test_with_tools_the_engines_take_a_whole_trajectory_after_the_prompt():
     """A later turn's request is the prompt plus the trajectory so far (up to rollout.max_trajectory_tokens) and asks
-    for one more turn (rollout.max_new_tokens): a context of prompt + max_new_tokens would refuse it mid-run. One
-    token more, as SGLang refuses a request whose input and max_new_tokens reach its context length."""
+    for one more turn (rollout.max_new_tokens): a context of prompt + max_new_tokens would refuse it mid-run."""
     cfg = Config()
     cfg.rollout.max_new_tokens, cfg.data.max_prompt_length = 512, 1024
     cfg.rollout.tools, cfg.rollout.max_trajectory_tokens = [ToolConfig(name="zoom")], 3000
     layout = RankLayout(0, 1, 1)
-    assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 1024 + 3000 + 512 + 1
-    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 1024 + 3000 + 512 + 1
+    assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 1024 + 3000 + 512
+    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 1024 + 3000 + 512
     cfg.rollout.max_model_len = 5000  # an explicit length wins
     assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 5000
     assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 5000

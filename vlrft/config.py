@@ -163,7 +163,7 @@ class RolloutConfig:
     sleep_between_steps: bool = option(True, "vLLM/SGLang: release engine weights and KV cache while the trainer "
                                        "runs")
     max_model_len: int | None = option(None, "vLLM/SGLang: longest sequence; default: data.max_prompt_length + "
-                                       "rollout.max_new_tokens + 1 (with tools: + rollout.max_trajectory_tokens)")
+                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens)")
     weight_sync_bucket_mb: int = option(512, "vLLM/SGLang: weights are sent to the engine in buckets of about "
                                         "this many MB")
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
@@ -220,15 +220,15 @@ class RolloutConfig:
         return self.max_trajectory_tokens if self.tools else self.max_new_tokens
 
     def engine_max_len(self, max_prompt_length: int) -> int:
-        """vLLM/SGLang's longest sequence: `max_model_len`, else a request's longest input plus the tokens it may ask
-        for, plus one (SGLang refuses a request whose input and max_new_tokens reach its context length).
+        """vLLM/SGLang's longest sequence: `max_model_len`, else a request's longest input plus the tokens it asks for.
 
         Without tools the input is the prompt. With tools a later turn's input is the prompt and the trajectory so
         far, and one `max_new_tokens` is asked for all rows of a turn (what a row has no room for is cut after).
+        A length over the model's own limit is refused by the engine at start; set `max_model_len` then.
         """
         if self.max_model_len:
             return self.max_model_len
-        return max_prompt_length + (self.max_trajectory_tokens if self.tools else 0) + self.max_new_tokens + 1
+        return max_prompt_length + (self.max_trajectory_tokens if self.tools else 0) + self.max_new_tokens
 
     @property
     def batch_size(self) -> int:

@@ -4,7 +4,8 @@
 decoding) with the same loader and limits training uses, checks that frame lists decode and that
 video files open with a frame count and decode their first frame, and returns the problems found.
 Images and video files that passed are remembered in a small SQLite cache keyed by a fingerprint
-(path + size + mtime, or a hash of inline bytes, plus the limits), so a re-run skips them. The cache lives in `$VLRFT_CACHE_DIR` (default `~/.cache/vlrft`).
+(path + size + mtime, or a hash of inline bytes, plus the limits), so a re-run skips them. The cache
+lives in `$VLRFT_CACHE_DIR` (default `~/.cache/vlrft`).
 """
 
 from __future__ import annotations

@@ -119,7 +119,6 @@ class GroupComm:
         return out[0]
 
 
-
 def tensor_parallel_group(cfg, rank: int, world_size: int) -> tuple[RankLayout, GroupComm]:
     """This rank's place among the engines' tensor-parallel groups, and its group's object collectives, which take
     the run's collective timeout (`train.dist_timeout_minutes`): members wait in them for their leader's engine."""

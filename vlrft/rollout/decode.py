@@ -118,10 +118,10 @@ def _select_rows(cache, index: torch.Tensor) -> None:
 class HalvingRowsDecoder:
     """A decoder whose stopped rows are dropped from it only once at most half of its rows are still reported.
 
-    Dropping rows copies the whole KV cache (`keep` of `LeanDecoder` / `_TransformersDecoder`). Dropping them at
-    every step where some
-    row stopped would copy it up to once per step: on a GPU, 128 rows of a 7B model stopping at scattered
-    steps copy it about a hundred times per decode call (terabytes of memory traffic). Until the next
+    Dropping rows copies the whole KV cache (`keep` of `LeanDecoder` / `_TransformersDecoder`). Dropping them
+    at every step where some row stopped would copy it up to once per step: on a GPU, 128 rows of a 7B
+    model stopping at scattered steps copy it about a hundred times per decode call (terabytes of memory
+    traffic, worked out from the shapes). Until the next
     halving a stopped row is computed on, fed token 0, and not reported; the copies then add up to about
     two caches per call. The reported rows' arithmetic and the sampling are unchanged.
     """
@@ -249,7 +249,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
 
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
     for prompt + max_new_tokens positions and written in place each step (rows that stop are
-    dropped by one index_select once at most half of the rows still run: `HalvingRowsDecoder`); `compile_step` compiles the per-token backbone call. With
+    dropped by one index_select once at most half of the rows still run: `HalvingRowsDecoder`);
+    `compile_step` compiles the per-token backbone call. With
     `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
     Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
