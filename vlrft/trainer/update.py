@@ -64,7 +64,9 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
         for start in range(0, n_rows, deps.mini_batch_per_rank):
             mini = list(range(start, min(start + deps.mini_batch_per_rank, n_rows)))
             den = loss_denominators(exp.mask[mini], reduce=lambda t: strategy.all_reduce(t, "sum"))
-            nonfinite = False
+            # non-finite losses, read once at the optimizer step: a read per micro-batch would make the host wait
+            # for each backward before it prepares the next micro-batch
+            nonfinite = torch.zeros((), dtype=torch.bool, device=device)
             if skips_rows:
                 trained = rows_with_a_loss(exp, mini)
                 stats.add("actor/zero_advantage_rows_skipped", float(len(mini) - len(trained)), float(len(mini)))
@@ -96,15 +98,15 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                 if planned.filler:  # counts nothing, but keeps the metric names every rank reduces
                     stats = stats.merge(result.stats.emptied())
                 else:
-                    nonfinite |= not bool(torch.isfinite(result.loss.detach()))
+                    nonfinite |= ~torch.isfinite(result.loss.detach()).to(device)
                     stats = stats.merge(result.stats)
                 if deps.critic is not None:
                     critic_stats, critic_bad = _critic_backward(deps, seqs, rows, exp, den, i == len(micro) - 1,
                                                                 weight)
                     if not planned.filler:
-                        stats, nonfinite = stats.merge(critic_stats), nonfinite or critic_bad
+                        stats, nonfinite = stats.merge(critic_stats), nonfinite | critic_bad
             with explain_out_of_memory(f"step {deps.step}, optimizer step", deps.memory_fixes):
-                skipped += _optimizer_step(deps, nonfinite, stats)
+                skipped += _optimizer_step(deps, bool(nonfinite), stats)
     return stats, skipped
 
 
@@ -121,9 +123,9 @@ def rows_with_a_loss(exp: Experience, rows: list[int]) -> list[int]:
 
 
 def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: bool,
-                     weight: float = 1.0) -> tuple[Stats, bool]:
+                     weight: float = 1.0) -> tuple[Stats, torch.Tensor]:
     """Value-loss backward for one micro-batch (`weight` 0: a filler); returns its stats and whether the loss was
-    non-finite."""
+    non-finite (a boolean tensor on the device, not read here)."""
     width, device, strategy = seqs.completion_width, deps.batching.device, deps.strategy
     sync = contextlib.nullcontext() if last else strategy.no_sync(deps.critic)
     with sync:
@@ -133,7 +135,7 @@ def _critic_backward(deps: UpdateDeps, seqs, rows, exp: Experience, den, last: b
                             _slice(exp.returns, rows, width, device), _slice(exp.mask, rows, width, device),
                             deps.algo.value_clip, num_tokens=den.num_tokens, world_size=strategy.world_size)
         strategy.backward(result.loss * (deps.algo.value_coef * weight), deps.critic)
-    return result.stats, not bool(torch.isfinite(result.loss.detach()))
+    return result.stats, ~torch.isfinite(result.loss.detach()).to(deps.batching.device)
 
 
 def _local_values(p: torch.Tensor) -> torch.Tensor:
