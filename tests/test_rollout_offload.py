@@ -128,13 +128,10 @@ def test_offloaded_for_rollout_only_when_enabled(strategy):
 
 
 def test_offload_default_is_on_only_for_cuda_with_an_engine_holding_its_own_weights():
-    from vlrft.config import FSDPConfig, load_config
-    from vlrft.dist.fsdp2 import _offload_during_rollout
+    from vlrft.config import FSDPConfig
 
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    for engine, device, expected in (("vllm", cuda, True), ("sglang", cuda, True), ("hf", cuda, False),
-                                     ("vllm", cpu, False)):
-        cfg = load_config(None, [f"rollout.engine={engine}"], validate=False)
-        assert _offload_during_rollout(FSDPConfig(), cfg, device) is expected
-    assert _offload_during_rollout(FSDPConfig(offload_during_rollout=True), cfg, cpu) is True
-    assert _offload_during_rollout(FSDPConfig(offload_during_rollout=False), cfg, cuda) is False
+    for engine, on_gpu, expected in (("vllm", True, True), ("sglang", True, True), ("hf", True, False),
+                                     ("vllm", False, False)):
+        assert FSDPConfig().offloads_during_rollout(engine, on_gpu) is expected
+    assert FSDPConfig(offload_during_rollout=True).offloads_during_rollout("vllm", on_gpu=False) is True
+    assert FSDPConfig(offload_during_rollout=False).offloads_during_rollout("vllm", on_gpu=True) is False

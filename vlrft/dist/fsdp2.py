@@ -88,7 +88,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
         self._pending: dict[int, tuple[dict, dict]] = {}
         self._generating = 0
-        self.offload_during_rollout = _offload_during_rollout(self.options, cfg, self.device)
+        self.offload_during_rollout = self.options.offloads_during_rollout(
+            cfg.rollout.engine if cfg is not None else "hf", on_gpu=self.device.type == "cuda")
         self._offloaded = None
 
     # ------------------------------------------------------------------ loading
@@ -324,8 +325,3 @@ def _widest_stored_dtype(folder: Path) -> torch.dtype | None:
                 if dtype is not None and (widest is None or dtype.itemsize > widest.itemsize):
                     widest = dtype
     return widest
-
-
-def _offload_during_rollout(options, cfg, device: torch.device) -> bool:
-    """train.fsdp.offload_during_rollout, resolved: null means on with CUDA and an engine with its own weights."""
-    return options.offloads_during_rollout(cfg.rollout.engine if cfg is not None else "hf", device.type == "cuda")
