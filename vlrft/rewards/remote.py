@@ -18,6 +18,8 @@ import base64
 import io
 import json
 import os
+import random
+import time
 from typing import Any
 
 from vlrft.errors import ConfigError
@@ -126,14 +128,21 @@ def decode_request(payload: Any) -> dict[str, Any]:
     }
 
 
+MAX_BACKOFF_S = 5.0  # the longest random wait between two attempts
+
+
 @reward("remote")
 class RemoteReward:
     """Callable async reward that POSTs the batch to a reward server and returns its `rewards`.
 
-    Each attempt waits at most `timeout_s` (default: reward.timeout_s shared by all attempts and backoff
-    sleeps); connection errors, timeouts, HTTP 429 and 5xx are retried `retries` times with exponential
-    backoff; then a `RemoteRewardError` names the URL. The API key (kwargs.api_key, reward.remote_api_key
-    or $VLRFT_REWARD_API_KEY) is sent as a bearer token and never printed.
+    Connection errors, timeouts, HTTP 429 and 5xx are retried until the call's budget (reward.timeout_s,
+    a little less so that this error, not the caller's timeout, names the URL) runs out, or after `retries`
+    retries when given. Each attempt waits at most `timeout_s` (default: a third of the budget, so a server
+    that hangs is tried three times). Between attempts a random backoff of up to `backoff_s * 2**attempt`
+    (at most `MAX_BACKOFF_S`; a server's Retry-After is honoured): every rank sends its batch at the same
+    moment, and retrying in lock-step would hit a recovering server all at once. Then a `RemoteRewardError`
+    names the URL. The API key (kwargs.api_key, reward.remote_api_key or $VLRFT_REWARD_API_KEY) is sent as
+    a bearer token and never printed.
     """
 
     def __init__(
@@ -141,7 +150,7 @@ class RemoteReward:
         url: str | None = None,
         api_key: str | None = None,
         timeout_s: float | None = None,
-        retries: int = 2,
+        retries: int | None = None,
         backoff_s: float = 0.25,
         reward_config: Any = None,
     ):
@@ -150,16 +159,14 @@ class RemoteReward:
             raise ConfigError("reward function 'remote' needs a URL: set reward.remote_url or its kwargs.url (e.g. http://127.0.0.1:8000/score)")
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward function 'remote': url {self.url!r} must start with http:// or https://")
-        if retries < 0 or backoff_s < 0:
+        if (retries is not None and retries < 0) or backoff_s < 0:
             raise ConfigError(f"reward function 'remote': retries={retries} and backoff_s={backoff_s} must be >= 0")
         self._api_key = api_key or getattr(reward_config, "remote_api_key", None) or os.environ.get(API_KEY_ENV) or None
         self.retries = retries
         self.backoff_s = backoff_s
-        if timeout_s is None:
-            budget = float(getattr(reward_config, "timeout_s", 30.0))
-            sleeping = sum(backoff_s * 2**k for k in range(retries))
-            timeout_s = max(0.1, (budget - sleeping) / (retries + 1))
-        self.timeout_s = float(timeout_s)
+        budget = float(getattr(reward_config, "timeout_s", 30.0))
+        self.budget_s = max(0.1, budget - min(1.0, 0.05 * budget))  # ends before the caller's own timeout
+        self.timeout_s = float(timeout_s) if timeout_s is not None else max(0.1, self.budget_s / 3)
 
     def __repr__(self) -> str:  # never shows the key
         return f"RemoteReward(url={self.url!r}, timeout_s={self.timeout_s:g}, retries={self.retries})"
@@ -189,16 +196,25 @@ class RemoteReward:
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         last = ""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+        deadline = time.monotonic() + self.budget_s
+        attempts, wait = 0, 0.0
+        async with aiohttp.ClientSession() as session:
+            while True:
+                remaining = deadline - time.monotonic()
+                if attempts and (remaining <= wait or (self.retries is not None and attempts > self.retries)):
+                    break
+                await asyncio.sleep(wait)
+                attempts += 1
+                limit = max(0.05, min(self.timeout_s, deadline - time.monotonic()))
+                wait = random.uniform(0.0, min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempts - 1)))
                 try:
-                    async with session.post(self.url, data=body, headers=headers) as response:
+                    async with session.post(self.url, data=body, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=limit)) as response:
                         text = await response.text()
                         status = response.status
+                        retry_after = response.headers.get("Retry-After", "")
                 except asyncio.TimeoutError:
-                    last = f"no answer within {self.timeout_s:g} s"
+                    last = f"no answer within {limit:g} s"
                     continue
                 except aiohttp.ClientError as exc:
                     last = f"{type(exc).__name__}: {exc}"
@@ -216,7 +232,9 @@ class RemoteReward:
                 if status != 429 and status < 500:
                     raise RemoteRewardError(f"remote reward at {self.url} refused the request (HTTP {status}): {text[:300]}")
                 last = f"HTTP {status}: {text[:200]}"
+                if retry_after.strip().isdigit():  # the server says when to come back (seconds)
+                    wait = max(wait, float(retry_after))
         raise RemoteRewardError(
-            f"remote reward at {self.url} failed {self.retries + 1} time(s), last: {last}; check that the server is "
-            "running and reachable (e.g. `vlrft reward-server --port 8000`), or raise kwargs.timeout_s / kwargs.retries"
+            f"remote reward at {self.url} failed {attempts} time(s) in {self.budget_s:g} s, last: {last}; check that "
+            "the server is running and reachable (e.g. `vlrft reward-server --port 8000`), or raise reward.timeout_s"
         )
