@@ -98,3 +98,38 @@ def test_reward_model_config_errors(rm_dir):
     rs = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir), "label_index": 3})]))
     with pytest.raises(RewardError, match="label_index=3 but .* has 1 label"):
         rs.score(["a"], prompts=["b"])
+
+
+def test_a_slow_load_does_not_count_against_the_scoring_timeout(rm_dir, monkeypatch):
+    """A large reward model read from shared storage can take longer than reward.timeout_s: loaded by `prepare`
+    (the trainer and the reward server call it at start), scoring is not timed out by the load."""
+    import time
+
+    from vlrft.rewards.reward_model import RewardModel
+
+    load = RewardModel._load
+
+    def slow(self):
+        time.sleep(1.5)
+        load(self)
+
+    monkeypatch.setattr(RewardModel, "_load", slow)
+    config = RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir)})], timeout_s=1.0)
+    lazy = RewardSet.from_config(config)
+    with pytest.raises(RewardError, match="did not finish within reward.timeout_s=1"):
+        lazy.score(COMPLETIONS[:1], prompts=PROMPTS[:1])
+    prepared = RewardSet.from_config(config)
+    prepared.prepare()
+    assert prepared.callables["reward_model"].fn._model is not None
+    assert len(prepared.score(COMPLETIONS, prompts=PROMPTS).total) == 3
+
+
+def test_the_default_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu(rm_dir):
+    from vlrft.rewards.reward_model import load_dtype
+
+    assert load_dtype("auto", "cuda:3") == "bfloat16" and load_dtype("auto", "cpu") == "float32"
+    assert load_dtype("float16", "cuda:0") == "float16"  # an explicit dtype wins
+    rs = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={"path": str(rm_dir)})]))
+    rs.prepare()
+    assert next(rs.callables["reward_model"].fn._model.parameters()).dtype == torch.float32  # this machine: CPU
+

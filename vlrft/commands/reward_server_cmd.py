@@ -61,5 +61,7 @@ def run(args: argparse.Namespace) -> int:
         api_key = os.environ.get(args.api_key_env)
         if not api_key:
             raise UserError(f"reward-server: --api-key-env {args.api_key_env} is set but that environment variable is empty or missing")
-    serve(RewardSet.from_config(cfg), args.host, args.port, api_key, args.max_request_mb)
+    rewards = RewardSet.from_config(cfg)
+    rewards.prepare()  # a reward model loads before the server answers, not inside the first request's timeout
+    serve(rewards, args.host, args.port, api_key, args.max_request_mb)
     return 0

@@ -4,9 +4,10 @@
       functions:
         - {name: reward_model, kwargs: {path: /models/my-rm, batch_size: 16}}
 
-The model loads on first use (so ranks that never score never load it), runs batched under
-`torch.inference_mode`, and keeps the *end* of over-long texts (left truncation) because the
-completion is what it judges.
+The trainer loads it at start (`prepare`: a load of several GB from shared storage must not count
+against `reward.timeout_s` at the first step); used alone it loads on first use. It runs batched
+under `torch.inference_mode`, in bfloat16 on a GPU and float32 on the CPU unless `dtype` says, and
+keeps the *end* of over-long texts (left truncation) because the completion is what it judges.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from vlrft.errors import ConfigError
 from vlrft.rewards.registry import reward
 
 
+def load_dtype(dtype: str, device: str) -> str:
+    """The dtype a reward model loads in: `dtype`, or for "auto" bfloat16 on a GPU (half of float32's memory, beside
+    the policy and the rollout engine) and float32 on the CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 @reward("reward_model")
 class RewardModel:
     """Callable reward: `logits[:, label_index]` of an `AutoModelForSequenceClassification` per completion."""
@@ -29,7 +38,7 @@ class RewardModel:
         batch_size: int = 8,
         max_length: int = 4096,
         device: str = "auto",
-        dtype: str = "float32",
+        dtype: str = "auto",
         use_chat_template: bool = True,
         label_index: int = 0,
         trust_remote_code: bool = False,
@@ -60,12 +69,13 @@ class RewardModel:
         device = self.device
         if device == "auto":
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+        dtype = load_dtype(self.dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         tokenizer.truncation_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForSequenceClassification.from_pretrained(
-            self.path, dtype=getattr(torch, self.dtype), trust_remote_code=self.trust_remote_code
+            self.path, dtype=getattr(torch, dtype), trust_remote_code=self.trust_remote_code
         )
         if model.config.pad_token_id is None:  # the classifier pools the last non-pad token
             model.config.pad_token_id = tokenizer.pad_token_id
@@ -107,6 +117,12 @@ class RewardModel:
                 for i, value in zip(chunk, logits):
                     scores[i] = value
             return scores
+
+    def prepare(self) -> None:
+        """Load the model now, outside any scoring timeout."""
+        with self._lock:
+            if self._model is None:
+                self._load()
 
     def close(self) -> None:
         """Drop the model (frees its memory); it reloads on the next call."""

@@ -191,6 +191,13 @@ class RewardSet:
         """Function keys, as used in `per_function`, `stats` and the metrics."""
         return list(self.callables)
 
+    def prepare(self) -> None:
+        """Load what reward functions load once (e.g. a reward model's weights), before any scoring timeout runs."""
+        for c in self.callables.values():
+            prepare = getattr(c.fn, "prepare", None)
+            if callable(prepare):
+                prepare()
+
     def close(self) -> None:
         """Release what reward functions hold (e.g. a reward model's weights)."""
         for c in self.callables.values():

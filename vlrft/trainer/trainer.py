@@ -129,6 +129,7 @@ class Trainer:
         self.sampler = None if evaluate_only else PromptSampler(len(self.train_samples), cfg.prompts_per_step,
                                                                 cfg.train.seed, cfg.data.shuffle, rank, world)
         self.rewards = self._build_rewards()
+        self.rewards.prepare()  # a reward model loads now, not inside the first step's reward.timeout_s
         self.accuracy_key = accuracy_reward_key(cfg, self.rewards)
         self.sampling = SamplingParams.from_config(cfg.rollout)
         # What an out-of-memory error names as the way out, per phase (from the config alone: built once).
@@ -519,6 +520,7 @@ class Trainer:
             interrupt.uninstall()
             if self.logger is not None:
                 self.logger.close()
+            self.rewards.close()  # e.g. a reward model's weights (it reloads if scoring is asked for again)
         return history
 
     def _stop_requested(self, interrupt: InterruptGuard) -> bool:
