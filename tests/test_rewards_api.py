@@ -192,6 +192,30 @@ def test_timeout_names_function_and_samples_and_returns_promptly(name):
     assert time.perf_counter() - start < 2.0
 
 
+def test_a_hung_sync_function_holds_one_thread_and_is_not_called_again_until_it_ends():
+    """A sync reward thread cannot be stopped after a timeout. Starting another at every step would leak one
+    thread (and whatever it holds) per step; while the timed-out call runs, the function is not called again and
+    its samples count as errors."""
+    import threading
+
+    rs = make_set([F("test_sync_sleep", alias="hung", kwargs={"seconds": 1.5}), F("test_one")], timeout_s=0.2,
+                  on_error="none")
+
+    def reward_threads() -> int:
+        return sum(t.name == "vlrft-reward-hung" and t.is_alive() for t in threading.enumerate())
+
+    first = rs.score(["a", "b"])
+    assert "did not finish" in first.error_messages[0] and reward_threads() == 1
+    for _ in range(3):  # the next steps, while the first call still sleeps
+        later = rs.score(["a", "b"])
+        assert values(later.per_function["hung"]) == [None, None]
+        assert "is still running" in later.error_messages[0]
+        assert values(later.per_function["test_one"]) == [1.0, 1.0]
+    assert reward_threads() == 1
+    time.sleep(1.6)  # the hung call ends: the function is called again (and times out again)
+    assert "did not finish" in rs.score(["a"]).error_messages[0]
+
+
 def test_timeout_with_on_error_none_counts_samples_as_not_applicable():
     rs = make_set([F("test_sync_sleep", kwargs={"seconds": 5.0}), F("test_one", weight=2.0)], timeout_s=0.3, on_error="none")
     result = rs.score(["a", "b"])

@@ -41,6 +41,9 @@ class RewardCallable:
     is_async: bool = False
     accepts: frozenset[str] | None = None  # keyword names it takes; None = it takes **kwargs
     required: frozenset[str] = frozenset()  # keywords it needs that have no default
+    # threads of sync calls that timed out and may still run (a thread cannot be stopped): none is started again
+    # while one lives, so a function that hangs holds one thread, not one more per step
+    abandoned: list[threading.Thread] = field(default_factory=list)
 
     @classmethod
     def build(cls, spec: str, kwargs: dict[str, Any], key: str, reward_config: Any = None) -> RewardCallable:
@@ -324,11 +327,17 @@ class RewardSet:
             kwargs["step"] = step
         kwargs.update(c.fixed_kwargs)
         sub = [completions[i] for i in idx]
+        c.abandoned = [t for t in c.abandoned if t.is_alive()]
+        if c.abandoned:
+            return self._failed(c, idx, f"was not called on {_describe(idx)}: its call that did not finish within "
+                                f"reward.timeout_s={self.timeout_s:g} s is still running", 0.0)
         async with semaphore:
             start = time.perf_counter()
+            started: list[threading.Thread] = []
             try:
-                raw = await asyncio.wait_for(_invoke(c, sub, kwargs), self.timeout_s)
+                raw = await asyncio.wait_for(_invoke(c, sub, kwargs, started), self.timeout_s)
             except asyncio.TimeoutError:
+                c.abandoned += started
                 return self._failed(
                     c, idx, f"did not finish within reward.timeout_s={self.timeout_s:g} s on {_describe(idx)}; "
                     "make it faster, raise reward.timeout_s, or set reward.on_error=none", time.perf_counter() - start,
@@ -390,8 +399,9 @@ class RewardSet:
         return out
 
 
-async def _invoke(c: RewardCallable, completions: list[str], kwargs: dict[str, Any]) -> Any:
-    """Await an async function directly; run a sync one in its own daemon thread.
+async def _invoke(c: RewardCallable, completions: list[str], kwargs: dict[str, Any],
+                  started: list[threading.Thread] | None = None) -> Any:
+    """Await an async function directly; run a sync one in its own daemon thread (appended to `started`).
 
     A daemon thread, not a ThreadPoolExecutor: a sync function that hangs past the timeout cannot be
     killed, and an executor's worker would then block interpreter exit forever.
@@ -417,7 +427,10 @@ async def _invoke(c: RewardCallable, completions: list[str], kwargs: dict[str, A
         except RuntimeError:  # the loop is gone: the call timed out and scoring moved on
             pass
 
-    threading.Thread(target=target, name=f"vlrft-reward-{c.key}", daemon=True).start()
+    thread = threading.Thread(target=target, name=f"vlrft-reward-{c.key}", daemon=True)
+    if started is not None:
+        started.append(thread)
+    thread.start()
     result = await future
     if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
         result = await result
