@@ -80,6 +80,23 @@ def test_worker_that_overruns_is_killed_and_replaced():
         grader.close()
 
 
+def test_a_batch_of_slow_answers_stops_taking_up_answers_at_its_deadline():
+    """Early in training many answers are degenerate and each runs to the per-answer limit; a few workers then
+    need longer for the batch than the reward's own timeout, and the queued answers would delay the next
+    batch. Answers no worker took up within batch_timeout_s are not graded (None); the others are."""
+    grader = MathGrader(GraderSettings(processes=1, timeout_s=1.0, step_timeout_s=30, batch_timeout_s=1.5))
+    try:
+        grader.grade([("1", True, "1")])  # the worker is up (its start is not what is measured)
+        slow = ("(10^{10})!", True, "1")
+        start = time.perf_counter()
+        results = grader.grade([slow] * 6 + [("\\frac{1}{2}", True, "0.5")])
+        elapsed = time.perf_counter() - start
+        assert results[0] is False and results[-1] is None and results.count(None) >= 4
+        assert elapsed < 6, elapsed  # without the deadline: 6 kills of 1 s each, plus the restarts
+    finally:
+        grader.close()
+
+
 def test_workers_run_under_the_memory_limit_and_the_trainer_does_not_grow():
     grader = MathGrader(GraderSettings(processes=1, timeout_s=4, memory_mb=768))
     try:

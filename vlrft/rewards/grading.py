@@ -33,6 +33,7 @@ class GraderSettings:
     timeout_s: float = 5.0  # per answer, hard limit
     memory_mb: int = 2048  # address-space limit per worker; 0 = none
     step_timeout_s: int = 0  # math-verify's own alarm per parse/compare, whole seconds; 0 = timeout_s / 4
+    batch_timeout_s: float | None = None  # a batch's answers not started within it are not graded (None: all are)
 
     @property
     def worker_count(self) -> int:
@@ -125,16 +126,31 @@ class MathGrader:
         """Answers whose worker was killed for overrunning `timeout_s` (for diagnostics and tests)."""
         return sum(w.kills for w in self._workers)
 
-    def _grade_one(self, triple: tuple[str, bool, str]) -> bool:
-        worker = self._idle.get()
+    def _grade_one(self, triple: tuple[str, bool, str], deadline: float | None) -> bool | None:
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:  # the batch's time is up: not graded
+            return None
+        try:
+            worker = self._idle.get(timeout=wait)
+        except queue.Empty:  # no worker came free before the batch's time was up
+            return None
         try:
             return worker.grade(*triple)
         finally:
             self._idle.put(worker)
 
-    def grade(self, triples: list[tuple[str, bool, str]]) -> list[bool]:
-        """Equivalent or not, in order; an answer that overruns or crashes its worker counts as not equivalent."""
-        return list(self._threads.map(self._grade_one, triples)) if triples else []
+    def grade(self, triples: list[tuple[str, bool, str]]) -> list[bool | None]:
+        """Equivalent or not, in order; an answer that overruns or crashes its worker counts as not equivalent.
+
+        With `batch_timeout_s` an answer that no worker took up within it is not graded (None): without it, a
+        batch of slow answers (each up to `timeout_s`, a few workers) outlasts the reward's own timeout, and
+        its queued answers then delay the next batch.
+        """
+        if not triples:
+            return []
+        limit = self.settings.batch_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        return list(self._threads.map(lambda triple: self._grade_one(triple, deadline), triples))
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
@@ -146,10 +162,11 @@ _grader: MathGrader | None = None
 _grader_lock = threading.Lock()
 
 
-def configure_grader(processes: int = 0, timeout_s: float = 5.0, memory_mb: int = 2048) -> None:
+def configure_grader(processes: int = 0, timeout_s: float = 5.0, memory_mb: int = 2048,
+                     batch_timeout_s: float | None = None) -> None:
     """Set the shared grader's settings (replacing it if they changed)."""
     global _grader
-    settings = GraderSettings(processes, timeout_s, memory_mb)
+    settings = GraderSettings(processes, timeout_s, memory_mb, batch_timeout_s=batch_timeout_s)
     with _grader_lock:
         if _grader is not None and _grader.settings == settings:
             return

@@ -148,7 +148,9 @@ class RewardSet:
             raise ConfigError(f"config: reward.grader_processes={cfg.grader_processes!r} is not allowed; expected 0 (auto) or more")
         if cfg.grader_memory_mb != 0 and cfg.grader_memory_mb < 256:
             raise ConfigError(f"config: reward.grader_memory_mb={cfg.grader_memory_mb!r} is not allowed; expected 0 (no limit) or >= 256")
-        configure_grader(processes=cfg.grader_processes, timeout_s=cfg.grader_timeout_s, memory_mb=cfg.grader_memory_mb)
+        # a math batch stops taking up answers before the reward's own timeout: those left are not graded (None)
+        configure_grader(processes=cfg.grader_processes, timeout_s=cfg.grader_timeout_s, memory_mb=cfg.grader_memory_mb,
+                         batch_timeout_s=max(0.5 * cfg.timeout_s, cfg.timeout_s - cfg.grader_timeout_s - 1.0))
         if not cfg.functions and not cfg.recipes:
             raise ConfigError("config: reward.functions is empty; add at least one, e.g. reward.functions=[{name: accuracy}]")
         callables: dict[str, RewardCallable] = {}

@@ -39,7 +39,7 @@ def _score_answers(
         else:
             scores[i] = 0.0
     for i, correct in zip(pending, get_grader().grade(pairs)):
-        scores[i] = 1.0 if correct else 0.0
+        scores[i] = None if correct is None else 1.0 if correct else 0.0  # None: not graded in time
     return scores
 
 
