@@ -82,6 +82,8 @@ def test_every_rank_checks_its_share_of_the_images_and_all_leave_out_the_same_sa
     decoded = [sorted(Path(ref).name for ref in r["decoded"]) for r in reports]
     assert decoded == [["0.png", "2.png", "4.png", "6.png", "8.png"], ["1.png", "3.png", "5.png", "7.png"]]
     assert reports[0]["kept"] == reports[1]["kept"] == ["0", "1", "2", "3", "5", "6", "8"]
+    # one cache file per rank: one writer each, also where the folder is on a file system every node mounts
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["media_ok.rank0.sqlite", "media_ok.rank1.sqlite"]
 
 
 def test_images_that_passed_are_not_decoded_again_until_they_change(tmp_path, monkeypatch):

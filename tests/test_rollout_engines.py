@@ -136,7 +136,7 @@ def test_with_tools_the_engines_take_a_whole_trajectory_after_the_prompt():
     cfg.rollout.tools, cfg.rollout.max_trajectory_tokens = [ToolConfig(name="zoom")], 3000
     layout = RankLayout(0, 1, 1)
     assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 1024 + 3000 + 512
-    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 1024 + 3000 + 512
+    assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 1024 + 3000 + 512 + 1  # SGLang: >=
     cfg.rollout.max_model_len = 5000  # an explicit length wins
     assert vllm_engine_kwargs(cfg, layout, distributed=False, supported=set())["max_model_len"] == 5000
     assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 5000

@@ -163,7 +163,7 @@ class RolloutConfig:
     sleep_between_steps: bool = option(True, "vLLM/SGLang: release engine weights and KV cache while the trainer "
                                        "runs")
     max_model_len: int | None = option(None, "vLLM/SGLang: longest sequence; default: data.max_prompt_length + "
-                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens)")
+                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens; SGLang + 1)")
     weight_sync_bucket_mb: int = option(512, "vLLM/SGLang: weights are sent to the engine in buckets of about "
                                         "this many MB")
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",

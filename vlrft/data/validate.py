@@ -42,6 +42,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VLRFT_CACHE_DIR") or Path.home() / ".cache" / "vlrft")
 
 
+def cache_file(folder: Path) -> Path:
+    """The cache file of this process. Under torchrun each rank checks its own share and keeps its own file: one
+    writer per SQLite file, also where the folder is on a network file system every node mounts."""
+    rank = os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    return folder / ("media_ok.sqlite" if rank is None else f"media_ok.rank{rank}.sqlite")
+
+
 def _fingerprint(ref: Any, limits: MediaLimits) -> str | None:
     """A key that changes when the image (or the limits) change; None for in-memory images (not cached)."""
     tag = f"{DECODER_VERSION}|{limits.max_source_pixels}|{limits.max_aspect_ratio}"
@@ -71,7 +78,7 @@ class _Cache:
             return
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(folder / "media_ok.sqlite", timeout=30, check_same_thread=False)
+            self.db = sqlite3.connect(cache_file(folder), timeout=30, check_same_thread=False)
             self.db.execute("CREATE TABLE IF NOT EXISTS ok (key TEXT PRIMARY KEY)")
         except (OSError, sqlite3.Error):
             self.db = None
@@ -168,7 +175,8 @@ def find_bad_media(samples: Sequence[Sample], limits: MediaLimits, workers: int 
             _, _, kind, ref, _ = job
             return (_check_image if kind == "image" else _check_video)(ref, limits)
 
-        workers = workers or min(16, 2 * (os.cpu_count() or 1))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # under torchrun each rank checks its share
+        workers = workers or max(2, min(16, 2 * (os.cpu_count() or 1) // ranks_here))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             results = pool.map(check, todo)
             if progress and todo:

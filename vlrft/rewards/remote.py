@@ -129,6 +129,7 @@ def decode_request(payload: Any) -> dict[str, Any]:
 
 
 MAX_BACKOFF_S = 5.0  # the longest random wait between two attempts
+MIN_BACKOFF_S = 0.05  # the shortest
 
 
 @reward("remote")
@@ -182,21 +183,22 @@ class RemoteReward:
         completion_ids: Any = None,  # not sent: the server works on text
         **columns: Any,
     ) -> list[float | None]:
+        start = time.monotonic()  # the budget counts from here: encoding many images takes part of it
         body = await asyncio.to_thread(encode_request, completions, prompts, references, labels, images, columns, step)
-        answer = await self._post(body)
+        answer = await self._post(body, start)
         rewards = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(rewards, list):
             raise RemoteRewardError(f"remote reward at {self.url} answered without a 'rewards' list; check the server implements the protocol")
         return rewards
 
-    async def _post(self, body: bytes) -> Any:
+    async def _post(self, body: bytes, start: float) -> Any:
         import aiohttp
 
         headers = {"Content-Type": "application/json"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         last = ""
-        deadline = time.monotonic() + self.budget_s
+        deadline = start + self.budget_s
         attempts, wait = 0, 0.0
         async with aiohttp.ClientSession() as session:
             while True:
@@ -206,7 +208,8 @@ class RemoteReward:
                 await asyncio.sleep(wait)
                 attempts += 1
                 limit = max(0.05, min(self.timeout_s, deadline - time.monotonic()))
-                wait = random.uniform(0.0, min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempts - 1)))
+                # at least MIN_BACKOFF_S: with backoff_s=0 a refused connection would be retried in a busy loop
+                wait = max(MIN_BACKOFF_S, random.uniform(0.0, min(MAX_BACKOFF_S, self.backoff_s * 2 ** (attempts - 1))))
                 try:
                     async with session.post(self.url, data=body, headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=limit)) as response:
@@ -234,7 +237,8 @@ class RemoteReward:
                 last = f"HTTP {status}: {text[:200]}"
                 if retry_after.strip().isdigit():  # the server says when to come back (seconds)
                     wait = max(wait, float(retry_after))
+        limit = "kwargs.retries" if self.retries is not None and attempts > self.retries else "reward.timeout_s"
         raise RemoteRewardError(
-            f"remote reward at {self.url} failed {attempts} time(s) in {self.budget_s:g} s, last: {last}; check that "
-            "the server is running and reachable (e.g. `vlrft reward-server --port 8000`), or raise reward.timeout_s"
+            f"remote reward at {self.url} failed {attempts} time(s) in {time.monotonic() - start:.1f} s, last: {last}; "
+            f"check that the server is running and reachable (e.g. `vlrft reward-server --port 8000`), or raise {limit}"
         )

@@ -336,7 +336,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
         if step == max_new - 1:
             break
         keep = ~finished
-        running = int(keep.sum())  # the step's one device sync
+        running = int(keep.sum())  # the step's device sync (and `nonzero` below where rows stopped)
         if running == 0:
             break
         if running < keep.shape[0]:  # drop the rows that stopped from every later step

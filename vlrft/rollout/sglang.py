@@ -103,7 +103,9 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
         tp_size=r.tensor_parallel_size,
         base_gpu_id=gpu_id,
         mem_fraction_static=r.gpu_memory_utilization,
-        context_length=r.engine_max_len(cfg.data.max_prompt_length),
+        # SGLang refuses a request whose input + max_new_tokens reaches its context length: one token more, so a
+        # prompt of exactly data.max_prompt_length asking for the whole max_new_tokens is served
+        context_length=r.engine_max_len(cfg.data.max_prompt_length) + (0 if r.max_model_len else 1),
         enable_memory_saver=r.sleep_between_steps,
         random_seed=layout.seed(cfg.train.seed),
         port=30000 + 10 * layout.group,  # engines of one node must not share ports

@@ -520,7 +520,6 @@ class Trainer:
             interrupt.uninstall()
             if self.logger is not None:
                 self.logger.close()
-            self.rewards.close()  # e.g. a reward model's weights (it reloads if scoring is asked for again)
         return history
 
     def _stop_requested(self, interrupt: InterruptGuard) -> bool:

@@ -6,6 +6,7 @@ completion (see `vlrft.rewards.text.find_answer`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -13,6 +14,8 @@ from vlrft.rewards.grading import get_grader
 from vlrft.rewards.registry import reward
 from vlrft.rewards.text import choice_letter, find_answer, last_number, normalize
 from vlrft.rewards.types import RewardSampleError
+
+logger = logging.getLogger(__name__)
 
 
 def _looks_mathematical(reference: str) -> bool:
@@ -38,8 +41,14 @@ def _score_answers(
             pairs.append((answer, marked, reference))
         else:
             scores[i] = 0.0
-    for i, correct in zip(pending, get_grader().grade(pairs)):
+    graded = get_grader().grade(pairs)
+    for i, correct in zip(pending, graded):
         scores[i] = None if correct is None else 1.0 if correct else 0.0  # None: not graded in time
+    skipped = graded.count(None)
+    if skipped:
+        logger.warning("%d of %d math answers were not graded before the batch's deadline (reward.timeout_s); they "
+                       "count as not applicable (raise reward.timeout_s or reward.grader_processes)",
+                       skipped, len(graded))
     return scores
 
 
