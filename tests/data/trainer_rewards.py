@@ -41,3 +41,12 @@ def text_hash_then_sigterm_in_step_2(completions, **kwargs):
     if len(_SCORED_BATCHES) == 2:
         os.kill(os.getpid(), signal.SIGTERM)
     return text_hash(completions)
+
+
+def broken_on_rank_1(completions, **kwargs):
+    """Raises on rank 1 only (RANK from torchrun), like a reward that fails on one rank's samples."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("grader crashed on rank 1")
+    return [0.5] * len(completions)

@@ -114,10 +114,22 @@ def collect(deps: CollectDeps, step: int) -> Collected:
         with deps.timer("time/generate"), sampling:
             # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
             rollouts = deps.engine.generate(batch, deps.sampling)
+        result, failure = None, None
+        if len(batch):
+            with deps.timer("time/reward"):
+                try:
+                    result = score(deps.rewards, batch, rollouts, step)
+                except UserError as exc:  # a RewardError (reward.on_error=raise)
+                    failure = f"rank {deps.strategy.rank}: {exc}"
+        # Every rank learns whether some rank's rewards failed and raises it too, instead of waiting in the next
+        # collective until the launcher stops it without a word of why.
+        failures = [f for f in deps.strategy.all_gather_object(failure) if f is not None]
+        if failures:
+            from vlrft.rewards.types import RewardError
+
+            raise RewardError(failures[0] + (f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""))
         if len(batch) == 0:
             continue
-        with deps.timer("time/reward"):
-            result = score(deps.rewards, batch, rollouts, step)
         for key in reward_errors:
             reward_errors[key] += int(result.stats[key].errors) if key in result.stats else 0
         total = result.total
