@@ -9,8 +9,9 @@ budget runs out, zero-variance groups fill the gap: they get zero advantage, nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -90,6 +91,26 @@ def score(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int):
     )
 
 
+def score_on_every_rank(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int, rank: int,
+                        gather_objects: Callable[[Any], list]):
+    """`score` of this rank's batch (None for an empty one); then every rank learns whether some rank's rewards
+    failed (reward.on_error=raise) and raises it too, naming that rank, instead of waiting in the next collective
+    until the launcher stops it without a word of why. Every rank calls it once per round, its batch empty or not.
+    """
+    result, failure = None, None
+    if len(prompts):
+        try:
+            result = score(reward_set, prompts, rollouts, step)
+        except UserError as exc:  # a RewardError
+            failure = f"rank {rank}: {exc}"
+    failures = [f for f in gather_objects(failure) if f is not None]
+    if failures:
+        from vlrft.rewards.types import RewardError
+
+        raise RewardError(failures[0] + (f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""))
+    return result
+
+
 def collect(deps: CollectDeps, step: int) -> Collected:
     """Generate and score until this rank has `prompts_per_rank` usable groups (see the module docstring)."""
     n = deps.rollout.n
@@ -114,20 +135,9 @@ def collect(deps: CollectDeps, step: int) -> Collected:
         with deps.timer("time/generate"), sampling:
             # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
             rollouts = deps.engine.generate(batch, deps.sampling)
-        result, failure = None, None
-        if len(batch):
-            with deps.timer("time/reward"):
-                try:
-                    result = score(deps.rewards, batch, rollouts, step)
-                except UserError as exc:  # a RewardError (reward.on_error=raise)
-                    failure = f"rank {deps.strategy.rank}: {exc}"
-        # Every rank learns whether some rank's rewards failed and raises it too, instead of waiting in the next
-        # collective until the launcher stops it without a word of why.
-        failures = [f for f in deps.strategy.all_gather_object(failure) if f is not None]
-        if failures:
-            from vlrft.rewards.types import RewardError
-
-            raise RewardError(failures[0] + (f" (and {len(failures) - 1} more rank(s))" if len(failures) > 1 else ""))
+        with deps.timer("time/reward"):
+            result = score_on_every_rank(deps.rewards, batch, rollouts, step, deps.strategy.rank,
+                                         deps.strategy.all_gather_object)
         if len(batch) == 0:
             continue
         for key in reward_errors:

@@ -10,8 +10,9 @@ generates on an empty batch): ranks sharing a tensor-parallel engine must run it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +20,7 @@ from vlrft.algo import Stats
 from vlrft.data import PromptEncoder
 from vlrft.errors import UserError
 from vlrft.rollout.base import RolloutEngine, SamplingParams
-from vlrft.trainer.collect import score
+from vlrft.trainer.collect import score_on_every_rank
 from vlrft.trainer.experience import Reduce
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class EvalDeps:
     rewards: RewardSet
     accuracy_key: str  # the reward whose value > 0.5 marks a completion correct
     reduce: Reduce  # sum over ranks
+    gather_objects: Callable[[Any], list] = lambda obj: [obj]  # every rank's object (strategy.all_gather_object)
 
 
 def accuracy_reward_key(cfg, reward_set) -> str:
@@ -64,9 +66,9 @@ def evaluate(deps: EvalDeps, step: int) -> dict[str, float]:
         stats.add("eval/skipped", float(len(encoded.skipped)), 1.0)
         batch = encoded.batch
         rollouts = deps.engine.generate(batch, sampling)  # even on an empty batch: see the module docstring
+        result = score_on_every_rank(deps.rewards, batch, rollouts, step, deps.rank, deps.gather_objects)
         if len(batch) == 0:
             continue
-        result = score(deps.rewards, batch, rollouts, step)
         correct = torch.nan_to_num(result.per_function.get(key, torch.full((len(rollouts),), float("nan"))),
                                    nan=0.0) > 0.5
         valid = ~torch.isnan(result.total)

@@ -364,7 +364,8 @@ class Trainer:
             return evaluate(EvalDeps(samples=self.eval_samples, rank=self.strategy.rank,
                                      world_size=self.strategy.world_size, encoder=self.encoder, engine=self.engine,
                                      sampling=sampling, batch_prompts=cfg.train.eval_batch_prompts,
-                                     rewards=self.rewards, accuracy_key=self.accuracy_key, reduce=self.sum_reduce),
+                                     rewards=self.rewards, accuracy_key=self.accuracy_key, reduce=self.sum_reduce,
+                                     gather_objects=self.strategy.all_gather_object),
                             step)
 
     @contextlib.contextmanager
