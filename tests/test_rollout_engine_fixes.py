@@ -404,14 +404,14 @@ def test_evaluation_calls_generate_equally_often_on_every_rank(rank, empty_encod
 
 
 def test_collect_generates_even_when_a_rounds_batch_is_empty(empty_encoder):
+    from vlrft.dist.strategy import Strategy
     from vlrft.trainer.collect import CollectDeps, collect
 
     cfg = Config()
     engine = CountingEngine()
     deps = CollectDeps(algo=cfg.algorithm, rollout=cfg.rollout, prompts_per_rank=1, samples=["s"],
                        sampler=SimpleNamespace(next_indices=lambda: [0]), encoder=empty_encoder, engine=engine,
-                       sampling=SamplingParams(), rewards=SimpleNamespace(keys=[]),
-                       strategy=SimpleNamespace(all_reduce=lambda t, op: t))
+                       sampling=SamplingParams(), rewards=SimpleNamespace(keys=[]), strategy=Strategy())
     with pytest.raises(Exception, match="could not collect 1 usable prompts"):
         collect(deps, step=1)
     # Every round called the engine (a tensor-parallel peer with prompts would otherwise wait forever).
