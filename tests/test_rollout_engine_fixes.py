@@ -395,11 +395,14 @@ def test_evaluation_calls_generate_equally_often_on_every_rank(rank, empty_encod
     from vlrft.trainer.evaluate import EvalDeps, evaluate
 
     engine = CountingEngine()
+    gathered = []  # the reward-failure agreement is a collective too: as often on every rank
     deps = EvalDeps(samples=list(range(5)), rank=rank, world_size=2,  # rank 0 gets 3 samples, rank 1 gets 2
                     encoder=empty_encoder, engine=engine, sampling=SamplingParams(), batch_prompts=2,
-                    rewards=None, accuracy_key="acc", reduce=lambda t: t)
+                    rewards=None, accuracy_key="acc", reduce=lambda t: t,
+                    gather_objects=lambda obj: gathered.append(obj) or [obj])
     metrics = evaluate(deps, step=0)
     assert len(engine.batch_sizes) == 2  # ceil(3 / 2) on both ranks, although rank 1's share fits one batch
+    assert gathered == [None, None]
     assert metrics["eval/skipped"] == (3.0 if rank == 0 else 2.0)
 
 
@@ -418,3 +421,19 @@ def test_collect_generates_even_when_a_rounds_batch_is_empty(empty_encoder):
     from vlrft.trainer.collect import MAX_ROUNDS_FOR_SKIPS
 
     assert engine.batch_sizes == [0] * MAX_ROUNDS_FOR_SKIPS
+
+
+def test_a_scoring_bug_is_told_to_every_rank_and_raised_as_it_is_on_its_own(monkeypatch):
+    """Not a reward error but a bug while scoring: its rank re-raises it with its own traceback, and the other
+    ranks (here, the gathered list's second entry stands for them) learn its type and message."""
+    from vlrft.trainer import collect as collect_module
+
+    def broken_score(*args):
+        raise ValueError("index out of range in my reward recipe")
+
+    monkeypatch.setattr(collect_module, "score", broken_score)
+    told = []
+    with pytest.raises(ValueError, match="index out of range"):
+        collect_module.score_on_every_rank(None, ["a prompt"], None, 1, 3, lambda obj: told.append(obj) or [obj, None])
+    assert told == ["rank 3: ValueError: index out of range in my reward recipe"]
+

@@ -9,9 +9,10 @@ budget runs out, zero-variance groups fill the gap: they get zero advantage, nev
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ContextManager
 
 import torch
 
@@ -92,18 +93,26 @@ def score(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int):
 
 
 def score_on_every_rank(reward_set, prompts: PromptBatch, rollouts: Rollouts, step: int, rank: int,
-                        gather_objects: Callable[[Any], list]):
-    """`score` of this rank's batch (None for an empty one); then every rank learns whether some rank's rewards
-    failed (reward.on_error=raise) and raises it too, naming that rank, instead of waiting in the next collective
-    until the launcher stops it without a word of why. Every rank calls it once per round, its batch empty or not.
+                        gather_objects: Callable[[Any], list], timer: ContextManager | None = None):
+    """`score` of this rank's batch (None for an empty one; timed by `timer`); then every rank learns whether some
+    rank's scoring failed and raises it too, naming that rank, instead of waiting in the next collective until the
+    launcher stops it without a word of why. Every rank calls it once per round, its batch empty or not.
+
+    A reward error (reward.on_error=raise) is raised as one RewardError everywhere; any other exception is
+    re-raised as it is on its own rank (its traceback kept), and named in the RewardError of the others.
     """
-    result, failure = None, None
+    result, failure, own = None, None, None
     if len(prompts):
-        try:
-            result = score(reward_set, prompts, rollouts, step)
-        except UserError as exc:  # a RewardError
-            failure = f"rank {rank}: {exc}"
+        with timer or contextlib.nullcontext():
+            try:
+                result = score(reward_set, prompts, rollouts, step)
+            except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
+                expected = isinstance(exc, UserError)  # a RewardError
+                failure = f"rank {rank}: {exc}" if expected else f"rank {rank}: {type(exc).__name__}: {exc}"
+                own = None if expected else exc
     failures = [f for f in gather_objects(failure) if f is not None]
+    if own is not None:
+        raise own
     if failures:
         from vlrft.rewards.types import RewardError
 
@@ -135,9 +144,8 @@ def collect(deps: CollectDeps, step: int) -> Collected:
         with deps.timer("time/generate"), sampling:
             # Also on an empty batch: ranks sharing a tensor-parallel engine must call it in lockstep.
             rollouts = deps.engine.generate(batch, deps.sampling)
-        with deps.timer("time/reward"):
-            result = score_on_every_rank(deps.rewards, batch, rollouts, step, deps.strategy.rank,
-                                         deps.strategy.all_gather_object)
+        result = score_on_every_rank(deps.rewards, batch, rollouts, step, deps.strategy.rank,
+                                     deps.strategy.all_gather_object, timer=deps.timer("time/reward"))
         if len(batch) == 0:
             continue
         for key in reward_errors:
