@@ -243,16 +243,11 @@ class FSDP2Strategy(ProcessGroupStrategy):
             self._offloaded = None
 
     # ------------------------------------------------------------------ gradients
-
-    def no_sync(self, module: nn.Module):
-        """Nothing: every micro-batch's gradients are reduce-scattered and added to the sharded gradient.
-
-        FSDP2's `set_requires_gradient_sync(False)` would save those collectives, but it keeps the
-        unreduced gradients on the unsharded parameters, whole and in float32, on every GPU, and
-        with `cpu_offload` too: +31 GiB per GPU for a 7B model, 125 GiB for 32B. Sharded
-        accumulation is what `vlrft plan` counts (gradients 1/world) and gives the same sum.
-        """
-        return contextlib.nullcontext()
+    # `no_sync` is the base strategy's (nothing): every micro-batch's gradients are reduce-scattered and added to
+    # the sharded gradient. FSDP2's `set_requires_gradient_sync(False)` would save those collectives, but it keeps
+    # the unreduced gradients on the unsharded parameters, whole and in float32, on every GPU, and with
+    # `cpu_offload` too: +31 GiB per GPU for a 7B model, 125 GiB for 32B. Sharded accumulation is what
+    # `vlrft plan` counts (gradients 1/world) and gives the same sum.
 
     # ------------------------------------------------------------------ checkpoints
 

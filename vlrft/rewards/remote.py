@@ -237,8 +237,9 @@ class RemoteReward:
                 last = f"HTTP {status}: {text[:200]}"
                 if retry_after.strip().isdigit():  # the server says when to come back (seconds)
                     wait = max(wait, float(retry_after))
-        limit = "kwargs.retries" if self.retries is not None and attempts > self.retries else "reward.timeout_s"
+        ended_by = "kwargs.retries" if self.retries is not None and attempts > self.retries else "reward.timeout_s"
         raise RemoteRewardError(
             f"remote reward at {self.url} failed {attempts} time(s) in {time.monotonic() - start:.1f} s, last: {last}; "
-            f"check that the server is running and reachable (e.g. `vlrft reward-server --port 8000`), or raise {limit}"
+            f"check that the server is running and reachable (e.g. `vlrft reward-server --port 8000`), or raise "
+            f"{ended_by}"
         )
