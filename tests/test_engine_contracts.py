@@ -307,6 +307,9 @@ def test_sglang_engine_kwargs_are_server_args(sglang):
     assert "disable_cuda_graph" in fields  # the GPU tests' engine_kwargs
     args = ServerArgs(**kwargs)  # the real constructor takes every value as we pass it (resolution is later)
     assert args.mm_process_config == PIXELS and args.enable_memory_saver is True and args.tp_size == 2
+    from sglang.srt.server_args import PortArgs
+
+    assert PortArgs.init_new(args).nccl_port == kwargs["nccl_port"]  # the port SGLang's TP group store binds
 
 
 def test_sglang_engine_methods_and_keywords(sglang):

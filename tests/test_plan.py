@@ -394,3 +394,64 @@ def test_activation_estimate_matches_the_tensors_saved_for_backward(autocast_bf1
     planned = activation_bytes(shape, 2, 300, images=0, patches_per_image=0, checkpointing=False,
                                compute_bytes=2 if autocast_bf16 else 4)
     assert planned == pytest.approx(sum(saved.values()), rel=0.1)
+
+
+def _reward_model_folder(folder: Path, **sizes) -> Path:
+    """A Qwen2 sequence classifier's config.json alone (the plan reads nothing else)."""
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1,
+              "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": False, **sizes}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_reward_model_is_counted_from_its_config(tmp_path):
+    from vlrft.config import RewardConfig, RewardFunctionConfig
+    from vlrft.plan.reward_models import reward_model_shapes
+
+    folder = _reward_model_folder(tmp_path / "rm")
+    functions = [RewardFunctionConfig("accuracy"),
+                 RewardFunctionConfig("reward_model", kwargs={"path": str(folder), "batch_size": 4, "max_length": 512}),
+                 RewardFunctionConfig("reward_model", alias="on_cpu", kwargs={"path": str(folder), "device": "cpu"}),
+                 RewardFunctionConfig("reward_model", alias="hub", kwargs={"path": "org/not-here-rm"})]
+    recipes = {"charts": [RewardFunctionConfig("reward_model", kwargs={"path": str(folder), "batch_size": 4,
+                                                                        "max_length": 512})]}  # the same key: one model
+    [rm], not_counted = reward_model_shapes(RewardConfig(functions=functions, recipes=recipes))
+    h, i, v, kv, layers = 64, 160, 300, 32, 3
+    layer = (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * h * i + 2 * h  # q, k, v (+bias), o, MLP, 2 norms
+    assert rm.parameters == v * h + layers * layer + h + h * 1  # embeddings, layers, final norm, the score head
+    assert (rm.key, rm.dtype_bytes, rm.offload) == ("reward_model", 2, True)  # bfloat16 and offloaded on a GPU
+    assert rm.activation_bytes == 4 * 512 * (4 * h + 3 * i) * 2
+    assert len(not_counted) == 1 and "'hub'" in not_counted[0] and "org/not-here-rm" in not_counted[0]
+
+
+def test_an_offloaded_reward_model_takes_the_gpu_only_while_it_scores(tmp_path):
+    from vlrft.plan.memory import format_plan
+    from vlrft.plan.reward_models import reward_model_shape
+
+    cfg = load_config(CONFIG_7B, [], validate=False)
+    shape, hw = load_model_shape(cfg.model.path), Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    folder = _reward_model_folder(tmp_path / "rm7b", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                  num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)
+    offloaded = reward_model_shape("rm", {"path": str(folder)})
+    resident = replace(offloaded, offload=False)
+    assert 7.0e9 < offloaded.parameters < 7.1e9  # Qwen2-7B's backbone with a one-label head
+    fsdp = StrategyChoice("fsdp2")
+    base = plan_memory(cfg, shape, hw, fsdp)
+    off = plan_memory(cfg, shape, hw, fsdp, reward_models=[offloaded])
+    on = plan_memory(cfg, shape, hw, fsdp, reward_models=[resident])
+    weights, acts = offloaded.weight_bytes, offloaded.activation_bytes
+    assert off.phase_total("rollout") == base.phase_total("rollout") + weights + acts
+    assert off.phase_total("train") == base.phase_total("train")  # in host memory while the policy trains
+    assert off.host_total("train") == base.host_total("train") + 8 * weights  # pinned, on each of the 8 ranks
+    assert on.phase_total("train") == base.phase_total("train") + weights
+    assert on.phase_total("rollout") == off.phase_total("rollout") and on.host_total("train") == base.host_total("train")
+    assert "reward_model:rm" in format_plan(off)
+    small_engine = load_config(CONFIG_7B, ["rollout.gpu_memory_utilization=0.35"], validate=False)
+    tight = Hardware(gpus_per_node=8, gpu_memory=plan_memory(small_engine, shape, hw, fsdp, reward_models=[resident])
+                     .phase_total("train") - 1)
+    plan = plan_memory(small_engine, shape, tight, fsdp, reward_models=[resident])
+    assert plan.peak_phase == "train" and not plan.fits
+    [offload] = [s for s in plan.suggestions if s.startswith("set offload: true in the kwargs of reward model(s) rm")]
+    assert offload.endswith(", fits)")

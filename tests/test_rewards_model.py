@@ -133,3 +133,67 @@ def test_the_default_dtype_is_bfloat16_on_a_gpu_and_float32_on_the_cpu(rm_dir):
     rs.prepare()
     assert next(rs.callables["reward_model"].fn._model.parameters()).dtype == torch.float32  # this machine: CPU
 
+
+
+def _device_of_each_call(rm) -> list[list[torch.Tensor]]:
+    """The reward model's parameters as each forward saw them."""
+    seen = []
+    rm._model.register_forward_pre_hook(lambda module, args: seen.append([p.data for p in module.parameters()]))
+    return seen
+
+
+def test_offloaded_weights_are_copied_for_each_call_and_dropped_after(rm_dir):
+    """`offload` (on by default on a GPU): between calls the weights are the host copies; each call scores on fresh
+    device copies (real copies here, CPU to CPU) and gives the same scores as a resident model."""
+    kwargs = {"path": str(rm_dir), "batch_size": 2, "use_chat_template": False}
+    resident = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs=kwargs)]))
+    offloaded = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={**kwargs, "offload": True})]))
+    resident.prepare()
+    offloaded.prepare()
+    assert resident.callables["reward_model"].fn._host_weights is None  # CPU: off by default
+    rm = offloaded.callables["reward_model"].fn
+    host = [p.data for p in rm._model.parameters()]
+    seen = _device_of_each_call(rm)
+    expected = resident.score(COMPLETIONS, prompts=PROMPTS).total.tolist()
+    assert offloaded.score(COMPLETIONS, prompts=PROMPTS).total.tolist() == pytest.approx(expected, abs=1e-6)
+    assert len(seen) == 2  # two batches of 2, 1
+    for copies in seen:
+        assert all(c.data_ptr() != h.data_ptr() for c, h in zip(copies, host))
+        assert [c.tolist() for c in copies[:2]] == [h.tolist() for h in host[:2]]
+    assert [p.data_ptr() for p in rm._model.parameters()] == [h.data_ptr() for h in host]  # back on the host copies
+
+
+def test_host_resident_weights_copy_a_tied_weight_once_and_restore_buffers():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from vlrft.rewards.reward_model import HostResidentWeights
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    weights = HostResidentWeights(model, "cpu")
+    rotary = model.model.rotary_emb.inv_freq
+    with weights.on_device():
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # one copy
+        assert model.lm_head.weight.data_ptr() != weights.parameters[0][1].data_ptr()
+        assert model.model.rotary_emb.inv_freq is not rotary and torch.equal(model.model.rotary_emb.inv_freq, rotary)
+    assert model.model.rotary_emb.inv_freq is rotary
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the reward model's GPU offload needs a CUDA device and none is visible")
+def test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores(rm_dir):
+    kwargs = {"path": str(rm_dir), "use_chat_template": False, "dtype": "float32"}
+    on_cpu = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={**kwargs, "device": "cpu"})]))
+    on_gpu = RewardSet.from_config(RewardConfig(functions=[F("reward_model", kwargs={**kwargs, "device": "cuda:0"})]))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    on_gpu.prepare()
+    rm = on_gpu.callables["reward_model"].fn
+    assert rm._host_weights is not None and torch.cuda.memory_allocated() == before  # offload is the GPU default
+    assert all(p.is_pinned() for p in rm._model.parameters())
+    seen = _device_of_each_call(rm)
+    scores = on_gpu.score(COMPLETIONS, prompts=PROMPTS).total.tolist()
+    assert scores == pytest.approx(on_cpu.score(COMPLETIONS, prompts=PROMPTS).total.tolist(), abs=1e-4)
+    assert seen and all(p.is_cuda for p in seen[0])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

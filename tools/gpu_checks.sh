@@ -48,7 +48,8 @@ fi
 step cuda_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
     tests/test_rollout_engines_gpu.py -k "cuda or gpu"
 step offload_sync 120 python -m pytest -q -x -p no:cacheprovider \
-    tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync
+    tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync \
+    tests/test_rewards_model.py::test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores
 step decode_rates 120 python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
     --tokens 256 --regimes 1,3 --repeats 3
 step train_bench 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \

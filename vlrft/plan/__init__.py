@@ -13,6 +13,7 @@ from pathlib import Path
 from vlrft.errors import UserError
 from vlrft.plan.architecture import ModelShape, load_model_shape, shape_from_config
 from vlrft.plan.memory import HOST_PHASES, GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
+from vlrft.plan.reward_models import reward_model_shapes
 
 __all__ = ["GiB", "Hardware", "MemoryPlan", "ModelShape", "StrategyChoice", "check_fits", "check_fits_at_load", "format_plan",
            "host_memory_warning", "load_model_shape", "node_memory_bytes", "plan_for_config", "plan_memory",
@@ -46,7 +47,11 @@ def strategy_from_config(cfg, name: str | None = None, zero_stage: int | None = 
 def plan_for_config(cfg, hardware: Hardware, strategy: StrategyChoice | None = None, model_config: str | None = None,
                     images_per_prompt: int = 1) -> MemoryPlan:
     shape = load_model_shape(cfg.model.path, model_config)
-    return plan_memory(cfg, shape, hardware, strategy or strategy_from_config(cfg), images_per_prompt)
+    reward_models, not_counted = reward_model_shapes(cfg.reward)
+    plan = plan_memory(cfg, shape, hardware, strategy or strategy_from_config(cfg), images_per_prompt,
+                       reward_models=reward_models)
+    plan.not_counted += not_counted
+    return plan
 
 
 def check_fits(cfg, hardware: Hardware) -> MemoryPlan | None:

@@ -27,7 +27,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from collections.abc import Sequence
+
 from vlrft.plan.architecture import ModelShape
+from vlrft.plan.reward_models import RewardModelShape
 
 GiB = 1 << 30
 CUDA_RESERVE = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
@@ -91,6 +94,7 @@ class MemoryPlan:
     engine_kv_needed: int | None = None  # one sequence of max_model_len tokens
     suggestions: list[str] = field(default_factory=list)
     host: list[Component] = field(default_factory=list)  # host memory of one node (the first, where rank 0 is)
+    not_counted: list[str] = field(default_factory=list)  # what the plan could not size (e.g. a reward model's config)
 
     def host_total(self, phase: str) -> int:
         return sum(c.bytes for c in self.host if phase in c.phases)
@@ -134,6 +138,7 @@ class MemoryPlan:
             "suggestions": self.suggestions,
             "per_node_host_bytes": {c.name: c.bytes for c in self.host},
             "host_phases": {phase: self.host_total(phase) for phase in HOST_PHASES},
+            "not_counted": self.not_counted,
         }
 
 
@@ -258,6 +263,13 @@ def hf_engine_weights(params: int, s: StrategyChoice) -> tuple[int, str]:
     return cast, "hf engine: bf16 copy of the float32 weights, made under autocast for each generate call"
 
 
+def _offloaded_during_rollout(cfg, strategy: StrategyChoice) -> bool:
+    """FSDP2 moves its GPU-resident state to host memory while vLLM/SGLang sample (train.fsdp.offload_during_rollout);
+    with train.fsdp.cpu_offload it lives there already."""
+    return (strategy.name == "fsdp2" and not (strategy.offload_optimizer or strategy.offload_params)
+            and cfg.train.fsdp.offloads_during_rollout(cfg.rollout.engine, on_gpu=True))
+
+
 def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, params: int,
                 trainable: int) -> list[Component]:
     """Host memory of one node (the first: rank 0's): the policy's checkpoint read at start-up and the state
@@ -289,7 +301,7 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                       "train.fsdp.cpu_offload: the node's AdamW moments"),
             Component("offloaded_gradients", int(4 * trainable * share), ("train",),
                       "train.fsdp.cpu_offload: the node's float32 gradient shards")]
-    elif strategy.name == "fsdp2" and cfg.train.fsdp.offloads_during_rollout(cfg.rollout.engine, on_gpu=True):
+    elif _offloaded_during_rollout(cfg, strategy):
         others = (2 if strategy.mixed_precision else 4) * params if cfg.algorithm.kl_coef > 0 else 0  # reference
         if cfg.algorithm.advantage == "gae":
             others += 12 * params  # the critic's shards and moments
@@ -306,13 +318,36 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     return comps
 
 
+def reward_model_components(reward_models: Sequence[RewardModelShape], ranks_per_node: int
+                            ) -> tuple[list[Component], list[Component]]:
+    """(per-GPU, first node's host) components of the reward models: an offloaded one is on the GPU only while it
+    scores (the rollout phase, beside the awake engine) and in pinned host memory on every rank of the node; a
+    resident one holds its weights in both phases."""
+    gpu, host = [], []
+    for rm in reward_models:
+        where = f"reward model {rm.key!r} ({rm.parameters / 1e9:.2f} B parameters, {rm.path})"
+        if rm.offload:
+            gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes + rm.activation_bytes, ("rollout",),
+                                 f"{where}: copied to the GPU for scoring, with one batch's activations"))
+            host.append(Component(f"reward_model:{rm.key}", rm.weight_bytes * ranks_per_node, HOST_PHASES,
+                                  f"{where}: pinned weights of each of the node's {ranks_per_node} rank(s) (offload)"))
+        else:
+            gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes, ("rollout", "train"),
+                                 f"{where}: resident on the GPU (offload: false)"))
+            gpu.append(Component(f"reward_model_activations:{rm.key}", rm.activation_bytes, ("rollout",),
+                                 f"{where}: one batch of {rm.batch_size} x {rm.max_length} tokens"))
+    return gpu, host
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
 def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice,
-                images_per_prompt: int = 1, suggest: bool = True) -> MemoryPlan:
-    """Per-GPU bytes of `cfg` (a `vlrft.config.Config`) for `shape` on `hardware` under `strategy`."""
+                images_per_prompt: int = 1, suggest: bool = True,
+                reward_models: Sequence[RewardModelShape] = ()) -> MemoryPlan:
+    """Per-GPU bytes of `cfg` (a `vlrft.config.Config`) for `shape` on `hardware` under `strategy`, with the
+    GPU reward models `reward_models` (`vlrft.plan.reward_models.reward_model_shapes`)."""
     world = hardware.world_size
     m, r, t, a, d = cfg.model, cfg.rollout, cfg.train, cfg.algorithm, cfg.data
     params = shape.num_parameters
@@ -323,25 +358,28 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     hi = 2 if strategy.mixed_precision else 4
     policy = _model_state(params, trainable, shape, strategy, world)
     both, train, rollout = ("rollout", "train"), ("train",), ("rollout",)
+    # train.fsdp.offload_during_rollout: the shards, moments, reference and critic are in host memory while the
+    # engine samples (`host_memory` counts them there)
+    resident = train if _offloaded_during_rollout(cfg, strategy) else both
     comps = [
-        Component("parameters", policy.parameters, both, policy.notes["parameters"]),
+        Component("parameters", policy.parameters, resident, policy.notes["parameters"]),
         Component("gradients", policy.gradients, train, policy.notes["gradients"]),
-        Component("optimizer", policy.optimizer, both, policy.notes["optimizer"]),
+        Component("optimizer", policy.optimizer, resident, policy.notes["optimizer"]),
     ]
     if policy.buffers:
-        comps.append(Component("buffers", policy.buffers, both, policy.notes["buffers"]))
+        comps.append(Component("buffers", policy.buffers, resident, policy.notes["buffers"]))
     if policy.gathered:
         comps.append(Component("gathered_layers", policy.gathered, train, policy.notes["gathered"]))
     if a.kl_coef > 0:
         sharded = strategy.name == "fsdp2" or (strategy.name == "deepspeed" and strategy.zero_stage >= 3)
         ref = hi * params // (world if sharded else 1)
-        comps.append(Component("reference", ref, both, f"{'bfloat16' if hi == 2 else 'float32'} reference policy, "
+        comps.append(Component("reference", ref, resident, f"{'bfloat16' if hi == 2 else 'float32'} reference policy, "
                                + (f"sharded (1/{world})" if sharded else "replicated")))
     if a.advantage == "gae":
         critic_params = params + shape.text.hidden_size + 1  # the backbone with a scalar value head
         critic = _model_state(critic_params, critic_params, shape, strategy, world)
-        resident = critic.parameters + critic.optimizer + critic.buffers
-        comps.append(Component("critic", resident, both, "value model: parameters + optimizer state (as the policy)"))
+        comps.append(Component("critic", critic.parameters + critic.optimizer + critic.buffers, resident,
+                               "value model: parameters + optimizer state (as the policy)"))
         comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
     seq_len = d.max_prompt_length + r.tokens_after_prompt  # a trajectory with tools
     patches = d.max_pixels // (shape.vision.patch_size ** 2)
@@ -393,13 +431,15 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         if not r.sleep_between_steps:
             comps.append(Component("engine_awake_in_training", budget, train,
                                    "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
+    rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
+    comps += rm_gpu
     comps.append(Component("cuda_reserve", CUDA_RESERVE, both, "CUDA context, NCCL buffers, allocator slack"))
     plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
                       hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
                       engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
-                      host=host_memory(cfg, shape, hardware, strategy, params, trainable))
+                      host=host_memory(cfg, shape, hardware, strategy, params, trainable) + rm_host)
     if suggest and not plan.fits:
-        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan)
+        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan, reward_models)
     return plan
 
 
@@ -411,11 +451,11 @@ def _with(cfg, section: str, **changes):
 
 
 def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, images_per_prompt: int,
-                plan: MemoryPlan) -> list[str]:
+                plan: MemoryPlan, reward_models: Sequence[RewardModelShape] = ()) -> list[str]:
     """One line per single change that helps, best first; each says the per-GPU total it would give."""
 
-    def trial(c=cfg, s=strategy, h=hardware) -> MemoryPlan:
-        return plan_memory(c, shape, h, s, images_per_prompt, suggest=False)
+    def trial(c=cfg, s=strategy, h=hardware, rms=reward_models) -> MemoryPlan:
+        return plan_memory(c, shape, h, s, images_per_prompt, suggest=False, reward_models=rms)
 
     out: list[tuple[bool, int, str]] = []
 
@@ -424,6 +464,10 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
             verdict = "fits" if p.fits else "still too much"
             out.append((not p.fits, p.total, f"{text} (-> {_gib(p.total)} per GPU, {verdict})"))
 
+    resident = [rm.key for rm in reward_models if not rm.offload]
+    if resident:
+        add(f"set offload: true in the kwargs of reward model(s) {', '.join(resident)}",
+            trial(rms=[dataclasses.replace(rm, offload=True) for rm in reward_models]))
     if not cfg.model.gradient_checkpointing:
         add("set model.gradient_checkpointing: true", trial(c=_with(cfg, "model", gradient_checkpointing=True)))
     if strategy.name in ("single", "ddp") and hardware.world_size > 1:
@@ -498,6 +542,7 @@ def format_plan(plan: MemoryPlan) -> str:
             lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {'+'.join(c.phases):<20}{c.note}")
         lines.append("  " + ", ".join(f"{phase} {_gib(plan.host_total(phase))}" for phase in HOST_PHASES)
                      + " (the policy's part; processes and page cache come on top)")
+    lines += [f"not counted: {what}" for what in plan.not_counted]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines += ["", f"{verdict}: peak {_gib(plan.total)} ({plan.peak_phase}) of {_gib(plan.capacity)} per GPU"]
     if plan.suggestions:

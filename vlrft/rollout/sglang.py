@@ -109,6 +109,9 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
         enable_memory_saver=r.sleep_between_steps,
         random_seed=layout.seed(cfg.train.seed),
         port=30000 + 10 * layout.group,  # engines of one node must not share ports
+        # left unset, SGLang draws its TP group's store port at random from 22000-29999 in each engine: eight
+        # engines on a node collide about once in 300 starts (the second one's store fails to bind)
+        nccl_port=30000 + 10 * layout.group + 1,
         log_level="error",
     )
     if pixels:
