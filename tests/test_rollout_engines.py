@@ -743,3 +743,37 @@ def test_a_refused_prompt_on_one_rank_fails_the_whole_group_without_hanging(tmp_
     rank0, rank1 = run_two_ranks(tmp_path, every_rank_drives, failing_rank=1)
     assert rank0["error"] == rank1["error"] == "rank 1: sample refused"
     assert not rank0["ran"]  # the engine never ran
+
+
+def test_a_resumed_engine_samples_with_the_seeds_the_uninterrupted_one_would(engine_parts):
+    """vLLM/SGLang calls are seeded by the engine's call count: a checkpoint keeps it (`engine_state`), so a resumed
+    run does not sample its next steps with the seeds of its first ones."""
+    import json
+
+    from vlrft.rollout.base import engine_state, load_engine_state
+
+    model, processor = engine_parts
+
+    class SeedBackend(RecordingBackend):
+        def __init__(self):
+            super().__init__([EngineSample([5, 2], [-0.1, -0.2], "stop")])
+            self.seeds = []
+
+        def run(self, requests, sampling):
+            self.seeds.append(torch.initial_seed())
+            return super().run(requests, sampling)
+
+    def run(engine, calls):
+        for _ in range(calls):
+            engine.generate(batch=None, sampling=SamplingParams(n=1, max_new_tokens=4))
+        return engine.backend.seeds
+
+    uninterrupted = run(make_engine(model, processor, SeedBackend(), sleep=False), 4)
+    assert len(set(uninterrupted)) == 4
+    first = make_engine(model, processor, SeedBackend(), sleep=False)
+    run(first, 2)
+    saved = json.loads(json.dumps(engine_state(first)))  # as trainer_state.json keeps it
+    resumed = make_engine(model, processor, SeedBackend(), sleep=False)
+    load_engine_state(resumed, saved)
+    assert run(resumed, 2) == uninterrupted[2:]
+    assert run(make_engine(model, processor, SeedBackend(), sleep=False), 1) == uninterrupted[:1]  # without the state

@@ -259,3 +259,39 @@ def test_tensorboard_shows_every_kept_step_once_whatever_order_event_files_sort_
     assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50),
                                                                           (6, 60)]
     assert [e.step for e in events.Tensors("completions/text_summary")] == [2]
+
+
+def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own_newest_and_auto_resumes_it(tmp_path, tiny_vlm_dir,
+                                                                                       shapes):
+    """Resuming from step 2 of a run that went on to step 6 writes a new step 4: keep-last and resume=auto take the
+    checkpoints in the order they were written, so the new step 4 is the newest, not the abandoned step 6."""
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=6", "train.save_every=2", "train.keep_last=3"))
+    abandoned = {p.name: ckpt.load_trainer_state(p)["saved_at"] for p in ckpt.list_checkpoints(out)}
+    assert sorted(abandoned) == ["step_2", "step_4", "step_6"]
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=4", "train.save_every=2", "train.keep_last=2",
+               f"train.resume={root / 'step_2'}", "train.lr=1e-4"))
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_6", "step_4"]  # in the order written
+    assert ckpt.load_trainer_state(root / "step_4")["saved_at"] > abandoned["step_6"]  # the resumed run's
+    assert ckpt.resolve_resume("auto", out) == root / "step_4"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=6", "train.save_every=2", "train.keep_last=1",
+               "train.resume=auto"))
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_6"]
+    assert ckpt.load_trainer_state(root / "step_6")["saved_at"] > abandoned["step_6"]
+    assert steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_what_a_crash_leaves_in_the_checkpoint_folder_is_cleared_on_resume(tmp_path, tiny_vlm_dir, shapes):
+    """A SIGKILL mid-save leaves `.tmp-step_k` (a whole checkpoint's size), mid-replace `.old-step_k`: both are
+    cleared; an `.old-` whose checkpoint the crash had moved away is put back."""
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.keep_last=2"))
+    root = out / "checkpoints"
+    (root / ".tmp-step_3" / "sharded").mkdir(parents=True)  # a save killed half-way
+    os.replace(root / "step_2", root / ".old-step_2")  # killed between a same-step save's two renames
+    (root / ".old-step_1").mkdir()  # killed after them, before the old copy was removed
+    (root / ".old-step_1" / "model").mkdir()
+    trainer = Trainer(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"]
+    assert trainer.resume_from == root / "step_2"

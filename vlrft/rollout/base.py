@@ -138,6 +138,19 @@ class RolloutEngine(Protocol):
         """Take back what `sleep` released, before the next `generate`."""
 
 
+def engine_state(engine) -> dict:
+    """What an engine saves with a checkpoint (its `state_dict`, where it has one: vLLM/SGLang count their calls to
+    seed each one); an engine that samples from the trainer's own random streams (hf) saves nothing."""
+    state_dict = getattr(engine, "state_dict", None)
+    return state_dict() if callable(state_dict) else {}
+
+
+def load_engine_state(engine, state: dict) -> None:
+    load = getattr(engine, "load_state_dict", None)
+    if callable(load) and state:
+        load(state)
+
+
 @dataclass(frozen=True)
 class EngineDeps:
     """What `vlrft.rollout.make_engine` builds an engine around on this rank."""

@@ -221,6 +221,13 @@ class ColocatedEngine:
         """
         return (self.options.seed * 1_000_003 + self._generate_calls) % (2**63)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to sample as the uninterrupted one would: the call count behind the seeds."""
+        return {"generate_calls": self._generate_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._generate_calls = int(state["generate_calls"])
+
     def _engine_rng(self):
         """A fork of torch's generators (CPU and this rank's GPU) for the engine; the trainer's streams are kept."""
         device = torch.device(self.options.device)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from vlrft.batch import SequenceBatch, build_sequences, join_samples
-from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams
+from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, engine_state, load_engine_state
 from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
 from vlrft.tools.toolset import ToolSet
 from vlrft.tools.types import ToolCall, ToolContext, ToolOutput, ToolStats
@@ -220,6 +220,12 @@ class MultiTurnEngine:
 
     def wake(self) -> None:
         self.engine.wake()
+
+    def state_dict(self) -> dict:
+        return engine_state(self.engine)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_engine_state(self.engine, state)
 
     def turn_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """Turns also end right after a closed tool call."""

@@ -8,6 +8,11 @@ Layout of `<output_dir>/checkpoints/step_<k>/`: `model/` (save_pretrained + proc
 adapter), `scheduler.pt`, `trainer_state.json`, `rng/rank<r>.pt`, and what the strategy writes for
 the optimizer states (single/DDP: `optimizer.pt`, `critic.pt` for PPO; FSDP2: `sharded/`, a
 `torch.distributed.checkpoint` folder that any number of processes can read back).
+
+Checkpoints are ordered by when they were written (`saved_at`), not by step: a run resumed from an older
+checkpoint writes steps the abandoned continuation also wrote, and `resume=auto` and keep-last must take the
+resumed run's as the newest. What a crash leaves (`.tmp-*` half-written, `.old-*` mid-replace, `.deleting-*`
+mid-prune) is cleared after every save and when a run resumes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +39,28 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, in the order they were written (oldest first)."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted(found, key=_written_at)
+
+
+def _written_at(checkpoint: Path) -> tuple[float, int]:
+    """(when it was written, step): `saved_at` from its state, or for checkpoints of earlier versions the state
+    file's modification time."""
+    step = int(checkpoint.name[len(PREFIX):])
+    try:
+        saved = load_trainer_state(checkpoint).get("saved_at")
+    except (OSError, ValueError):
+        saved = None
+    if saved is None:
+        try:
+            saved = (checkpoint / STATE_FILE).stat().st_mtime
+        except OSError:
+            saved = 0.0
+    return float(saved), step
 
 
 def lineage_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
@@ -54,7 +76,8 @@ def _run_id_of(checkpoint: Path) -> str | None:
 
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
-    """The checkpoint folder `train.resume` names: "none", "auto" (latest in output_dir, if any) or a path."""
+    """The checkpoint folder `train.resume` names: "none", "auto" (the last written in output_dir, if any) or a
+    path."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -107,7 +130,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
     strategy.barrier()
     if strategy.is_main:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        state = {"step": step, **trainer_state, "saved_at": time.time()}
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         _fsync_tree(tmp)
     strategy.barrier()
     if strategy.is_main:
@@ -121,14 +145,28 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
             os.replace(tmp, final)
         for stale in lineage_checkpoints(output_dir, trainer_state.get("run_id"))[:-keep_last] if keep_last > 0 else []:
             _delete(stale)
-        finish_interrupted_deletions(output_dir)
+        clear_crash_leftovers(output_dir)
     strategy.barrier()
     return final
 
 
-def finish_interrupted_deletions(output_dir: str | Path) -> None:
-    """Remove checkpoints whose pruning a crash cut short (renamed `.deleting-*`, never resumed from)."""
-    for leftover in checkpoint_root(output_dir).glob(".deleting-*"):
+def clear_crash_leftovers(output_dir: str | Path) -> None:
+    """Finish what a crash cut short; call it only while no checkpoint is being written.
+
+    - `.deleting-*`: a prune (renamed first, never resumed from): removed;
+    - `.old-step_k`: a checkpoint being replaced by a new save of the same step: put back when `step_k` is missing
+      (the crash came between the two renames), else removed;
+    - `.tmp-step_k`: a save that never completed (a preemption's SIGKILL mid-save): removed. Each is a whole
+      checkpoint's size, and nothing else would ever delete it.
+    """
+    root = checkpoint_root(output_dir)
+    for old in root.glob(f".old-{PREFIX}*"):
+        kept = root / old.name[len(".old-"):]
+        if not kept.exists() and (old / STATE_FILE).is_file():
+            os.replace(old, kept)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for leftover in [*root.glob(".deleting-*"), *root.glob(f".tmp-{PREFIX}*")]:
         shutil.rmtree(leftover, ignore_errors=True)
 
 

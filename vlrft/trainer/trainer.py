@@ -29,7 +29,7 @@ from vlrft.models.loading import load_processor
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import EngineDeps, SamplingParams
+from vlrft.rollout.base import EngineDeps, SamplingParams, engine_state, load_engine_state
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
@@ -72,8 +72,7 @@ class Trainer:
         self.output_dir = Path(cfg.train.output_dir)
         # Rank 0 decides what the folder holds (resume=auto lists it; another run's files are refused) and every rank
         # follows: on node-local disks the others would each decide from their own disk, then `check_shared` refuses.
-        self.resume_from = None if evaluate_only else self._main_decides(
-            lambda: ckpt.resolve_resume(cfg.train.resume, self.output_dir))
+        self.resume_from = None if evaluate_only else self._main_decides(self._resolve_resume)
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
         self._stale_run_files = [] if evaluate_only else self._main_decides(lambda: run_folder.check_output_dir(
             self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite))
@@ -83,8 +82,6 @@ class Trainer:
             run_folder.check_shared(self.strategy, self.output_dir, self.run_id)
         if self.resume_from is not None:
             self._every_rank_sees(self.resume_from / ckpt.STATE_FILE, f"train.resume: checkpoint {self.resume_from}")
-            if self.strategy.is_main:
-                ckpt.finish_interrupted_deletions(self.output_dir)  # a kill mid-prune when no later save comes
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
@@ -539,7 +536,7 @@ class Trainer:
     def trainer_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
                 "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size,
-                "run_id": self.run_id}
+                "run_id": self.run_id, "engine": engine_state(self.engine)}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
@@ -552,6 +549,13 @@ class Trainer:
         if self.critic is not None:
             parts["critic"] = TrainedModel(self.critic_wrapped, self.critic_optimizer)
         return parts
+
+    def _resolve_resume(self) -> Path | None:
+        """The checkpoint to resume from (rank 0 decides); first, what a crash left in the folder is cleared: a save
+        killed between its renames may have moved the newest checkpoint aside."""
+        if self.cfg.train.resume != "none":
+            ckpt.clear_crash_leftovers(self.output_dir)
+        return ckpt.resolve_resume(self.cfg.train.resume, self.output_dir)
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)
@@ -566,6 +570,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])
+        load_engine_state(self.engine, state.get("engine", {}))  # vLLM/SGLang: the next call's sampling seed
         # last: nothing after this consumes randomness. A rank the checkpoint did not have (resumed on
         # more processes) keeps its seeded stream.
         ckpt.load_rank_rng(folder, self.strategy.rank, required=not self.strategy.reshards_checkpoints)
