@@ -32,17 +32,24 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     assert {t.name: t.shape for t in shape.tensors()} == names  # every tensor, by name and shape
 
 
-def test_lora_parameter_count_equals_peft(tiny_vlm_dir):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
+    """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
+    mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
     pytest.importorskip("peft")
     from vlrft.models.actor import apply_lora
     from vlrft.models.loading import load_policy
 
-    folder = tiny_vlm_dir("qwen2_5_vl")
+    folder = tiny_vlm_dir(arch)
     shape = load_model_shape(str(folder))
     for targets in (["all-linear"], ["q_proj", "v_proj"]):
-        model = apply_lora(load_policy(folder), 4, 8, 0.0, targets)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert shape.lora_parameters(4, targets) == trainable, targets
+        for frozen in (False, True):
+            model = apply_lora(load_policy(folder), 4, 8, 0.0, targets, exclude_vision=frozen)
+            trained = [name for name, p in model.named_parameters() if p.requires_grad]
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            assert shape.lora_parameters(4, targets, exclude_vision=frozen) == trainable, (targets, frozen)
+            in_vision = [name for name in trained if ".visual." in name]
+            assert (not in_vision) if frozen else (bool(in_vision) or targets != ["all-linear"]), (targets, frozen)
 
 
 @pytest.mark.parametrize("name,published,within", [

@@ -321,13 +321,23 @@ def freeze_vision(model: nn.Module) -> int:
     return count
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: list[str]) -> nn.Module:
-    """Wrap the model with PEFT LoRA adapters (only the adapters train)."""
+def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: list[str],
+               exclude_vision: bool = False) -> nn.Module:
+    """Wrap the model with PEFT LoRA adapters (only the adapters train); `exclude_vision` (model.freeze_vision_tower):
+    none in the vision tower, its merger or Qwen3-VL's deepstack mergers, which "all-linear" would otherwise reach."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise MissingDependencyError(f"model.lora.rank > 0 needs the package 'peft' ({exc}); install it with: "
                                      "pip install 'vlrft[peft]'") from exc
+    import re
+
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none")
+    exclude = None
+    vision = vision_module(model) if exclude_vision else None
+    if vision is not None:
+        name = next(n for n, m in model.named_modules() if m is vision)
+        exclude = re.escape(name) + r"(\..*)?"  # PEFT full-matches it against each module's name
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                        exclude_modules=exclude)
     return get_peft_model(model, config)

@@ -106,11 +106,12 @@ class ModelShape:
     def largest_layer(self) -> int:
         return max(n for name, n in self.blocks().items() if name != "root")
 
-    def lora_parameters(self, rank: int, target_modules: list[str]) -> int:
-        """LoRA adapter parameters: rank * (in + out) per targeted linear layer ("all-linear": all but lm_head)."""
+    def lora_parameters(self, rank: int, target_modules: list[str], exclude_vision: bool = False) -> int:
+        """LoRA adapter parameters: rank * (in + out) per targeted linear layer ("all-linear": all but lm_head);
+        `exclude_vision` (model.freeze_vision_tower): none in the vision tower."""
         total = 0
         for t in self.tensors():
-            if not t.is_linear_weight or t.name == "lm_head.weight":
+            if not t.is_linear_weight or t.name == "lm_head.weight" or (exclude_vision and t.part == "vision"):
                 continue
             module = t.name.rsplit(".", 2)[-2]
             if target_modules == ["all-linear"] or module in target_modules:

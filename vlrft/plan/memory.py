@@ -352,7 +352,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     m, r, t, a, d = cfg.model, cfg.rollout, cfg.train, cfg.algorithm, cfg.data
     params = shape.num_parameters
     if m.lora.rank > 0:
-        trainable = shape.lora_parameters(m.lora.rank, m.lora.target_modules)
+        trainable = shape.lora_parameters(m.lora.rank, m.lora.target_modules, exclude_vision=m.freeze_vision_tower)
     else:
         trainable = params - (shape.count("vision") if m.freeze_vision_tower else 0)
     hi = 2 if strategy.mixed_precision else 4

@@ -226,7 +226,8 @@ class Trainer:
 
                 model = PeftModel.from_pretrained(model, self.resume_from / "model", is_trainable=True)
             else:
-                model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+                model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
+                                   exclude_vision=cfg.freeze_vision_tower)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
