@@ -40,6 +40,7 @@ LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
 HOST_PHASES = ("load", "rollout", "train")
+GPU_PHASES = ("load", "rollout", "train")  # "load": before the first step (only LoRA under sharding holds much then)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class StrategyChoice:
 class Component:
     name: str
     bytes: int
-    phases: tuple[str, ...]  # "rollout", "train" (host memory also "load")
+    phases: tuple[str, ...]  # "load", "rollout", "train"
     note: str
 
 
@@ -104,11 +105,11 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return max(self.phase_total("rollout"), self.phase_total("train"))
+        return max(self.phase_total(phase) for phase in GPU_PHASES)
 
     @property
     def peak_phase(self) -> str:
-        return "rollout" if self.phase_total("rollout") >= self.phase_total("train") else "train"
+        return max(("rollout", "train", "load"), key=self.phase_total)  # ties: the step's phases first
 
     @property
     def capacity(self) -> int:
@@ -132,7 +133,7 @@ class MemoryPlan:
             "world_size": self.hardware.world_size, "gradient_checkpointing": self.gradient_checkpointing,
             "per_gpu_bytes": {c.name: c.bytes for c in self.components},
             "phases": {phase: {"components": [c.name for c in self.components if phase in c.phases],
-                               "total": self.phase_total(phase)} for phase in ("rollout", "train")},
+                               "total": self.phase_total(phase)} for phase in GPU_PHASES},
             "engine_kv_cache_bytes": self.engine_kv_bytes, "engine_kv_needed_bytes": self.engine_kv_needed,
             "total": self.total, "peak_phase": self.peak_phase, "capacity": self.capacity, "fits": self.fits,
             "suggestions": self.suggestions,
@@ -433,7 +434,11 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                    "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
     rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
     comps += rm_gpu
-    comps.append(Component("cuda_reserve", CUDA_RESERVE, both, "CUDA context, NCCL buffers, allocator slack"))
+    if m.lora.rank > 0 and (strategy.name == "fsdp2" or (strategy.name == "deepspeed" and strategy.zero_stage >= 3)):
+        comps.append(Component("lora_load", 4 * params + 4 * trainable, ("load",),
+                               "LoRA under sharding: each rank loads the whole policy in float32 onto its GPU and adds "
+                               "the adapters before the model is sharded"))
+    comps.append(Component("cuda_reserve", CUDA_RESERVE, ("load", *both), "CUDA context, NCCL buffers, allocator slack"))
     plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
                       hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
                       engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
@@ -464,6 +469,9 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
             verdict = "fits" if p.fits else "still too much"
             out.append((not p.fits, p.total, f"{text} (-> {_gib(p.total)} per GPU, {verdict})"))
 
+    if plan.component("lora_load") > 0 and plan.peak_phase == "load":
+        add("set model.lora.rank: 0 (without adapters rank 0 reads the checkpoint and the weights are sharded as they "
+            "load)", trial(c=_with(cfg, "model", lora=dataclasses.replace(cfg.model.lora, rank=0))))
     resident = [rm.key for rm in reward_models if not rm.offload]
     if resident:
         add(f"set offload: true in the kwargs of reward model(s) {', '.join(resident)}",
@@ -531,8 +539,9 @@ def format_plan(plan: MemoryPlan) -> str:
     for c in plan.components:
         phases = "+".join(c.phases)
         lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {phases:<15}{c.note}")
-    for phase in ("rollout", "train"):
-        lines.append(f"  {'total while ' + phase:<24}{_gib(plan.phase_total(phase)):>12}")
+    for phase in GPU_PHASES:
+        if phase != "load" or any(phase in c.phases and c.name != "cuda_reserve" for c in plan.components):
+            lines.append(f"  {'total while ' + phase:<24}{_gib(plan.phase_total(phase)):>12}")
     if plan.engine_kv_bytes is not None:
         lines.append(f"  engine KV cache {_gib(plan.engine_kv_bytes)} available, {_gib(plan.engine_kv_needed)} "
                      "needed for one sequence of max_model_len tokens")
