@@ -135,7 +135,8 @@ def run_plan(plan_file: str) -> None:
             sync_weights(trainer, Path(run["sync_out"]))
         results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
                         "gradients_sharded_after_each_backward": sharded_grads,
-                        "reference_resharded": _resharded(trainer.ref)})
+                        "reference_resharded": _resharded(trainer.ref),
+                        "updates_before_first_generate": getattr(trainer.engine, "updates_before_first_generate", None)})
     if strategy.is_main:
         Path(plan["out"]).write_text(json.dumps(results))
     strategy.close()

@@ -25,8 +25,11 @@ class ScriptedEngine:
         special = set(self.tokenizer.all_special_ids) | set(trainer.tokens.suppressed_ids) | set(trainer.tokens.eos_ids)
         self.candidates = [i for i in range(min(len(self.tokenizer), 300)) if i not in special]
         self.updates = 0
+        self.updates_before_first_generate = None  # weight syncs the trainer asked for before the first sample
 
     def generate(self, batch, sampling) -> Rollouts:
+        if self.updates_before_first_generate is None:
+            self.updates_before_first_generate = self.updates
         ids: list[list[int]] = []
         for p in range(len(batch)):
             seed = zlib.crc32(f"{batch.samples[p].id}|{list(batch.prompt_ids[p])}".encode())

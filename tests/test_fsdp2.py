@@ -256,6 +256,33 @@ def test_a_sharded_checkpoint_resumes_bitwise_on_2_ranks(setup, sharded):
     assert all(torch.equal(final[k], expected[k]) for k in final)
 
 
+def test_checkpoints_without_the_hf_export_resume_bitwise_from_the_sharded_files(setup, sharded):
+    """train.save_hf_model=last: only the final checkpoint gets model/ (rank 0 writes it alone, 288 GB of float32 for a
+    72B policy). A resume starts from model.path and restores the weights from sharded/, LoRA adapters included:
+    the same weights as the uninterrupted run, and the engine (which started from model.path) is synced to them
+    before it samples."""
+    folder = setup["folder"]
+    lora = ["model.lora.rank=4", "train.lr=1e-2", "train.total_steps=2"]
+    fresh = run_plan(folder, 2, [run_args(setup, "L", "train.save_hf_model=last"),
+                                 run_args(setup, "LL", "train.save_hf_model=last", *lora)])
+    assert fresh[0]["updates_before_first_generate"] == 0
+    assert [(folder / "L" / "checkpoints" / f"step_{k}" / "model").exists() for k in (1, 2, 3)] == [False, False, True]
+    final, expected = weights(setup, "L", 3), weights(setup, "A", 3)
+    assert all(torch.equal(final[k], expected[k]) for k in expected)  # writing model/ or not changes no weight
+    results = run_plan(folder, 2, [
+        run_args(setup, "RL", "train.save_hf_model=last", f"train.resume={folder / 'L' / 'checkpoints' / 'step_1'}"),
+        run_args(setup, "RLL", "train.save_hf_model=last", *lora,
+                 f"train.resume={folder / 'LL' / 'checkpoints' / 'step_1'}")])
+    assert [h["step"] for h in results[0]["history"]] == [2, 3]
+    assert results[0]["updates_before_first_generate"] == 1  # the restored weights, before the first sample
+    resumed = weights(setup, "RL", 3)
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+    adapters = [load_file(folder / run / "checkpoints" / "step_2" / "model" / "adapter_model.safetensors")
+                for run in ("LL", "RLL")]
+    assert sorted(adapters[0]) == sorted(adapters[1]) and all(torch.equal(adapters[0][k], adapters[1][k])
+                                                              for k in adapters[0])
+
+
 def test_a_2_rank_checkpoint_resumes_on_1_rank(setup, sharded):
     resume = setup["folder"] / "A" / "checkpoints" / "step_1"
     history = run_plan(setup["folder"], 1, [run_args(setup, "R1", f"train.resume={resume}")])[0]["history"]

@@ -437,7 +437,11 @@ class TrainConfig:
                              "loses every step)")
     keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "
                             "deleted (never another run's)")
-    resume: str = option("none", "'none', 'auto' (the latest checkpoint in output_dir) or a checkpoint path")
+    save_hf_model: Literal["every", "last"] = option(
+        "every", "which checkpoints get model/ (the policy in Hugging Face format): 'every', or only the 'last' one "
+        "(the end of training). FSDP2 and DeepSpeed resume from their own files; rank 0 writes model/ alone, in "
+        "float32 (288 GB for a 72B policy, while every GPU waits). single/ddp always write it (it is their weights)")
+    resume: str = option("none", "'none', 'auto' (the last checkpoint written in output_dir) or a checkpoint path")
     overwrite: bool = option(False, "start over in a non-empty output_dir, deleting the run files there; without "
                              "it (or resume) a non-empty output_dir is refused")
     save_on_interrupt: bool = option(True, "Ctrl-C or SIGTERM (a scheduler's preemption notice; torchrun forwards "

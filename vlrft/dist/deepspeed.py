@@ -64,6 +64,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     name = "deepspeed"
     reshards_checkpoints = True
+    checkpoint_holds_weights = True  # deepspeed/<part>/ (module states and optimizer partitions)
     balances_vision_calls = True  # ZeRO-3 gathers vision blocks per call; ZeRO-2 buckets gradients in call order
 
     def __init__(self, info: RankInfo | None = None, cfg: Any = None):
@@ -270,12 +271,16 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
-        """`deepspeed/<part>/` (DeepSpeed's sharded checkpoint, every rank writes its shard) and `model/`."""
+    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
+                        export_hf: bool = True) -> None:
+        """`deepspeed/<part>/` (DeepSpeed's sharded checkpoint, every rank writes its shard) and, when `export_hf`,
+        `model/`."""
         for name, part in parts.items():
             engine = self._engine_of(part.module)
             engine.save_checkpoint(str(folder / CHECKPOINT_DIR / name), tag=TAG, save_latest=False)
         policy = self._engine_of(parts["policy"].module)
+        if not export_hf:
+            return
         if _is_zero3(policy):
             save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
             return

@@ -74,6 +74,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     name = "fsdp2"
     reshards_checkpoints = True
+    checkpoint_holds_weights = True  # sharded/
     balances_vision_calls = True  # a rank without images runs the vision blocks on a dummy (their all-gathers)
 
     def __init__(self, info: RankInfo | None = None, cfg=None):
@@ -251,8 +252,10 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
-        """`sharded/` (DCP: every rank's shards of every part and its optimizer) and `model/` (HF format)."""
+    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
+                        export_hf: bool = True) -> None:
+        """`sharded/` (DCP: every rank's shards of every part and its optimizer) and, when `export_hf`, `model/`
+        (HF format, written by rank 0 a bucket at a time)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -261,7 +264,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
             model_state, optim_state = get_state_dict(part.module, part.optimizer)
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
-        save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+        if export_hf:
+            save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Read `sharded/` into this run's shards, whatever number of processes wrote it."""

@@ -91,6 +91,9 @@ class Strategy:
     name = "single"
     # Checkpoints written by this strategy can be resumed with another number of processes.
     reshards_checkpoints = False
+    # The strategy's own checkpoint files hold the weights (FSDP2's `sharded/`, DeepSpeed's): a resume starts from
+    # model.path and restores them, and `model/` is only an export. Here `model/` is the policy's weights.
+    checkpoint_holds_weights = False
 
     def __init__(self, info: RankInfo | None = None):
         self.info = info or RankInfo()
@@ -230,10 +233,12 @@ class Strategy:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor) -> None:
+    def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
+                        export_hf: bool = True) -> None:
         """Write the trained models' weights and optimizer states into `folder` (every rank calls this).
 
-        `folder/model/` always holds the policy in Hugging Face format (from_pretrained works on it).
+        `folder/model/` holds the policy in Hugging Face format (from_pretrained works on it): here always, since it
+        is the policy's weights; strategies whose own files hold them write it only when `export_hf`.
         Here: `optimizer.pt`, and `<name>.pt` (model + optimizer) for every other part, e.g. the critic.
         """
         if not self.is_main:

@@ -112,11 +112,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict, hf_model, processor, scheduler,
-                    trainer_state: dict, keep_last: int = 2) -> Path:
+                    trainer_state: dict, keep_last: int = 2, export_hf: bool = True) -> Path:
     """Write checkpoint `step` atomically on all ranks (every rank must call this).
 
-    The strategy writes the models and optimizers (`parts`: "policy", optionally "critic"); this
-    adds the scheduler, every rank's RNG and the trainer state.
+    The strategy writes the models and optimizers (`parts`: "policy", optionally "critic"), and `model/` (where its
+    own files hold the weights, only when `export_hf`); this adds the scheduler, every rank's RNG and the trainer
+    state.
     """
     root = checkpoint_root(output_dir)
     final = root / f"{PREFIX}{step}"
@@ -126,7 +127,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
         (tmp / "rng").mkdir(parents=True)
     strategy.barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
-    strategy.save_checkpoint(tmp, parts, hf_model, processor)
+    strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf)
     strategy.barrier()
     if strategy.is_main:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

@@ -145,6 +145,8 @@ class Trainer:
         self.logger: RunLogger | None = None
         if self.resume_from is not None:
             self._restore(self.resume_from)
+            if self.strategy.checkpoint_holds_weights:  # the engine started from model.path: now the restored weights
+                self.engine.update_weights(self.actor)
 
     # ------------------------------------------------------------------ setup
 
@@ -215,13 +217,16 @@ class Trainer:
     def _build_actor(self) -> ActorVL:
         cfg = self.cfg.model
         lora = cfg.lora.rank > 0 and not self.evaluate_only  # evaluation runs the (merged) weights as they are
-        weights = self.resume_from / "model" if self.resume_from is not None and not lora else cfg.path
+        # single/DDP: a checkpoint's model/ is the policy's weights. FSDP2/DeepSpeed restore them from their own files
+        # (model/ is an export, perhaps not written): start from model.path, as the run did.
+        from_export = self.resume_from is not None and not self.strategy.checkpoint_holds_weights
+        weights = self.resume_from / "model" if from_export and not lora else cfg.path
         source = dataclasses.replace(self._source(weights, "float32"), adapters=lora)
         model = self.strategy.load_model(source, trainable=True)
         if cfg.freeze_vision_tower:
             freeze_vision(model)
         if lora:
-            if self.resume_from is not None:
+            if from_export:
                 from peft import PeftModel
 
                 model = PeftModel.from_pretrained(model, self.resume_from / "model", is_trainable=True)
@@ -543,7 +548,8 @@ class Trainer:
         return ckpt.save_checkpoint(
             self.output_dir, self.step_count, strategy=self.strategy, parts=self._checkpoint_parts(),
             hf_model=self.actor.model, processor=self.processor, scheduler=self.scheduler,
-            trainer_state=self.trainer_state(), keep_last=self.cfg.train.keep_last)
+            trainer_state=self.trainer_state(), keep_last=self.cfg.train.keep_last,
+            export_hf=self.cfg.train.save_hf_model == "every" or self.step_count >= self.cfg.train.total_steps)
 
     def _checkpoint_parts(self) -> dict[str, TrainedModel]:
         parts = {"policy": TrainedModel(self.wrapped, self.optimizer, self.scheduler)}
