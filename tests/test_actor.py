@@ -6,7 +6,7 @@ import transformers
 
 from vlrft.config import DataConfig
 from vlrft.data import PromptEncoder, Sample
-from vlrft.models.actor import ActorVL, freeze_vision
+from vlrft.models.actor import ActorVL, freeze_vision, split_head
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.models.logprobs import token_logprobs
 from vlrft.tokens import TokenSpec
@@ -234,3 +234,38 @@ def test_the_rows_copies_of_a_long_shared_prompt_live_one_layer_at_a_time():
     copies_per_row = spec.num_layers * 2 * spec.num_kv_heads * head_dim * prompt_length * 4  # keys and values, fp32
     assert after_forward[8] - after_forward[2] < 0.25 * 6 * copies_per_row  # was 1.05 x: every layer's copies
     assert peak[8] - peak[2] < 1.0 * 6 * copies_per_row  # was 2.75 x: the copies and their gradients
+
+
+def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forward(group_batch):
+    """PPO's value model shares each prompt among its group's rows, as the policy does: a group of 8 rows of a long
+    video prompt costs one prompt pass, not 8. Values and gradients equal the per-row forward."""
+    from vlrft.models.actor import CriticVL
+
+    folder, batch, completions = group_batch
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(load_processor(folder), model.config)
+    critic = CriticVL(model, tokens.image_token_id, tokens.video_token_id)
+    torch.nn.init.normal_(critic.value_head.weight, std=1.0)  # a fresh head is zero
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id)
+    backbone, _ = split_head(model)
+    positions = []
+    backbone.register_forward_pre_hook(lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()),
+                                       with_kwargs=True)
+
+    def run(share: bool):
+        critic.actor_like.share_prompts = share
+        critic.zero_grad()
+        positions.clear()
+        values = critic(seqs)
+        values.sum().backward()
+        return values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None}, \
+            sum(positions)
+
+    shared, shared_grads, shared_positions = run(True)
+    full, full_grads, full_positions = run(False)
+    p, c = seqs.prompt_width, seqs.completion_width
+    assert full_positions == 9 * (p + c) and shared_positions <= 3 * p + 9 * c  # 3 prompts once, not 9 times
+    assert torch.allclose(shared, full, atol=1e-5)
+    assert shared_grads.keys() == full_grads.keys()
+    for name in full_grads:
+        assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name

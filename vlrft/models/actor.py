@@ -300,9 +300,7 @@ class CriticVL(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
-        hidden = self.actor_like.hidden_states(batch)
-        p, c = batch.prompt_width, batch.completion_width
-        states = hidden[:, p - 1:p - 1 + c]
+        states = self.actor_like.predicting_states(batch)  # each distinct prompt once, as the policy's forward
         # Outside autocast: values in the head's own dtype (float32, or FSDP2's gathered dtype), not bf16 matmuls
         with torch.autocast(states.device.type, enabled=False):
             values = self.value_head(states.to(self.value_head.weight.dtype)).float().squeeze(-1)

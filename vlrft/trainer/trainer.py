@@ -117,7 +117,7 @@ class Trainer:
         ranks_differ = cfg.train.max_tokens_per_micro_batch > 0 or skips_zero_advantage_rows(
             cfg.train.skip_zero_advantage_rows, cfg.algorithm, cfg.algorithm.kl_coef, has_critic=self.critic is not None)
         if ranks_differ and self.strategy.balances_vision_calls:
-            share_every_forward([self.actor, self.ref])  # ranks' micro-batches differ: same block calls on each
+            share_every_forward([self.actor, self.ref, self.critic])  # ranks' micro-batches differ: same block calls
 
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
