@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", default=None, metavar="PATH",
                         help="the model's config.json (or its folder) when model.path is not local")
     parser.add_argument("--images-per-prompt", type=int, default=1, help="images in each prompt (default 1)")
+    parser.add_argument("--videos-per-prompt", type=int, default=0,
+                        help="videos in each prompt (default 0), each data.video_max_frames frames at data.max_pixels")
     parser.add_argument("--host-memory", default=None, metavar="SIZE",
                         help="RAM of one node (or its job's memory limit), e.g. 512GiB: also check the first node's "
                              "host memory (exit 1 when above it)")
@@ -57,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, validate=False)
     strategy = strategy_from_config(cfg, args.strategy, args.zero_stage, args.offload)
     gpus = args.gpus if args.gpus is not None else (1 if strategy.name == "single" and args.nodes == 1 else 8)
-    if gpus < 1 or args.nodes < 1 or args.images_per_prompt < 0:
-        raise UserError("plan: --gpus and --nodes must be at least 1 and --images-per-prompt at least 0")
+    if gpus < 1 or args.nodes < 1 or args.images_per_prompt < 0 or args.videos_per_prompt < 0:
+        raise UserError("plan: --gpus and --nodes must be at least 1, --images-per-prompt and --videos-per-prompt at "
+                        "least 0")
     hardware = Hardware(gpus_per_node=gpus, nodes=args.nodes, gpu_memory=parse_size(args.gpu_memory))
     if strategy.name != cfg.train.strategy:
         from dataclasses import replace
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                         "fsdp2 or deepspeed, or --gpus 1")
     cfg.validate(hardware.world_size)
     node_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory is not None else None
-    plan = plan_for_config(cfg, hardware, strategy, args.model_config, args.images_per_prompt)
+    plan = plan_for_config(cfg, hardware, strategy, args.model_config, args.images_per_prompt,
+                           args.videos_per_prompt)
     host_warning = host_memory_warning(plan, node_memory) if node_memory is not None else None
     if args.json:
         figures = plan.to_json()

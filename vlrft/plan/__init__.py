@@ -45,19 +45,19 @@ def strategy_from_config(cfg, name: str | None = None, zero_stage: int | None = 
 
 
 def plan_for_config(cfg, hardware: Hardware, strategy: StrategyChoice | None = None, model_config: str | None = None,
-                    images_per_prompt: int = 1) -> MemoryPlan:
+                    images_per_prompt: int = 1, videos_per_prompt: int = 0) -> MemoryPlan:
     shape = load_model_shape(cfg.model.path, model_config)
     reward_models, not_counted = reward_model_shapes(cfg.reward)
     plan = plan_memory(cfg, shape, hardware, strategy or strategy_from_config(cfg), images_per_prompt,
-                       reward_models=reward_models)
+                       reward_models=reward_models, videos_per_prompt=videos_per_prompt)
     plan.not_counted += not_counted
     return plan
 
 
-def check_fits(cfg, hardware: Hardware) -> MemoryPlan | None:
+def check_fits(cfg, hardware: Hardware, images_per_prompt: int = 1, videos_per_prompt: int = 0) -> MemoryPlan | None:
     """Raise a one-line `UserError` when the plan of `cfg` on `hardware` does not fit; None when it cannot plan."""
     try:
-        plan = plan_for_config(cfg, hardware)
+        plan = plan_for_config(cfg, hardware, images_per_prompt=images_per_prompt, videos_per_prompt=videos_per_prompt)
     except UserError:
         return None  # a model the plan cannot read (another architecture, no config.json): nothing to check
     if not plan.fits:
@@ -68,8 +68,10 @@ def check_fits(cfg, hardware: Hardware) -> MemoryPlan | None:
     return plan
 
 
-def check_fits_at_load(cfg, world_size: int) -> MemoryPlan | None:
-    """On CUDA, `check_fits` for the GPUs this job runs on; a no-op on CPU.
+def check_fits_at_load(cfg, world_size: int, images_per_prompt: int = 1, videos_per_prompt: int = 0
+                       ) -> MemoryPlan | None:
+    """On CUDA, `check_fits` for the GPUs this job runs on (the data's most images and videos in a prompt); a
+    no-op on CPU.
 
     Set VLRFT_SKIP_MEMORY_PLAN=1 to start anyway (the plan is an estimate on the conservative side).
     """
@@ -80,7 +82,7 @@ def check_fits_at_load(cfg, world_size: int) -> MemoryPlan | None:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", min(world_size, torch.cuda.device_count()) or 1))
     hardware = Hardware(gpus_per_node=per_node, nodes=max(1, world_size // per_node),
                         gpu_memory=torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return check_fits(cfg, hardware)
+    return check_fits(cfg, hardware, images_per_prompt, videos_per_prompt)
 
 
 def node_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup"), own_cgroups: Path = Path("/proc/self/cgroup")) -> int:

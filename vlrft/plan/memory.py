@@ -165,16 +165,14 @@ def _tower_activations(tokens: int, layers: int, per_token_layer: int, hidden: i
     return tokens * layers * per_token_layer
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, images: int, patches_per_image: int,
-                     checkpointing: bool, compute_bytes: int) -> int:
-    """Activations of one micro-batch's forward + backward through the language model and the vision tower."""
+def activation_bytes(shape: ModelShape, tokens: int, patches: int, checkpointing: bool, compute_bytes: int) -> int:
+    """Activations of one micro-batch's forward + backward through the language model (`tokens` positions) and the
+    vision tower (`patches` patches)."""
     t, v = shape.text, shape.vision
-    tokens = micro_batch * seq_len
     text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size,
                                          compute_bytes)
     text = _tower_activations(tokens, t.num_layers, text_layer, t.hidden_size, checkpointing)
     text += tokens * t.hidden_size * (12 + 4)  # final norm and the completion states fed to the LM head
-    patches = images * patches_per_image
     vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size,
                                            compute_bytes)
     vision = _tower_activations(patches, v.depth, vision_layer, v.hidden_size, checkpointing)
@@ -344,9 +342,20 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def prompt_patches(cfg, shape: ModelShape, images_per_prompt: int, videos_per_prompt: int) -> int:
+    """Vision patches of one prompt at most: each image at data.max_pixels, each video as data.video_max_frames
+    frames at data.max_pixels (a temporal patch spans `temporal_patch_size` frames), all of it within
+    data.max_prompt_length tokens of merge^2 patches each (a longer prompt is refused)."""
+    v, d = shape.vision, cfg.data
+    per_frame = d.max_pixels // (v.patch_size ** 2)
+    video = -(-d.video_max_frames // max(1, v.temporal_patch_size)) * per_frame
+    return min(images_per_prompt * per_frame + videos_per_prompt * video,
+               d.max_prompt_length * v.spatial_merge_size ** 2)
+
+
 def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice,
                 images_per_prompt: int = 1, suggest: bool = True,
-                reward_models: Sequence[RewardModelShape] = ()) -> MemoryPlan:
+                reward_models: Sequence[RewardModelShape] = (), videos_per_prompt: int = 0) -> MemoryPlan:
     """Per-GPU bytes of `cfg` (a `vlrft.config.Config`) for `shape` on `hardware` under `strategy`, with the
     GPU reward models `reward_models` (`vlrft.plan.reward_models.reward_model_shapes`)."""
     world = hardware.world_size
@@ -383,25 +392,33 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                "value model: parameters + optimizer state (as the policy)"))
         comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
     seq_len = d.max_prompt_length + r.tokens_after_prompt  # a trajectory with tools
-    patches = d.max_pixels // (shape.vision.patch_size ** 2)
+    patches = prompt_patches(cfg, shape, images_per_prompt, videos_per_prompt)
+    media = f"{images_per_prompt} image(s)" + (f" and {videos_per_prompt} video(s)" if videos_per_prompt else "")
     if t.max_tokens_per_micro_batch > 0:
         # A token budget bounds the forward's tokens, not its rows (a row longer than the budget runs alone). Each
-        # prompt's image tokens count in the budget, which so bounds the images one forward can encode.
-        rows, tokens_per_row = 1, max(t.max_tokens_per_micro_batch, seq_len)
-        image_tokens = max(1, patches // shape.vision.spatial_merge_size ** 2)
+        # prompt's vision tokens count in the budget (merge^2 patches each), which so bounds the patches too.
+        tokens = max(t.max_tokens_per_micro_batch, seq_len)
         prompts = max(1, cfg.prompts_per_step // world)
-        images = min(prompts * images_per_prompt, tokens_per_row // image_tokens) if images_per_prompt else 0
-        what = f"token budget {tokens_per_row} tokens per micro-batch (train.max_tokens_per_micro_batch)"
-        completion_tokens = tokens_per_row  # short completions of many rows can fill the budget
+        vision = min(prompts * patches, tokens * shape.vision.spatial_merge_size ** 2)
+        what = f"token budget {tokens} tokens per micro-batch (train.max_tokens_per_micro_batch)"
+        completion_tokens = tokens  # short completions of many rows can fill the budget
+        copies = 0
     else:
-        rows, tokens_per_row = t.micro_batch_completions_per_rank, seq_len
-        images = rows * images_per_prompt
-        what = f"micro-batch {rows} x {seq_len} tokens"
+        # The shared-prompt forward runs each distinct prompt once and the rows' completions after it; a micro-batch's
+        # rows come from ceil(rows / n) groups, one more when it starts inside a group (rows left out, filtering).
+        rows = t.micro_batch_completions_per_rank
+        prompts = min(rows, -(-rows // max(1, r.n)) + (1 if rows > 1 else 0))
+        tokens = prompts * d.max_prompt_length + rows * r.tokens_after_prompt
+        vision = prompts * patches
+        what = (f"micro-batch of {rows} rows: {prompts} prompt(s) of {d.max_prompt_length} tokens, once each, and "
+                f"{rows} x {r.tokens_after_prompt} after them")
         completion_tokens = rows * r.tokens_after_prompt
-    acts = activation_bytes(shape, rows, tokens_per_row, images, patches, m.gradient_checkpointing, hi)
+        # one layer's per-row copies of the prompt's keys (float32 under autocast) and values, made in its call
+        copies = rows * d.max_prompt_length * shape.text.kv_dim * (4 + hi)
+    acts = activation_bytes(shape, tokens, vision, m.gradient_checkpointing, hi) + copies
     comps.append(Component("activations", acts, train,
-                           f"{what}, {images} image(s) of {patches} "
-                           f"patches, gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}"))
+                           f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
+                           f"{'on' if m.gradient_checkpointing else 'off'}"))
     comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None
@@ -444,7 +461,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                       engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
                       host=host_memory(cfg, shape, hardware, strategy, params, trainable) + rm_host)
     if suggest and not plan.fits:
-        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan, reward_models)
+        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan, reward_models,
+                                       videos_per_prompt)
     return plan
 
 
@@ -456,11 +474,13 @@ def _with(cfg, section: str, **changes):
 
 
 def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, images_per_prompt: int,
-                plan: MemoryPlan, reward_models: Sequence[RewardModelShape] = ()) -> list[str]:
+                plan: MemoryPlan, reward_models: Sequence[RewardModelShape] = (), videos_per_prompt: int = 0
+                ) -> list[str]:
     """One line per single change that helps, best first; each says the per-GPU total it would give."""
 
     def trial(c=cfg, s=strategy, h=hardware, rms=reward_models) -> MemoryPlan:
-        return plan_memory(c, shape, h, s, images_per_prompt, suggest=False, reward_models=rms)
+        return plan_memory(c, shape, h, s, images_per_prompt, suggest=False, reward_models=rms,
+                           videos_per_prompt=videos_per_prompt)
 
     out: list[tuple[bool, int, str]] = []
 

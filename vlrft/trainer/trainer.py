@@ -98,7 +98,9 @@ class Trainer:
             self.strategy.barrier()
             built = Path(cfg.model.path) / "config.json"
             self._every_rank_sees(built, f"model.path={cfg.model.path} (built by rank 0)")
-        plan = check_fits_at_load(cfg, world)  # on GPUs: stop here with one line when the plan says it cannot fit
+        # on GPUs: stop here with one line when the plan says it cannot fit (for the data's most media in a prompt)
+        plan = check_fits_at_load(cfg, world, max((len(s.images) for s in self.train_samples), default=1),
+                                  max((len(s.videos) for s in self.train_samples), default=0))
         warning = host_memory_warning(plan, node_memory_bytes()) if plan is not None else None
         if warning:  # printed by rank 0, whose node the plan's host figures are
             self.message(warning)
