@@ -147,13 +147,16 @@ def test_a_node_below_the_plans_host_memory_is_warned_of_before_the_model_loads(
     cfg = config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "train.total_steps=1")
     plan = plan_for_config(cfg, Hardware(gpus_per_node=1, gpu_memory=80 * GiB))
     loaded = []
-    monkeypatch.setattr("vlrft.trainer.trainer.check_fits_at_load", lambda cfg, world: plan)
+    media = []  # the data's most images and videos in a prompt, as the check is told them
+    monkeypatch.setattr("vlrft.trainer.trainer.check_fits_at_load",
+                        lambda cfg, world, images, videos: media.append((images, videos)) or plan)
     monkeypatch.setattr("vlrft.trainer.trainer.node_memory_bytes", lambda: 1 << 10)  # the tiny policy: 0.9 MB
     monkeypatch.setattr("vlrft.trainer.trainer.load_processor",
                         lambda *a, **k: loaded.append(capsys.readouterr().out) or load_processor(*a, **k))
     Trainer(cfg)
     assert loaded and "memory plan: the first node needs about" in loaded[0]  # said before anything loads
     assert "but has 0.0 GiB" in loaded[0] and "checkpoint_read" in loaded[0]
+    assert media == [(1, 0)]  # the shapes data: one image per prompt, no video
 
 
 def test_a_failing_reward_names_the_function_or_counts_as_not_applicable(tmp_path, tiny_vlm_dir, shapes):
