@@ -777,3 +777,33 @@ def test_a_resumed_engine_samples_with_the_seeds_the_uninterrupted_one_would(eng
     load_engine_state(resumed, saved)
     assert run(resumed, 2) == uninterrupted[2:]
     assert run(make_engine(model, processor, SeedBackend(), sleep=False), 1) == uninterrupted[:1]  # without the state
+
+
+def test_a_model_whose_weights_transformers_relayouts_on_save_is_refused_by_the_engines_weight_sync(tiny_vlm_dir,
+                                                                                                     tiny_processor):
+    """Qwen3-VL-MoE keeps its experts fused and transposed in memory; saving transposes them back to the published
+    layout that vLLM and SGLang load. Synced as they are, the experts would reach the engines in the wrong layout
+    (a shape error after a step's work, or silently wrong if the dimensions agree): refused when the engine is built,
+    naming the way out. The dense models only rename."""
+    import json
+
+    from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
+
+    from vlrft.errors import UserError
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.weights import converted_on_save
+
+    folder = tiny_vlm_dir("qwen3_vl")
+    config = json.loads((folder / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[])
+    for part in (text, vision):
+        part.pop("model_type", None)
+    ids = {k: config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    moe = AutoModelForImageTextToText.from_config(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
+    assert converted_on_save(moe) and all(".experts." in name for name in converted_on_save(moe))
+    engine = make_engine(moe, tiny_processor("qwen3_vl"), RecordingBackend())
+    with pytest.raises(UserError, match=r"Qwen3VLMoeForConditionalGeneration: .*experts.*rollout.engine=hf"):
+        engine.update_weights(moe)
+    for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        assert converted_on_save(load_policy(tiny_vlm_dir(arch))) == []

@@ -129,6 +129,24 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return mapping
 
 
+def converted_on_save(model: nn.Module) -> list[str]:
+    """In-memory names of the weights that transformers' save-time conversion changes, not only renames (e.g.
+    Qwen3-VL-MoE's fused experts: transposed into the published layout). `checkpoint_names` maps such a weight to its
+    checkpoint name with the in-memory layout, as `save_pretrained` writes it and `from_pretrained` reads it back;
+    vLLM's and SGLang's loaders expect the published layout instead."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, apply_converters
+    except ImportError:  # transformers < 5 keeps checkpoint layouts in memory
+        return []
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    reverse = [c.reverse_transform() for c in (conversions or [])[::-1]]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    if not converters:
+        return []
+    return [name for name, _ in model.named_parameters() if apply_converters(name, converters)[1] is not None]
+
+
 def _numel(tensor: torch.Tensor) -> int:
     """Elements of the whole tensor: a ZeRO-3 partition keeps its full size in `ds_numel` (it holds none)."""
     return int(getattr(tensor, "ds_numel", tensor.numel()))
