@@ -277,6 +277,14 @@ def test_checkpoints_without_the_hf_export_resume_bitwise_from_the_sharded_files
     assert results[0]["updates_before_first_generate"] == 1  # the restored weights, before the first sample
     resumed = weights(setup, "RL", 3)
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+    # a LoRA checkpoint's sharded/ holds the adapters and their optimizer state, not the frozen base (from model.path)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(folder / "LL" / "checkpoints" / "step_1" / "sharded")).read_metadata()
+    weights_saved = [k for k in saved.state_dict_metadata if k.startswith("policy.model.")]
+    base_saved = [k for k in weights_saved if "lora_" not in k]
+    assert any("lora_" in k for k in weights_saved)
+    assert all(k.endswith(".lm_head.weight") for k in base_saved), base_saved  # tied to the embeddings: torch keeps it
     adapters = [load_file(folder / run / "checkpoints" / "step_2" / "model" / "adapter_model.safetensors")
                 for run in ("LL", "RLL")]
     assert sorted(adapters[0]) == sorted(adapters[1]) and all(torch.equal(adapters[0][k], adapters[1][k])

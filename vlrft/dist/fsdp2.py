@@ -261,7 +261,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         state = {}
         for name, part in parts.items():
-            model_state, optim_state = get_state_dict(part.module, part.optimizer)
+            model_state, optim_state = get_state_dict(part.module, part.optimizer, options=_trained_only())
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
         if export_hf:
@@ -274,12 +274,21 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         state = {}
         for name, part in parts.items():
-            model_state, optim_state = get_state_dict(part.module, part.optimizer)
+            model_state, optim_state = get_state_dict(part.module, part.optimizer, options=_trained_only())
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
         for name, part in parts.items():
             set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
-                           optim_state_dict=state[name]["optimizer"])
+                           optim_state_dict=state[name]["optimizer"], options=_trained_only())
+
+
+def _trained_only():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Frozen weights (a LoRA policy's base, a frozen vision tower) never change: a resume reads them from model.path
+    # (`Strategy.checkpoint_holds_weights`). Saving them would put the whole float32 base into every LoRA checkpoint
+    # (288 GB for 72B). strict=False: the state asked for and set lacks exactly those frozen weights.
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _read_dtype(source: ModelSource, config) -> str:
