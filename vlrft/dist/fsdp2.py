@@ -300,13 +300,13 @@ def _read_dtype(source: ModelSource, config) -> str:
     else its config's (top level or `text_config`, as Qwen3-VL writes it). A LoRA adapter folder is merged into its
     base in `source.dtype`, as before.
     """
-    from vlrft.models.loading import DTYPES, adapter_base
+    from vlrft.models.loading import DTYPES, adapter_base, widest_stored_dtype
 
     wanted = DTYPES.get(source.dtype, torch.float32)
     folder = Path(source.path)
     if folder.is_dir() and adapter_base(folder) is not None:
         return source.dtype
-    stored = _widest_stored_dtype(folder) if folder.is_dir() else None
+    stored = widest_stored_dtype(folder) if folder.is_dir() else None
     if stored is None:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         stored = getattr(config, "dtype", None) or getattr(text_config, "dtype", None)
@@ -316,20 +316,3 @@ def _read_dtype(source: ModelSource, config) -> str:
     if stored not in names or stored.itemsize >= wanted.itemsize:
         return source.dtype
     return names[stored]
-
-
-_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
-def _widest_stored_dtype(folder: Path) -> torch.dtype | None:
-    """The widest floating dtype in `folder`'s safetensors files, read from their headers (None: no such file)."""
-    from safetensors import safe_open
-
-    widest = None
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                dtype = _SAFETENSORS_FLOATS.get(f.get_slice(name).get_dtype())
-                if dtype is not None and (widest is None or dtype.itemsize > widest.itemsize):
-                    widest = dtype
-    return widest

@@ -23,6 +23,42 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def widest_stored_dtype(folder: Path) -> torch.dtype | None:
+    """The widest floating dtype in `folder`'s safetensors files, read from their headers (None: no such file)."""
+    from safetensors import safe_open
+
+    widest = None
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                dtype = SAFETENSORS_FLOATS.get(f.get_slice(name).get_dtype())
+                if dtype is not None and (widest is None or dtype.itemsize > widest.itemsize):
+                    widest = dtype
+    return widest
+
+
+def stored_dtype_name(path: str | Path) -> str:
+    """The dtype a model is published in: the widest floating dtype of a local folder's safetensors files, else its
+    config's (`dtype`, top level or `text_config`), else float32."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    folder = Path(path)
+    stored = widest_stored_dtype(folder) if folder.is_dir() else None
+    if stored is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError):
+            return "float32"
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        stored = getattr(config, "dtype", None) or getattr(text, "dtype", None)
+        stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    return names.get(stored, "float32")
+
+
 def adapter_base(path: str | Path) -> str | None:
     """The base model a LoRA adapter folder (a LoRA run's `checkpoints/step_k/model`) was trained on, else None."""
     config = Path(path) / ADAPTER_CONFIG
