@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -318,9 +319,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
             partial = path / f".{tag}-partial"
             shutil.rmtree(partial, ignore_errors=True)
+            # rank 0 converts alone while the others wait (train.dist_timeout_minutes): DeepSpeed's worker processes,
+            # each holding one rank's optimizer file (13.8 GB for 72B on 64 ranks) or one parameter's slices
+            workers = max(2, min(8, (os.cpu_count() or 2) // 2))
             ds_to_universal(argparse.Namespace(
-                input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=1,
-                num_merge_workers=1, keep_temp_folder=False, strict=True,
+                input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=workers,
+                num_merge_workers=workers, keep_temp_folder=False, strict=True,
                 # a plain (non-Megatron) model records no universal-checkpoint info; ZeRO-1/2 needs the default
                 inject_missing_state=True))
             partial.rename(path / tag)
