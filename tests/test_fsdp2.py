@@ -392,3 +392,22 @@ def test_an_output_folder_that_is_not_shared_by_every_rank_is_refused_at_start(s
         run_args(setup, "LOCAL", f"train.output_dir={setup['folder'] / 'LOCAL' / 'node{rank}'}")])[0]
     assert "history" not in result
     assert "is not the same folder on every rank: rank 1 on" in result["error"] and "rank 0 on" not in result["error"]
+
+
+def test_a_checkpoint_of_another_strategy_is_refused_before_any_model_loads(setup, sharded, single, monkeypatch):
+    """FSDP2 resumes from sharded/, single/DDP from model/ and optimizer.pt: a checkpoint of the other kind is named
+    with the way out at start, not after minutes of loading a large model (or as a raw error from DCP)."""
+    from vlrft.config import load_config
+    from vlrft.errors import UserError
+    from vlrft.trainer import Trainer
+
+    folder = setup["folder"]
+    [refused] = run_plan(folder, 1, [run_args(setup, "X", f"train.resume={folder / 'S' / 'checkpoints' / 'step_1'}")])
+    assert "no FSDP2 checkpoint in" in refused["error"] and "train.strategy=fsdp2" in refused["error"]
+    loads = []
+    monkeypatch.setattr("vlrft.trainer.trainer.load_processor", lambda *a, **k: loads.append(1))
+    cfg = load_config(setup["config"], [f"train.output_dir={folder / 'Y'}", "train.strategy=single",
+                                        f"train.resume={folder / 'A' / 'checkpoints' / 'step_1'}"])
+    with pytest.raises(UserError, match="has no optimizer.pt: it was not written with train.strategy=single"):
+        Trainer(cfg)
+    assert loads == []  # refused before the processor (or any model) loads

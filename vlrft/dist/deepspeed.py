@@ -289,6 +289,12 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             hf_model.save_pretrained(folder / "model", safe_serialization=True)
             processor.save_pretrained(folder / "model")
 
+    def check_resumable(self, folder: Path, saved_world_size: int) -> None:
+        path = folder / CHECKPOINT_DIR / "policy" / TAG
+        if not path.is_dir():
+            raise UserError(f"no DeepSpeed checkpoint in '{path}'; resume a checkpoint written with "
+                            "train.strategy=deepspeed, or start without train.resume")
+
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore weights and optimizer state; another number of processes goes through the universal format."""
         for name, part in parts.items():

@@ -35,6 +35,7 @@ from torch import nn
 
 from vlrft.dist.hf_export import save_gathered
 from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
+from vlrft.errors import UserError
 from vlrft.models import precision
 
 SHARDED_DIR = "sharded"
@@ -267,11 +268,18 @@ class FSDP2Strategy(ProcessGroupStrategy):
         if export_hf:
             save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
 
+    def check_resumable(self, folder: Path, saved_world_size: int) -> None:
+        if not (folder / SHARDED_DIR / ".metadata").is_file():
+            raise UserError(f"no FSDP2 checkpoint in '{folder / SHARDED_DIR}'; resume a checkpoint written with "
+                            "train.strategy=fsdp2 (a ddp/single or DeepSpeed one resumes with its own strategy), or "
+                            "start without train.resume")
+
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Read `sharded/` into this run's shards, whatever number of processes wrote it."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        self.check_resumable(folder, saved_world_size=self.world_size)
         state = {}
         for name, part in parts.items():
             model_state, optim_state = get_state_dict(part.module, part.optimizer, options=_trained_only())

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlrft.errors import UserError
+
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -250,6 +252,17 @@ class Strategy:
             if name != "policy":
                 torch.save({"model": self.unwrap(part.module).state_dict(), "optimizer": part.optimizer.state_dict()},
                            folder / f"{name}.pt")
+
+    def check_resumable(self, folder: Path, saved_world_size: int) -> None:
+        """Raise `UserError` when this strategy cannot resume checkpoint `folder` (written by `saved_world_size`
+        processes); called before any model loads (minutes for a large one)."""
+        if not (folder / "optimizer.pt").is_file():
+            raise UserError(f"checkpoint '{folder}' has no optimizer.pt: it was not written with train.strategy="
+                            f"{self.name}; resume it with the strategy that wrote it (fsdp2 or deepspeed)")
+        if saved_world_size != self.world_size and not self.reshards_checkpoints:
+            raise UserError(f"checkpoint '{folder}' was written by {saved_world_size} processes; resume it "
+                            f"with the same number (this run has {self.world_size}), or train with "
+                            "train.strategy=fsdp2, whose checkpoints reshard to any number of processes")
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore what `save_checkpoint` wrote (the policy's weights were loaded from `folder/model`)."""

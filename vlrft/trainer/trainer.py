@@ -82,6 +82,9 @@ class Trainer:
             run_folder.check_shared(self.strategy, self.output_dir, self.run_id)
         if self.resume_from is not None:
             self._every_rank_sees(self.resume_from / ckpt.STATE_FILE, f"train.resume: checkpoint {self.resume_from}")
+            # before any model loads (minutes for a large one): a checkpoint this strategy cannot resume
+            self.strategy.check_resumable(self.resume_from,
+                                          ckpt.load_trainer_state(self.resume_from).get("world_size", 1))
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
@@ -568,11 +571,6 @@ class Trainer:
 
     def _restore(self, folder: Path) -> None:
         state = ckpt.load_trainer_state(folder)
-        saved_world = state.get("world_size", 1)
-        if saved_world != self.strategy.world_size and not self.strategy.reshards_checkpoints:
-            raise UserError(f"checkpoint '{folder}' was written by {saved_world} processes; resume it "
-                            f"with the same number (this run has {self.strategy.world_size}), or train with "
-                            "train.strategy=fsdp2, whose checkpoints reshard to any number of processes")
         self.step_count = int(state["step"])
         self.strategy.load_checkpoint(folder, self._checkpoint_parts())
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
