@@ -180,9 +180,8 @@ def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arc
     assert torch.allclose(shared, plain, atol=1e-5)
 
 
-def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
-    """On GPUs the critic's forward runs under bf16 autocast; its value head still computes in float32 (the
-    backbone's states as they come, no bf16 matmul): values equal the head applied to those states outside it."""
+def _critic_of(group_batch):
+    """(the tiny policy, a critic around it with a non-zero value head, the group batch's sequences)."""
     from vlrft.models.actor import CriticVL
 
     folder, batch, completions = group_batch
@@ -191,11 +190,17 @@ def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
     critic = CriticVL(model, tokens.image_token_id, tokens.video_token_id)
     torch.nn.init.normal_(critic.value_head.weight, std=1.0)  # a fresh head is zero
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id)
+    return model, critic, seqs
+
+
+def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
+    """On GPUs the critic's forward runs under bf16 autocast; its value head still computes in float32 (the
+    backbone's states as they come, no bf16 matmul): values equal the head applied to those states outside it."""
+    _, critic, seqs = _critic_of(group_batch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         values = critic(seqs)
-        hidden = critic.actor_like.hidden_states(seqs)
-    p, c = seqs.prompt_width, seqs.completion_width
-    expected = critic.value_head(hidden[:, p - 1:p - 1 + c].float()).squeeze(-1) * seqs.completion_mask
+        states = critic.actor_like.predicting_states(seqs)
+    expected = critic.value_head(states.float()).squeeze(-1) * seqs.completion_mask
     assert values.dtype == torch.float32
     assert torch.allclose(values, expected, atol=1e-5)
 
@@ -239,14 +244,7 @@ def test_the_rows_copies_of_a_long_shared_prompt_live_one_layer_at_a_time():
 def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forward(group_batch):
     """PPO's value model shares each prompt among its group's rows, as the policy does: a group of 8 rows of a long
     video prompt costs one prompt pass, not 8. Values and gradients equal the per-row forward."""
-    from vlrft.models.actor import CriticVL
-
-    folder, batch, completions = group_batch
-    model = load_policy(folder)
-    tokens = TokenSpec.from_model(load_processor(folder), model.config)
-    critic = CriticVL(model, tokens.image_token_id, tokens.video_token_id)
-    torch.nn.init.normal_(critic.value_head.weight, std=1.0)  # a fresh head is zero
-    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [i // 3 for i in range(9)], tokens.pad_id)
+    model, critic, seqs = _critic_of(group_batch)
     backbone, _ = split_head(model)
     positions = []
     backbone.register_forward_pre_hook(lambda module, args, kwargs: positions.append(kwargs["input_ids"].numel()),
