@@ -779,19 +779,19 @@ def test_a_resumed_engine_samples_with_the_seeds_the_uninterrupted_one_would(eng
     assert run(make_engine(model, processor, SeedBackend(), sleep=False), 1) == uninterrupted[:1]  # without the state
 
 
-def test_a_model_whose_weights_transformers_relayouts_on_save_is_refused_by_the_engines_weight_sync(tiny_vlm_dir,
-                                                                                                     tiny_processor):
-    """Qwen3-VL-MoE keeps its experts fused and transposed in memory; saving transposes them back to the published
-    layout that vLLM and SGLang load. Synced as they are, the experts would reach the engines in the wrong layout
-    (a shape error after a step's work, or silently wrong if the dimensions agree): refused when the engine is built,
-    naming the way out. The dense models only rename."""
+def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engines_weight_sync(tiny_vlm_dir,
+                                                                                                   tiny_processor):
+    """Qwen3-VL-MoE: transformers keeps the experts fused as [experts, 2 x intermediate, hidden]; the release and
+    vLLM/SGLang's loaders have [experts, hidden, 2 x intermediate]. Synced as they are, the experts would reach the
+    engines in the wrong layout (a shape error after a step's work, or silently wrong if the dimensions agree):
+    refused when the engine is built, naming the way out. The dense models only rename."""
     import json
 
     from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
 
     from vlrft.errors import UserError
     from vlrft.models.loading import load_policy
-    from vlrft.rollout.weights import converted_on_save
+    from vlrft.rollout.weights import unsyncable_weights
 
     folder = tiny_vlm_dir("qwen3_vl")
     config = json.loads((folder / "config.json").read_text())
@@ -801,9 +801,11 @@ def test_a_model_whose_weights_transformers_relayouts_on_save_is_refused_by_the_
         part.pop("model_type", None)
     ids = {k: config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     moe = AutoModelForImageTextToText.from_config(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
-    assert converted_on_save(moe) and all(".experts." in name for name in converted_on_save(moe))
+    gate_up = dict(moe.named_parameters())["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    assert tuple(gate_up.shape) != (4, text["hidden_size"], 2 * 48)  # not the published [experts, hidden, 2 x 48]
+    assert unsyncable_weights(moe) and all(".experts." in name for name in unsyncable_weights(moe))
     engine = make_engine(moe, tiny_processor("qwen3_vl"), RecordingBackend())
     with pytest.raises(UserError, match=r"Qwen3VLMoeForConditionalGeneration: .*experts.*rollout.engine=hf"):
         engine.update_weights(moe)
     for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-        assert converted_on_save(load_policy(tiny_vlm_dir(arch))) == []
+        assert unsyncable_weights(load_policy(tiny_vlm_dir(arch))) == []

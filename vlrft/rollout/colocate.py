@@ -22,7 +22,7 @@ from vlrft.errors import ConfigError, UserError
 from vlrft.rollout.base import Rollouts, SamplingParams
 from vlrft.rollout.outputs import EngineError, EngineSample, to_rollouts
 from vlrft.rollout.requests import PromptRequest
-from vlrft.rollout.weights import PolicyWeights, converted_on_save, policy_module
+from vlrft.rollout.weights import PolicyWeights, policy_module, unsyncable_weights
 
 if TYPE_CHECKING:
     from vlrft.data import PromptBatch
@@ -340,12 +340,12 @@ class ColocatedEngine:
     def _policy_weights(self, model: torch.nn.Module) -> PolicyWeights:
         if self._weights is None or self._weights.model is not policy_module(model):
             hf_model = policy_module(model)
-            converted = converted_on_save(hf_model)
-            if converted:  # the engine was just built: said at start-up, not after a step's work
-                raise UserError(f"{type(hf_model).__name__}: transformers changes the layout of {len(converted)} "
-                                f"weight(s) when it saves them (e.g. '{converted[0]}'); vLLM/SGLang weight sync sends "
-                                "weights in their in-memory layout, which their loaders would read wrongly; use "
-                                "rollout.engine=hf for this model")
+            unsyncable = unsyncable_weights(hf_model)
+            if unsyncable:  # the engine was just built: said at start-up, not after a step's work
+                raise UserError(f"{type(hf_model).__name__}: {len(unsyncable)} weight(s) are laid out in memory "
+                                f"otherwise than in the published checkpoint (e.g. '{unsyncable[0]}', fused MoE "
+                                "experts); vLLM/SGLang weight sync sends weights as they are in memory, which their "
+                                "loaders would read wrongly; use rollout.engine=hf for this model")
             self._weights = PolicyWeights(model, self.options.dtype, self.options.gather)
         return self._weights
 

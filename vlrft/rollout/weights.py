@@ -129,22 +129,23 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return mapping
 
 
-def converted_on_save(model: nn.Module) -> list[str]:
-    """In-memory names of the weights that transformers' save-time conversion changes, not only renames (e.g.
-    Qwen3-VL-MoE's fused experts: transposed into the published layout). `checkpoint_names` maps such a weight to its
-    checkpoint name with the in-memory layout, as `save_pretrained` writes it and `from_pretrained` reads it back;
-    vLLM's and SGLang's loaders expect the published layout instead."""
+def unsyncable_weights(model: nn.Module) -> list[str]:
+    """In-memory names of the weights vLLM's and SGLang's loaders would read wrongly if sent as they are in memory:
+    those transformers converts (not only renames) between a published checkpoint and memory, and fused MoE experts
+    (3-D weights: transformers 5 keeps Qwen3-VL-MoE's `gate_up_proj` as [experts, 2 x intermediate, hidden], the
+    release and the engines [experts, hidden, 2 x intermediate]). `checkpoint_names` maps names, not layouts."""
+    names = [name for name, p in model.named_parameters() if p.dim() == 3]
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, apply_converters
     except ImportError:  # transformers < 5 keeps checkpoint layouts in memory
-        return []
+        return names
     conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
     reverse = [c.reverse_transform() for c in (conversions or [])[::-1]]
     converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    if not converters:
-        return []
-    return [name for name, _ in model.named_parameters() if apply_converters(name, converters)[1] is not None]
+    converted = [name for name, _ in model.named_parameters()
+                 if converters and apply_converters(name, converters)[1] is not None]
+    return sorted(set(names) | set(converted))
 
 
 def _numel(tensor: torch.Tensor) -> int:
