@@ -136,7 +136,8 @@ def run_plan(plan_file: str) -> None:
         results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
                         "gradients_sharded_after_each_backward": sharded_grads,
                         "reference_resharded": _resharded(trainer.ref),
-                        "updates_before_first_generate": getattr(trainer.engine, "updates_before_first_generate", None)})
+                        "engine_calls_before_first_generate": trainer.engine.calls_before_first_generate()
+                        if hasattr(trainer.engine, "calls_before_first_generate") else None})
     if strategy.is_main:
         Path(plan["out"]).write_text(json.dumps(results))
     strategy.close()

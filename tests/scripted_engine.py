@@ -25,11 +25,22 @@ class ScriptedEngine:
         special = set(self.tokenizer.all_special_ids) | set(trainer.tokens.suppressed_ids) | set(trainer.tokens.eos_ids)
         self.candidates = [i for i in range(min(len(self.tokenizer), 300)) if i not in special]
         self.updates = 0
-        self.updates_before_first_generate = None  # weight syncs the trainer asked for before the first sample
+        self.calls: list[str] = []  # "sleep", "wake", "update", "generate": what the trainer asked, in order
+        self.generate_calls = 0  # saved with checkpoints, as vLLM/SGLang save theirs
+
+    def state_dict(self) -> dict:
+        return {"generate_calls": self.generate_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generate_calls = state["generate_calls"]
+        self.calls.append(f"restored {self.generate_calls}")
+
+    def calls_before_first_generate(self) -> list[str]:
+        return self.calls[:self.calls.index("generate")] if "generate" in self.calls else list(self.calls)
 
     def generate(self, batch, sampling) -> Rollouts:
-        if self.updates_before_first_generate is None:
-            self.updates_before_first_generate = self.updates
+        self.calls.append("generate")
+        self.generate_calls += 1
         ids: list[list[int]] = []
         for p in range(len(batch)):
             seed = zlib.crc32(f"{batch.samples[p].id}|{list(batch.prompt_ids[p])}".encode())
@@ -42,12 +53,13 @@ class ScriptedEngine:
 
     def update_weights(self, model) -> None:
         self.updates += 1
+        self.calls.append("update")
 
     def sleep(self) -> None:
-        pass
+        self.calls.append("sleep")
 
     def wake(self) -> None:
-        pass
+        self.calls.append("wake")
 
 
 class RecordingEngine:

@@ -205,7 +205,7 @@ def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
     assert torch.allclose(values, expected, atol=1e-5)
 
 
-def test_the_rows_copies_of_a_long_shared_prompt_live_one_layer_at_a_time():
+def test_under_gradient_checkpointing_the_rows_copies_of_a_shared_prompt_live_one_layer_at_a_time():
     """Each completion row attends to its prompt's keys/values through a per-row copy. Made inside each layer's call
     (under gradient checkpointing, made again by its replay), the copies of all layers are not held through the whole
     forward and backward: for 8 rows of a 16k-token video prompt of a 7B model that was about 10 GiB, and as much

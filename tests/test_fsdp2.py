@@ -259,13 +259,14 @@ def test_a_sharded_checkpoint_resumes_bitwise_on_2_ranks(setup, sharded):
 def test_checkpoints_without_the_hf_export_resume_bitwise_from_the_sharded_files(setup, sharded):
     """train.save_hf_model=last: only the final checkpoint gets model/ (rank 0 writes it alone, 288 GB of float32 for a
     72B policy). A resume starts from model.path and restores the weights from sharded/, LoRA adapters included:
-    the same weights as the uninterrupted run, and the engine (which started from model.path) is synced to them
-    before it samples."""
+    the same weights as the uninterrupted run. The engine (which started from model.path) is put to sleep before the
+    optimizer state comes back, then synced once to the restored weights, and counts its calls on from the
+    checkpoint's (vLLM/SGLang seed each call with that count)."""
     folder = setup["folder"]
     lora = ["model.lora.rank=4", "train.lr=1e-2", "train.total_steps=2"]
     fresh = run_plan(folder, 2, [run_args(setup, "L", "train.save_hf_model=last"),
                                  run_args(setup, "LL", "train.save_hf_model=last", *lora)])
-    assert fresh[0]["updates_before_first_generate"] == 0
+    assert fresh[0]["engine_calls_before_first_generate"] == ["wake"]
     assert [(folder / "L" / "checkpoints" / f"step_{k}" / "model").exists() for k in (1, 2, 3)] == [False, False, True]
     final, expected = weights(setup, "L", 3), weights(setup, "A", 3)
     assert all(torch.equal(final[k], expected[k]) for k in expected)  # writing model/ or not changes no weight
@@ -274,7 +275,7 @@ def test_checkpoints_without_the_hf_export_resume_bitwise_from_the_sharded_files
         run_args(setup, "RLL", "train.save_hf_model=last", *lora,
                  f"train.resume={folder / 'LL' / 'checkpoints' / 'step_1'}")])
     assert [h["step"] for h in results[0]["history"]] == [2, 3]
-    assert results[0]["updates_before_first_generate"] == 1  # the restored weights, before the first sample
+    assert results[0]["engine_calls_before_first_generate"] == ["sleep", "restored 1", "update", "wake"]
     resumed = weights(setup, "RL", 3)
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
     # a LoRA checkpoint's sharded/ holds the adapters and their optimizer state, not the frozen base (from model.path)

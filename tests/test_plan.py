@@ -181,13 +181,15 @@ def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
                            images_per_prompt=images_per_prompt)
 
     # text: as many tokens as the row-count micro-batch's shared forward at its longest gives the same activations,
-    # but for the rows' per-layer copies of the prompt's keys and values
+    # but for the rows' copies of the prompt's keys and values (a budget's rows: up to all of the rank's)
     rows_per_mb = cfg.train.micro_batch_completions_per_rank
     prompts = min(rows_per_mb, -(-rows_per_mb // cfg.rollout.n) + 1)
     full = prompts * cfg.data.max_prompt_length + rows_per_mb * cfg.rollout.max_new_tokens
     rows = plan_memory(cfg, shape, hw, fsdp, images_per_prompt=0)
-    copies = rows_per_mb * cfg.data.max_prompt_length * shape.text.kv_dim * (4 + 2)
-    assert budget(full, 0).component("activations") + copies == rows.component("activations")
+    per_row_copy = cfg.data.max_prompt_length * shape.text.kv_dim * (4 + 2)  # one layer: checkpointing is on
+    rank_rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
+    assert budget(full, 0).component("activations") - rank_rows * per_row_copy == \
+        rows.component("activations") - rows_per_mb * per_row_copy
     assert budget(4 * seq_len, 0).component("activations") > 1.9 * budget(2 * seq_len, 0).component("activations")
     # with images, the budget admits more prompts' images than the rows did (short completions of many prompts)
     assert budget(full).component("activations") >= plan_memory(cfg, shape, hw, fsdp).component("activations")

@@ -284,14 +284,39 @@ def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own_newest_and_auto_re
 
 def test_what_a_crash_leaves_in_the_checkpoint_folder_is_cleared_on_resume(tmp_path, tiny_vlm_dir, shapes):
     """A SIGKILL mid-save leaves `.tmp-step_k` (a whole checkpoint's size), mid-replace `.old-step_k`: both are
-    cleared; an `.old-` whose checkpoint the crash had moved away is put back."""
+    cleared. Killed between a same-step save's two renames (which start once the new save is complete and synced),
+    the new checkpoint takes its place; with no complete new one there, the old one goes back."""
+    import shutil
+
     out = tmp_path / "run"
     fit(config(out, tiny_vlm_dir(), shapes, "train.keep_last=2"))
     root = out / "checkpoints"
     (root / ".tmp-step_3" / "sharded").mkdir(parents=True)  # a save killed half-way
-    os.replace(root / "step_2", root / ".old-step_2")  # killed between a same-step save's two renames
+    shutil.copytree(root / "step_2", root / ".tmp-step_2")  # the new save of step 2, complete
+    state = ckpt.load_trainer_state(root / ".tmp-step_2")
+    (root / ".tmp-step_2" / ckpt.STATE_FILE).write_text(json.dumps({**state, "saved_at": state["saved_at"] + 1}))
+    os.replace(root / "step_2", root / ".old-step_2")  # killed between its two renames
     (root / ".old-step_1").mkdir()  # killed after them, before the old copy was removed
     (root / ".old-step_1" / "model").mkdir()
     trainer = Trainer(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
     assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"]
     assert trainer.resume_from == root / "step_2"
+    assert ckpt.load_trainer_state(root / "step_2")["saved_at"] == state["saved_at"] + 1  # the new one
+    # no complete new save: the old checkpoint goes back
+    os.replace(root / "step_2", root / ".old-step_2")
+    (root / ".tmp-step_2" / "model").mkdir(parents=True)  # the new save, killed half-way
+    ckpt.clear_crash_leftovers(out)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"]
+    assert ckpt.load_trainer_state(root / "step_2")["saved_at"] == state["saved_at"] + 1
+
+
+def test_checkpoints_of_earlier_versions_without_saved_at_come_first_by_step(tmp_path):
+    """A checkpoint written before `saved_at` existed sorts by step, before every checkpoint that has one (its
+    files' times are no guide: a copy changes them)."""
+    root = tmp_path / "checkpoints"
+    for step, saved_at in ((6, None), (4, None), (2, 100.0)):
+        (root / f"step_{step}").mkdir(parents=True)
+        state = {"step": step, "run_id": "r"} | ({"saved_at": saved_at} if saved_at else {})
+        (root / f"step_{step}" / ckpt.STATE_FILE).write_text(json.dumps(state))
+    os.utime(root / "step_4" / ckpt.STATE_FILE, (2e9, 2e9))  # copied later than step 6
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_4", "step_6", "step_2"]

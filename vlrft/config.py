@@ -435,8 +435,8 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = option(help="options of train.strategy=deepspeed (ZeRO-2/3)", factory=DeepSpeedConfig)
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
                              "loses every step)")
-    keep_last: int = option(2, "keep this many newest checkpoints of this run; older ones of the same run are "
-                            "deleted (never another run's)")
+    keep_last: int = option(2, "keep this many newest checkpoints of this run (0 = keep all); older ones of the "
+                            "same run are deleted (never another run's)")
     save_hf_model: Literal["every", "last"] = option(
         "every", "which checkpoints get model/ (the policy in Hugging Face format): 'every', or only the 'last' one "
         "(the end of training). FSDP2 and DeepSpeed resume from their own files; rank 0 writes model/ alone, in "

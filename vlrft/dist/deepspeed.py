@@ -289,20 +289,19 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             hf_model.save_pretrained(folder / "model", safe_serialization=True)
             processor.save_pretrained(folder / "model")
 
-    def check_resumable(self, folder: Path, saved_world_size: int) -> None:
-        path = folder / CHECKPOINT_DIR / "policy" / TAG
-        if not path.is_dir():
-            raise UserError(f"no DeepSpeed checkpoint in '{path}'; resume a checkpoint written with "
-                            "train.strategy=deepspeed, or start without train.resume")
+    def check_resumable(self, folder: Path, saved_world_size: int, parts: tuple[str, ...] = ("policy",)) -> None:
+        for name in parts:
+            path = folder / CHECKPOINT_DIR / name / TAG
+            if not path.is_dir():
+                raise UserError(f"no DeepSpeed checkpoint in '{path}'; resume a checkpoint written with "
+                                "train.strategy=deepspeed, or start without train.resume")
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore weights and optimizer state; another number of processes goes through the universal format."""
+        self.check_resumable(folder, self.world_size, tuple(parts))
         for name, part in parts.items():
             engine = self._engine_of(part.module)
             path = folder / CHECKPOINT_DIR / name
-            if not (path / TAG).is_dir():
-                raise UserError(f"no DeepSpeed checkpoint in '{path / TAG}'; resume a checkpoint written with "
-                                "train.strategy=deepspeed, or start without train.resume")
             tag = TAG
             if _saved_world_size(path / TAG) != self.world_size:
                 tag = self._universal(path)
@@ -326,8 +325,9 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             partial = path / f".{tag}-partial"
             shutil.rmtree(partial, ignore_errors=True)
             # rank 0 converts alone while the others wait (train.dist_timeout_minutes): DeepSpeed's worker processes,
-            # each holding one rank's optimizer file (13.8 GB for 72B on 64 ranks) or one parameter's slices
-            workers = max(2, min(8, (os.cpu_count() or 2) // 2))
+            # each holding one rank's optimizer file (13.8 GB for 72B on 64 ranks) or one parameter's slices; on the
+            # CPUs this process may use (a job's share of the node), 4 at most for host memory's sake
+            workers = max(2, min(4, len(os.sched_getaffinity(0)) // 2))
             ds_to_universal(argparse.Namespace(
                 input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=workers,
                 num_merge_workers=workers, keep_temp_folder=False, strict=True,

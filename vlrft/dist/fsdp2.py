@@ -308,19 +308,11 @@ def _read_dtype(source: ModelSource, config) -> str:
     else its config's (top level or `text_config`, as Qwen3-VL writes it). A LoRA adapter folder is merged into its
     base in `source.dtype`, as before.
     """
-    from vlrft.models.loading import DTYPES, adapter_base, widest_stored_dtype
+    from vlrft.models.loading import DTYPES, adapter_base, stored_dtype_name
 
     wanted = DTYPES.get(source.dtype, torch.float32)
     folder = Path(source.path)
     if folder.is_dir() and adapter_base(folder) is not None:
         return source.dtype
-    stored = widest_stored_dtype(folder) if folder.is_dir() else None
-    if stored is None:
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        stored = getattr(config, "dtype", None) or getattr(text_config, "dtype", None)
-        if isinstance(stored, str):
-            stored = getattr(torch, stored, None)
-    names = {dtype: name for name, dtype in DTYPES.items()}
-    if stored not in names or stored.itemsize >= wanted.itemsize:
-        return source.dtype
-    return names[stored]
+    stored = stored_dtype_name(folder, config)
+    return stored if DTYPES[stored].itemsize < wanted.itemsize else source.dtype

@@ -40,9 +40,10 @@ def widest_stored_dtype(folder: Path) -> torch.dtype | None:
     return widest
 
 
-def stored_dtype_name(path: str | Path) -> str:
+def stored_dtype_name(path: str | Path, config=None) -> str:
     """The dtype a model is published in: the widest floating dtype of a local folder's safetensors files, else its
-    config's (`dtype`, top level or `text_config`), else float32."""
+    config's (`dtype`, top level or `text_config`, as Qwen3-VL writes it; `config` if given, else read), else
+    float32."""
     names = {dtype: name for name, dtype in DTYPES.items()}
     folder = Path(path)
     stored = widest_stored_dtype(folder) if folder.is_dir() else None
@@ -50,7 +51,7 @@ def stored_dtype_name(path: str | Path) -> str:
         from transformers import AutoConfig
 
         try:
-            config = AutoConfig.from_pretrained(str(path))
+            config = config or AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError):
             return "float32"
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

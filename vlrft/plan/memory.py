@@ -402,7 +402,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         vision = min(prompts * patches, tokens * shape.vision.spatial_merge_size ** 2)
         what = f"token budget {tokens} tokens per micro-batch (train.max_tokens_per_micro_batch)"
         completion_tokens = tokens  # short completions of many rows can fill the budget
-        copies = 0
+        rows = min(prompts * r.n, tokens)  # at most the rank's rows, one token each at least
     else:
         # The shared-prompt forward runs each distinct prompt once and the rows' completions after it; a micro-batch's
         # rows come from ceil(rows / n) groups, one more when it starts inside a group (rows left out, filtering).
@@ -413,8 +413,10 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         what = (f"micro-batch of {rows} rows: {prompts} prompt(s) of {d.max_prompt_length} tokens, once each, and "
                 f"{rows} x {r.tokens_after_prompt} after them")
         completion_tokens = rows * r.tokens_after_prompt
-        # one layer's per-row copies of the prompt's keys (float32 under autocast) and values, made in its call
-        copies = rows * d.max_prompt_length * shape.text.kv_dim * (4 + hi)
+    # the rows' copies of their prompt's keys (float32 under autocast) and values, made in each layer's call: one
+    # layer's at a time under gradient checkpointing, every layer's kept for the backward without it
+    copies = rows * d.max_prompt_length * shape.text.kv_dim * (4 + hi) * \
+        (1 if m.gradient_checkpointing else shape.text.num_layers)
     acts = activation_bytes(shape, tokens, vision, m.gradient_checkpointing, hi) + copies
     comps.append(Component("activations", acts, train,
                            f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "

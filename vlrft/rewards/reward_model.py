@@ -46,10 +46,15 @@ class HostResidentWeights:
 
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
-        self.parameters = [(p, p.data.pin_memory() if pin else p.data) for p in model.parameters()]
-        self.buffers = [(module, name, buffer.pin_memory() if pin else buffer)
-                        for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None]
-        self._point_at_host()
+        self.parameters, self.buffers = [], []
+        for param in model.parameters():  # each re-pointed as it is pinned: one tensor's copy at a time, not two models
+            param.data = param.data.pin_memory() if pin else param.data
+            self.parameters.append((param, param.data))
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None:
+                    module._buffers[name] = buffer.pin_memory() if pin else buffer
+                    self.buffers.append((module, name, module._buffers[name]))
 
     def _point_at_host(self) -> None:
         for param, host in self.parameters:
@@ -117,7 +122,9 @@ class RewardModel:
 
         device = self.device
         if device == "auto":
-            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":  # this rank's GPU: scoring runs in threads of its own, whose current device is GPU 0
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         dtype = load_dtype(self.dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
         tokenizer.truncation_side = "left"

@@ -163,3 +163,6 @@ class EngineDeps:
     encoder: PromptEncoder | None = None  # multi-turn (`rollout.tools`) describes the tools in its prompts
     # The trainer's mixed precision (autocast on GPUs, nothing on CPU), under which the hf engine samples
     autocast: Callable[[], AbstractContextManager] = nullcontext
+    # vLLM/SGLang load the policy's current weights once built; False when the trainer syncs them itself later (a
+    # resume whose weights come from the strategy's checkpoint: one sync of the restored weights, not two)
+    sync_weights_at_start: bool = True

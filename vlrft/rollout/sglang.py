@@ -256,5 +256,6 @@ class SGLangEngine(ColocatedEngine):
             every_rank_drives=False,
             pack_bucket=serialize_bucket,
         )
-        engine.update_weights(actor)  # the engine loaded the checkpoint from disk; the policy may differ
+        if deps.sync_weights_at_start:  # the engine loaded the checkpoint from disk; the policy may differ
+            engine.update_weights(actor)
         return engine

@@ -199,5 +199,6 @@ class VLLMEngine(ColocatedEngine):
             every_rank_drives=True,
         )
         # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once.
-        engine.update_weights(actor)
+        if deps.sync_weights_at_start:
+            engine.update_weights(actor)
         return engine

@@ -48,19 +48,14 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def _written_at(checkpoint: Path) -> tuple[float, int]:
-    """(when it was written, step): `saved_at` from its state, or for checkpoints of earlier versions the state
-    file's modification time."""
+    """(when it was written, step): `saved_at` from its state. Checkpoints of earlier versions have none: they come
+    first, by step (they were written before any that has one; a copy would change their files' times)."""
     step = int(checkpoint.name[len(PREFIX):])
     try:
         saved = load_trainer_state(checkpoint).get("saved_at")
     except (OSError, ValueError):
         saved = None
-    if saved is None:
-        try:
-            saved = (checkpoint / STATE_FILE).stat().st_mtime
-        except OSError:
-            saved = 0.0
-    return float(saved), step
+    return float(saved or 0.0), step
 
 
 def lineage_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
@@ -155,18 +150,21 @@ def clear_crash_leftovers(output_dir: str | Path) -> None:
     """Finish what a crash cut short; call it only while no checkpoint is being written.
 
     - `.deleting-*`: a prune (renamed first, never resumed from): removed;
-    - `.old-step_k`: a checkpoint being replaced by a new save of the same step: put back when `step_k` is missing
-      (the crash came between the two renames), else removed;
+    - `.old-step_k`: a checkpoint being replaced by a new save of the same step. When `step_k` is missing the crash
+      came between the two renames, which start only once the new save is complete and synced to disk: the new
+      one (`.tmp-step_k`) takes its place, else (nothing complete there) the old one goes back. Then it is removed;
     - `.tmp-step_k`: a save that never completed (a preemption's SIGKILL mid-save): removed. Each is a whole
       checkpoint's size, and nothing else would ever delete it.
     """
     root = checkpoint_root(output_dir)
     for old in root.glob(f".old-{PREFIX}*"):
-        kept = root / old.name[len(".old-"):]
-        if not kept.exists() and (old / STATE_FILE).is_file():
+        step = old.name[len(".old-"):]
+        kept, new = root / step, root / f".tmp-{step}"
+        if not kept.exists() and (new / STATE_FILE).is_file():
+            os.replace(new, kept)
+        elif not kept.exists() and (old / STATE_FILE).is_file():
             os.replace(old, kept)
-        else:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     for leftover in [*root.glob(".deleting-*"), *root.glob(f".tmp-{PREFIX}*")]:
         shutil.rmtree(leftover, ignore_errors=True)
 

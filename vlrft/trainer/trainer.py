@@ -138,9 +138,11 @@ class Trainer:
         self.sampling_memory_fixes = tuple(sampling_fixes(cfg, world))
         self.training_memory_fixes = tuple(training_fixes(cfg))
         self.train_temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        restores_weights = self.resume_from is not None and self.strategy.checkpoint_holds_weights
         self.engine = make_engine(cfg, EngineDeps(actor=self.actor, processor=self.processor, tokens=self.tokens,
                                                   strategy=self.strategy, prompts_per_rank=self.prompts_per_rank,
-                                                  encoder=self.encoder, autocast=self.autocast))
+                                                  encoder=self.encoder, autocast=self.autocast,
+                                                  sync_weights_at_start=not restores_weights))
         self.kl_controller = make_kl_controller(cfg.algorithm)
         self.reward_moments = RunningMoments()
         single_update = (cfg.train.ppo_epochs == 1
@@ -149,8 +151,10 @@ class Trainer:
         self.needs_old_logprobs = not single_update or kl_shaped or self.critic is not None
         self.logger: RunLogger | None = None
         if self.resume_from is not None:
+            if restores_weights:  # the optimizer state comes back to the GPUs: not beside an awake engine's KV cache
+                self.engine.sleep()
             self._restore(self.resume_from)
-            if self.strategy.checkpoint_holds_weights:  # the engine started from model.path: now the restored weights
+            if restores_weights:  # the engine started from model.path: now it loads the restored weights
                 self.engine.update_weights(self.actor)
 
     # ------------------------------------------------------------------ setup
