@@ -90,6 +90,22 @@ def watch_gradients(strategy) -> list[bool]:
     return sharded_after_each
 
 
+def watch_loads(strategy) -> list[tuple[int, list[str]]]:
+    """For each model this rank loads: (bytes of its parameters that hold data, the devices of those) as
+    `load_model` returns it, before any sharding."""
+    loads: list[tuple[int, list[str]]] = []
+    load_model = strategy.load_model
+
+    def watched(source, **kwargs):
+        model = load_model(source, **kwargs)
+        real = [p for p in model.parameters() if not p.is_meta]
+        loads.append((sum(p.numel() * p.element_size() for p in real), sorted({p.device.type for p in real})))
+        return model
+
+    strategy.load_model = watched
+    return loads
+
+
 def _resharded(model) -> bool | None:
     """Whether every parameter of a frozen model is back to its shard (None: no such model). FSDP2 swaps a module's
     parameters for whole tensors while they are gathered; the root (embeddings, LM head) is the one FSDP2 may
@@ -122,6 +138,7 @@ def run_plan(plan_file: str) -> None:
         if strategy is None or run.get("new_strategy"):  # a run with other strategy options builds its own
             strategy = make_strategy(cfg.train.strategy, cfg)
         sharded_grads = watch_gradients(strategy) if run.get("watch_gradients") else None
+        loads = watch_loads(strategy) if run.get("watch_loads") else None
         try:
             trainer = Trainer(cfg, strategy)
             history = trainer.fit()
@@ -131,11 +148,14 @@ def run_plan(plan_file: str) -> None:
         finally:
             if sharded_grads is not None:
                 del strategy.backward  # unwatched for the next run
+            if loads is not None:
+                del strategy.load_model
         if run.get("sync_out"):
             sync_weights(trainer, Path(run["sync_out"]))
         results.append({"history": history, "world_size": strategy.world_size, "lean_decode_steps": lean_steps[0],
                         "gradients_sharded_after_each_backward": sharded_grads,
                         "reference_resharded": _resharded(trainer.ref),
+                        "loads_per_rank": strategy.all_gather_object(loads) if loads is not None else None,
                         "engine_calls_before_first_generate": trainer.engine.calls_before_first_generate()
                         if hasattr(trainer.engine, "calls_before_first_generate") else None})
     if strategy.is_main:

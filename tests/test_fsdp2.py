@@ -199,7 +199,12 @@ def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
     ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
     lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
     results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo),
-                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"))])
+                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"),
+                                            watch_loads=True)])
+    # with LoRA too, only rank 0 reads the weights (into host memory) and the others build the model on the meta
+    # device: no device holds the whole model before sharding (it held it whole on every GPU: 125 GiB for 32B)
+    [(rank0_bytes, rank0_devices)], [(rank1_bytes, _)] = results[1]["loads_per_rank"]
+    assert rank0_bytes > 0 and rank0_devices == ["cpu"] and rank1_bytes == 0
     for name, overrides in (("PPO", ppo), ("LORA", lora)):
         trainer, history = single_run(setup, name + "-single", *overrides)
         if name == "LORA":

@@ -39,6 +39,7 @@ from vlrft.errors import UserError
 from vlrft.models import precision
 
 SHARDED_DIR = "sharded"
+ADAPTERS_TO_COME = "adapters to come"  # `_pending` marker: rank 0's state is taken when the model (with LoRA) is sharded
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -99,17 +100,22 @@ class FSDP2Strategy(ProcessGroupStrategy):
     def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
         """Every rank builds the model on the meta device; rank 0 also reads the weights (on CPU).
 
-        The weights reach the other ranks, shard by shard, when the model is prepared.
+        The weights reach the other ranks, shard by shard, when the model is prepared. With `source.adapters` (LoRA,
+        added by the caller next) rank 0's model is the one it read, on the CPU, so that its adapters are made there
+        from its random state; `_shard` takes its state (base and adapters) and broadcasts it into every rank's shards,
+        as without adapters. No GPU ever holds the whole model.
         """
         from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
         from vlrft.models.loading import DTYPES, load_policy
 
-        if source.adapters:  # adapters are created per rank after loading; `_shard` broadcasts rank 0's
-            return load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
-                               trust_remote_code=source.trust_remote_code, device=self.device)
         dtype = DTYPES.get(source.dtype, torch.float32)
         config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
+        if source.adapters and self.is_main:
+            model = load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
+                                trust_remote_code=source.trust_remote_code, device="cpu")
+            self._pending[id(model)] = ADAPTERS_TO_COME
+            return model
         # Only rank 0 reads the checkpoint; before from_config sets config.dtype to the model's.
         read_dtype = _read_dtype(source, config) if self.is_main else source.dtype
         with torch.device("meta"):
@@ -124,7 +130,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
                                  attn_implementation=source.attn_implementation,
                                  trust_remote_code=source.trust_remote_code)
             full, buffers = loaded.state_dict(), dict(loaded.named_buffers())
-        self._pending[id(model)] = (full, buffers)
+        self._pending[id(model)] = ADAPTERS_TO_COME if source.adapters else (full, buffers)
         return model
 
     def _materialise(self, hf_model: nn.Module) -> None:
@@ -160,6 +166,16 @@ class FSDP2Strategy(ProcessGroupStrategy):
         if self.options.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         pending = id(hf_model) in self._pending
+        if pending and self._pending[id(hf_model)] is ADAPTERS_TO_COME:
+            # rank 0's model is real (its base and its freshly made adapters), the others' on the meta device: rank 0's
+            # state is what `_materialise` broadcasts, and its model goes to the meta device like theirs
+            full, buffers = {}, {}
+            if self.is_main:
+                full, buffers = hf_model.state_dict(), dict(hf_model.named_buffers())
+                hf_model.to("meta")  # a new Parameter per module, so tied weights part: tied again, as on the others
+                if hasattr(hf_model, "tie_weights"):
+                    hf_model.tie_weights()
+            self._pending[id(hf_model)] = (full, buffers)
         if not pending:
             self._broadcast_from_rank0(root)
         for unit in shard_units(root):

@@ -82,8 +82,8 @@ class ModelSource:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    # Modules are added after loading (LoRA adapters): a sharding strategy then loads real weights on
-    # every rank (and broadcasts rank 0's) instead of filling a meta-device model from rank 0.
+    # Modules are added after loading (LoRA adapters): FSDP2 then keeps rank 0's model real (its adapters are
+    # made there) until it is sharded; ZeRO-3 loads real weights on every rank and broadcasts rank 0's.
     adapters: bool = False
 
 

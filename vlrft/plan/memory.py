@@ -279,10 +279,10 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     stored = "bfloat16" if shape.checkpoint_bytes == 2 else "float32"
     lora = cfg.model.lora.rank > 0
     comps = []
-    if strategy.name == "fsdp2" and not lora:
-        comps.append(Component("checkpoint_read", shape.checkpoint_bytes * params, ("load",),
-                               f"rank 0 reads the checkpoint in its own dtype ({stored}); the other ranks receive "
-                               "their shards"))
+    if strategy.name == "fsdp2":  # with LoRA in float32: rank 0's adapters are made on that model, then broadcast
+        comps.append(Component("checkpoint_read", (4 if lora else shape.checkpoint_bytes) * params, ("load",),
+                               f"rank 0 reads the checkpoint in {'float32' if lora else f'its own dtype ({stored})'}; "
+                               "the other ranks receive their shards"))
     elif strategy.name == "deepspeed" and strategy.zero_stage >= 3 and not lora:
         # built inside zero.Init; rank 0's checkpoint tensors are copied into every rank's partition (measured with
         # bench/bench_loading.py: rank 0 holds about the checkpoint more than rank 1 after loading; docs/deepspeed.md)
@@ -453,10 +453,10 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                    "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
     rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
     comps += rm_gpu
-    if m.lora.rank > 0 and (strategy.name == "fsdp2" or (strategy.name == "deepspeed" and strategy.zero_stage >= 3)):
+    if m.lora.rank > 0 and strategy.name == "deepspeed" and strategy.zero_stage >= 3:
         comps.append(Component("lora_load", 4 * params + 4 * trainable, ("load",),
-                               "LoRA under sharding: each rank loads the whole policy in float32 onto its GPU and adds "
-                               "the adapters before the model is sharded"))
+                               "LoRA under ZeRO-3: each rank loads the whole policy in float32 onto its GPU and adds "
+                               "the adapters before DeepSpeed partitions it"))
     comps.append(Component("cuda_reserve", CUDA_RESERVE, ("load", *both), "CUDA context, NCCL buffers, allocator slack"))
     plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
                       hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
@@ -492,8 +492,8 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
             out.append((not p.fits, p.total, f"{text} (-> {_gib(p.total)} per GPU, {verdict})"))
 
     if plan.component("lora_load") > 0 and plan.peak_phase == "load":
-        add("set model.lora.rank: 0 (without adapters rank 0 reads the checkpoint and the weights are sharded as they "
-            "load)", trial(c=_with(cfg, "model", lora=dataclasses.replace(cfg.model.lora, rank=0))))
+        add("set train.strategy: fsdp2 (rank 0 reads the checkpoint and the weights are sharded as they load)",
+            trial(s=dataclasses.replace(strategy, name="fsdp2")))
     resident = [rm.key for rm in reward_models if not rm.offload]
     if resident:
         add(f"set offload: true in the kwargs of reward model(s) {', '.join(resident)}",
