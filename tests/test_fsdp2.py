@@ -194,13 +194,18 @@ def single_run(setup, name: str, *overrides: str):
 
 
 def test_fsdp2_shards_reference_critic_and_lora_like_one_process(setup):
-    """PPO (critic + reference) and LoRA under FSDP2 equal one process."""
+    """PPO (critic + reference) and LoRA under FSDP2 equal one process; also LoRA on the LM head tied to the
+    embeddings (its weight is a read-only property PEFT's wrapper has, which transformers' re-tying cannot set)."""
     folder = setup["folder"]
     ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
     lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    head = [*lora, "model.lora.target_modules=[q_proj,lm_head]"]
     results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo),
                                    run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"),
-                                            watch_loads=True)])
+                                            watch_loads=True),
+                                   run_args(setup, "HEAD", *head)])
+    _, head_single = single_run(setup, "HEAD-single", *head)
+    assert results[2]["history"][0]["actor/grad_norm"] == pytest.approx(head_single[0]["actor/grad_norm"], rel=1e-4)
     # with LoRA too, only rank 0 reads the weights (into host memory) and the others build the model on the meta
     # device: no device holds the whole model before sharding (it held it whole on every GPU: 125 GiB for 32B)
     [(rank0_bytes, rank0_devices)], [(rank1_bytes, _)] = results[1]["loads_per_rank"]
@@ -417,3 +422,16 @@ def test_a_checkpoint_of_another_strategy_is_refused_before_any_model_loads(setu
     with pytest.raises(UserError, match="has no optimizer.pt: it was not written with train.strategy=single"):
         Trainer(cfg)
     assert loads == []  # refused before the processor (or any model) loads
+
+
+def test_a_lora_checkpoint_as_model_path_trains_on_under_fsdp2(setup):
+    """model.path may name a LoRA run's checkpoint model/ (an adapter folder, no config.json of its own): rank 0
+    merges it into its base, and the other ranks build their meta model from the base's config."""
+    folder = setup["folder"]
+    lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    run_plan(folder, 2, [run_args(setup, "LORA0", *lora)])
+    adapter = folder / "LORA0" / "checkpoints" / "step_1" / "model"
+    assert (adapter / "adapter_config.json").is_file() and not (adapter / "config.json").exists()
+    [again] = run_plan(folder, 2, [run_args(setup, "LORA1", *lora, f"model.path={adapter}")])
+    assert "error" not in again, again.get("error")
+    assert again["history"][0]["step"] == 1 and again["history"][0]["actor/grad_norm"] > 0

@@ -327,7 +327,8 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
             # rank 0 converts alone while the others wait (train.dist_timeout_minutes): DeepSpeed's worker processes,
             # each holding one rank's optimizer file (13.8 GB for 72B on 64 ranks) or one parameter's slices; on the
             # CPUs this process may use (a job's share of the node), 4 at most for host memory's sake
-            workers = max(2, min(4, len(os.sched_getaffinity(0)) // 2))
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+            workers = max(2, min(4, cpus // 2))
             ds_to_universal(argparse.Namespace(
                 input_folder=str(path / TAG), output_folder=str(partial), num_extract_workers=workers,
                 num_merge_workers=workers, keep_temp_folder=False, strict=True,

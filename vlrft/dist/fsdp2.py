@@ -9,7 +9,8 @@ calls. On GPUs the gathered weights are cast to `model.dtype` and gradients redu
 Loading: rank 0 alone reads the checkpoint; every rank builds the model on the meta device, shards
 it, then receives its shards from rank 0 (`set_model_state_dict(..., broadcast_from_rank0=True)`).
 Buffers that are not in the state dict (rotary `inv_freq`) are broadcast from rank 0 too. With LoRA
-(adapters are injected after loading) every rank loads the base weights and rank 0's are broadcast.
+(adapters are injected after loading) rank 0's model stays real until it is sharded, so its adapters are
+made there; its state (base and adapters) is what reaches every rank's shards.
 
 Checkpoints: `sharded/` is a `torch.distributed.checkpoint` folder (every rank writes its shards of
 the model and optimizer state); it can be read back by any number of processes, which reshards.
@@ -62,6 +63,24 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _tied_slots(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) holding one Parameter (tied weights: embeddings and LM head), by identity.
+    `Module.to` / `to_empty` may give each slot a Parameter of its own; transformers' `tie_weights` cannot re-tie a
+    LoRA-wrapped LM head (its `weight` is a read-only property), so the slots are re-pointed instead (`_retie`)."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((module, name))
+    return [group for group in slots.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    for (first, first_name), *others in groups:
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+
+
 def _hf_model(module: nn.Module) -> nn.Module:
     """The transformers model inside an ActorVL / CriticVL / PEFT wrapper (whose state dict rank 0 loaded)."""
     from vlrft.rollout.weights import policy_module
@@ -88,8 +107,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
         self.options = cfg.train.fsdp if cfg is not None else FSDPConfig()
         self.compute_dtype = precision.compute_dtype(self.device, cfg.model.dtype) if cfg is not None else torch.float32
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model).
-        self._pending: dict[int, tuple[dict, dict]] = {}
+        # Rank 0's full state dict (and buffers) of each model loaded on the meta device, by id(model); with LoRA,
+        # ADAPTERS_TO_COME until `_shard` takes rank 0's state (adapters included).
+        self._pending: dict[int, tuple[dict, dict] | str] = {}
         self._generating = 0
         self.offload_during_rollout = self.options.offloads_during_rollout(
             cfg.rollout.engine if cfg is not None else "hf", on_gpu=self.device.type == "cuda")
@@ -107,10 +127,13 @@ class FSDP2Strategy(ProcessGroupStrategy):
         """
         from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
-        from vlrft.models.loading import DTYPES, load_policy
+        from vlrft.models.loading import DTYPES, adapter_base, load_policy
 
         dtype = DTYPES.get(source.dtype, torch.float32)
-        config = AutoConfig.from_pretrained(str(source.path), trust_remote_code=source.trust_remote_code)
+        # a LoRA adapter folder (a LoRA run's checkpoint model/) has no config of its own: rank 0 merges it into its
+        # base, whose architecture the meta model takes
+        config_path = adapter_base(source.path) or str(source.path)
+        config = AutoConfig.from_pretrained(config_path, trust_remote_code=source.trust_remote_code)
         if source.adapters and self.is_main:
             model = load_policy(source.path, dtype=source.dtype, attn_implementation=source.attn_implementation,
                                 trust_remote_code=source.trust_remote_code, device="cpu")
@@ -123,7 +146,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
                 config, dtype=dtype, attn_implementation=source.attn_implementation,
                 trust_remote_code=source.trust_remote_code)
         with contextlib.suppress(OSError, ValueError):  # the stop tokens the engines use come from here
-            model.generation_config = GenerationConfig.from_pretrained(str(source.path))
+            model.generation_config = GenerationConfig.from_pretrained(config_path)
         full, buffers = {}, {}
         if self.is_main:
             loaded = load_policy(source.path, dtype=read_dtype, device="cpu",
@@ -140,7 +163,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
         full, buffers = self._pending.pop(id(hf_model))
         # Allocate this rank's shards (uninitialised) first: loading then copies each broadcast tensor's
         # slice into them, so a rank never holds more than its shards plus one full tensor.
+        tied = _tied_slots(hf_model)
         hf_model.to_empty(device="cpu" if self.options.cpu_offload else self.device)
+        _retie(tied)
         set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Buffers are not sharded and non-persistent ones (rotary inv_freq) are not in the state dict.
         device = self.device if uses_nccl() else torch.device("cpu")
@@ -152,8 +177,6 @@ class FSDP2Strategy(ProcessGroupStrategy):
             dist.broadcast(value, src=0)
             owner, _, leaf = name.rpartition(".")
             hf_model.get_submodule(owner)._buffers[leaf] = value.to(self.device)
-        if hasattr(hf_model, "tie_weights"):
-            hf_model.tie_weights()
 
     # ------------------------------------------------------------------ wrapping
 
@@ -172,9 +195,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
             full, buffers = {}, {}
             if self.is_main:
                 full, buffers = hf_model.state_dict(), dict(hf_model.named_buffers())
+                tied = _tied_slots(hf_model)
                 hf_model.to("meta")  # a new Parameter per module, so tied weights part: tied again, as on the others
-                if hasattr(hf_model, "tie_weights"):
-                    hf_model.tie_weights()
+                _retie(tied)
             self._pending[id(hf_model)] = (full, buffers)
         if not pending:
             self._broadcast_from_rank0(root)
@@ -186,10 +209,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
         return root
 
     def _broadcast_from_rank0(self, model: nn.Module) -> None:
-        """Make every rank's (whole, not yet sharded) weights rank 0's, as DDP does when it wraps.
-
-        Parameters created after loading (LoRA adapters, a critic's value head) are initialised
-        from each rank's own random state.
+        """Make every rank's (whole, not yet sharded) weights rank 0's, as DDP does when it wraps: a model that was
+        not loaded through the meta device (a critic's value head is made on each rank; the meta path fills it).
         """
         on_cpu = not uses_nccl()
         with torch.no_grad():

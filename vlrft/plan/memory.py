@@ -493,7 +493,7 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
 
     if plan.component("lora_load") > 0 and plan.peak_phase == "load":
         add("set train.strategy: fsdp2 (rank 0 reads the checkpoint and the weights are sharded as they load)",
-            trial(s=dataclasses.replace(strategy, name="fsdp2")))
+            trial(s=dataclasses.replace(strategy, name="fsdp2", offload_optimizer=False, offload_params=False)))
     resident = [rm.key for rm in reward_models if not rm.offload]
     if resident:
         add(f"set offload: true in the kwargs of reward model(s) {', '.join(resident)}",
