@@ -320,3 +320,26 @@ def test_checkpoints_of_earlier_versions_without_saved_at_come_first_by_step(tmp
         (root / f"step_{step}" / ckpt.STATE_FILE).write_text(json.dumps(state))
     os.utime(root / "step_4" / ckpt.STATE_FILE, (2e9, 2e9))  # copied later than step 6
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_4", "step_6", "step_2"]
+
+
+def test_a_resume_from_another_base_model_is_refused_and_a_copy_of_the_same_one_is_not(tmp_path, tiny_vlm_dir, shapes):
+    """A resume reads frozen weights (a LoRA base, a frozen vision tower), the reference and, under FSDP2/DeepSpeed,
+    its starting point from model.path: other weights there would train on silently. A copy of the base elsewhere
+    (same files) is the same base."""
+    import shutil
+
+    out = tmp_path / "run"
+    base = tiny_vlm_dir()
+    fit(config(out, base, shapes, "train.total_steps=1"))
+    copy = tmp_path / "copy"
+    shutil.copytree(base, copy)
+    other = tmp_path / "other"
+    shutil.copytree(base, other)
+    from safetensors.torch import load_file, save_file
+
+    weights = {name: t + 0.01 for name, t in load_file(other / "model.safetensors").items()}  # another fine-tune
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"trained from another base model than model.path=.*other"):
+        Trainer(config(out, other, shapes, "train.total_steps=2", "train.resume=auto"))
+    fit(config(out, copy, shapes, "train.total_steps=2", "train.resume=auto"))
+    assert steps(out) == [1, 2]

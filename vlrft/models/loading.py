@@ -40,6 +40,27 @@ def widest_stored_dtype(folder: Path) -> torch.dtype | None:
     return widest
 
 
+def model_fingerprint(path: str | Path) -> str | None:
+    """A short digest of a local model folder's contents (None for anything else, e.g. a Hub id): its config and,
+    for each weight file, its name, size and first and last 64 KiB. Equal for a copy of the folder, different for
+    another fine-tune (it changes the bytes at both ends of every file); reading 128 KiB per file, not the weights.
+    A change confined to the middle of a large file is not seen."""
+    import hashlib
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        return None
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in sorted(folder.glob("*.safetensors")):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(1 << 16))
+            f.seek(max(0, size - (1 << 16)))
+            digest.update(f.read(1 << 16))
+    return digest.hexdigest()[:16]
+
+
 def stored_dtype_name(path: str | Path, config=None) -> str:
     """The dtype a model is published in: the widest floating dtype of a local folder's safetensors files, else its
     config's (`dtype`, top level or `text_config`, as Qwen3-VL writes it; `config` if given, else read), else

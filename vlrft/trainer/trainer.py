@@ -25,7 +25,7 @@ from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models import precision
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
-from vlrft.models.loading import load_processor
+from vlrft.models.loading import load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
@@ -101,6 +101,15 @@ class Trainer:
             self.strategy.barrier()
             built = Path(cfg.model.path) / "config.json"
             self._every_rank_sees(built, f"model.path={cfg.model.path} (built by rank 0)")
+        # A resume takes frozen weights (a LoRA base, a frozen vision tower), the reference, and under FSDP2/DeepSpeed the
+        # starting point from model.path: it must be the base the checkpoint was trained from (a copy is fine).
+        self.base_model = self._main_decides(lambda: model_fingerprint(cfg.model.path))
+        if self.resume_from is not None:
+            saved = ckpt.load_trainer_state(self.resume_from).get("base_model")
+            if saved and self.base_model and saved != self.base_model:
+                raise UserError(f"train.resume: checkpoint {self.resume_from} was trained from another base model than "
+                                f"model.path={cfg.model.path} (their config or weight files differ); the resumed run "
+                                "would take its frozen weights and reference from it. Point model.path at the same base")
         # on GPUs: stop here with one line when the plan says it cannot fit (for the data's most media in a prompt)
         plan = check_fits_at_load(cfg, world, max((len(s.images) for s in self.train_samples), default=1),
                                   max((len(s.videos) for s in self.train_samples), default=0))
@@ -551,7 +560,7 @@ class Trainer:
     def trainer_state(self) -> dict:
         return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
                 "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size,
-                "run_id": self.run_id, "engine": engine_state(self.engine)}
+                "run_id": self.run_id, "engine": engine_state(self.engine), "base_model": self.base_model}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(
