@@ -80,11 +80,12 @@ class Trainer:
                                          if self.resume_from else run_folder.new_run_id())
         if not evaluate_only:
             run_folder.check_shared(self.strategy, self.output_dir, self.run_id)
+        resumed: dict = {}  # the checkpoint's trainer state, read once
         if self.resume_from is not None:
             self._every_rank_sees(self.resume_from / ckpt.STATE_FILE, f"train.resume: checkpoint {self.resume_from}")
+            resumed = ckpt.load_trainer_state(self.resume_from)
             # before any model loads (minutes for a large one): a checkpoint this strategy cannot resume
-            self.strategy.check_resumable(self.resume_from,
-                                          ckpt.load_trainer_state(self.resume_from).get("world_size", 1))
+            self.strategy.check_resumable(self.resume_from, resumed.get("world_size", 1))
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
@@ -105,7 +106,7 @@ class Trainer:
         # starting point from model.path: it must be the base the checkpoint was trained from (a copy is fine).
         self.base_model = self._main_decides(lambda: model_fingerprint(cfg.model.path))
         if self.resume_from is not None:
-            saved = ckpt.load_trainer_state(self.resume_from).get("base_model")
+            saved = resumed.get("base_model")
             if saved and self.base_model and saved != self.base_model:
                 raise UserError(f"train.resume: checkpoint {self.resume_from} was trained from another base model than "
                                 f"model.path={cfg.model.path} (their config or weight files differ); the resumed run "
@@ -162,7 +163,7 @@ class Trainer:
         if self.resume_from is not None:
             if restores_weights:  # the optimizer state comes back to the GPUs: not beside an awake engine's KV cache
                 self.engine.sleep()
-            self._restore(self.resume_from)
+            self._restore(self.resume_from, resumed)
             if restores_weights:  # the engine started from model.path: now it loads the restored weights
                 self.engine.update_weights(self.actor)
 
@@ -582,8 +583,8 @@ class Trainer:
             ckpt.clear_crash_leftovers(self.output_dir)
         return ckpt.resolve_resume(self.cfg.train.resume, self.output_dir)
 
-    def _restore(self, folder: Path) -> None:
-        state = ckpt.load_trainer_state(folder)
+    def _restore(self, folder: Path, state: dict) -> None:
+        """Continue from checkpoint `folder`, whose trainer state is `state`."""
         self.step_count = int(state["step"])
         self.strategy.load_checkpoint(folder, self._checkpoint_parts())
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
