@@ -11,19 +11,29 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
 
 
-def test_ddp_training_keeps_ranks_identical_and_reduces_metrics(tmp_path, tiny_vlm_dir):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
-
-    data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=6))
+def ddp_config(tmp_path, tiny_vlm_dir, data, *, reward: str, rollout: str, train: str, logging: str) -> Path:
+    """A 2-rank DDP run's config (tiny Qwen2-VL, the shapes `data`, one reward of tests/data/trainer_rewards.py);
+    `rollout`, `train` and `logging` are the inside of their YAML flow mappings."""
     cfg = tmp_path / "ddp.yaml"
     cfg.write_text(f"""
 model: {{path: {tiny_vlm_dir('qwen2_vl')}, dtype: float32}}
 data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 4}}
-reward: {{functions: [{{name: '{REPO / 'tests' / 'data' / 'trainer_rewards.py'}:text_hash'}}]}}
-train: {{output_dir: {tmp_path / 'run'}, total_steps: 2, lr: 1.0e-3, micro_batch_completions_per_rank: 4, eval_every: 2, strategy: ddp}}
-logging: {{progress: false, completions_every: 0}}
+rollout: {{{rollout}}}
+reward: {{functions: [{{name: '{REPO / 'tests' / 'data' / 'trainer_rewards.py'}:{reward}'}}]}}
+train: {{output_dir: {tmp_path / 'run'}, strategy: ddp, {train}}}
+logging: {{{logging}}}
 """)
+    return cfg
+
+
+def test_ddp_training_keeps_ranks_identical_and_reduces_metrics(tmp_path, tiny_vlm_dir):
+    from vlrft.data.synthetic import ShapesSpec, make_shapes
+
+    data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=6))
+    cfg = ddp_config(tmp_path, tiny_vlm_dir, data, reward="text_hash",
+                     rollout="n: 4, global_batch_completions: 16, max_new_tokens: 4",
+                     train="total_steps: 2, lr: 1.0e-3, micro_batch_completions_per_rank: 4, eval_every: 2",
+                     logging="progress: false, completions_every: 0")
     out = tmp_path / "result.json"
     proc = torchrun("dist_train_worker.py", str(cfg), str(out), cwd=tmp_path, timeout=600,
                     outputs=(out, tmp_path / "run"))
@@ -111,16 +121,11 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_its_message(tmp_path
     from vlrft.data.synthetic import ShapesSpec, make_shapes
 
     data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=4))
-    cfg = tmp_path / "ddp.yaml"
-    cfg.write_text(f"""
-model: {{path: {tiny_vlm_dir('qwen2_vl')}, dtype: float32}}
-data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 2, global_batch_completions: 8, max_new_tokens: 3}}
-reward: {{functions: [{{name: '{REPO / 'tests' / 'data' / 'trainer_rewards.py'}:broken_on_rank_1'}}]}}
-train: {{output_dir: {tmp_path / 'run'}, total_steps: 1, micro_batch_completions_per_rank: 4, strategy: ddp,
-         eval_before_training: {str(phase == 'eval').lower()}, eval_every: 0, dist_timeout_minutes: 0.5}}
-logging: {{progress: false, completions_every: 0, tensorboard: false}}
-""")
+    cfg = ddp_config(tmp_path, tiny_vlm_dir, data, reward="broken_on_rank_1",
+                     rollout="n: 2, global_batch_completions: 8, max_new_tokens: 3",
+                     train=f"total_steps: 1, micro_batch_completions_per_rank: 4, eval_before_training: "
+                           f"{str(phase == 'eval').lower()}, eval_every: 0, dist_timeout_minutes: 0.5",
+                     logging="progress: false, completions_every: 0, tensorboard: false")
     out = tmp_path / "raised"
     proc = torchrun("reward_failure_worker.py", str(cfg), str(out), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, failure_output(proc)
