@@ -46,7 +46,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, cwd:
 
 def _launch(script: str, args: tuple[str, ...], nproc: int, timeout: float, cwd: Path | None
             ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator, when a worker uses it
     return subprocess.run(

@@ -13,7 +13,7 @@ locally trained tokenizer, random weights. Rollouts use the hf engine on the sha
 For each strategy the driver starts one run (`torchrun --nproc_per_node GPUS` for ddp/fsdp2/
 deepspeed) and prints: rollout tokens/s (completion tokens generated per second, all ranks),
 training tokens/s (prompt + completion tokens through forward and backward per second), the MFU
-of the training phase (6 x trained parameters x tokens / time / peak bf16 FLOP/s of all GPUs),
+of the training phase (its matmul FLOPs / time / peak bf16 FLOP/s of all GPUs; see `train_flops`),
 and the peak memory per GPU beside the `vlrft plan` figure for the same config. Strategies that
 `vlrft.dist.strategy.make_strategy` does not know are skipped with a note.
 """
@@ -111,6 +111,36 @@ def peak_flops(device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
+def train_flops(model, prompts: int, prompt_tokens: float, patches: float, completion_tokens: float) -> float:
+    """Matmul FLOPs of one training phase: forward + backward (3 x a forward) of the work vlrft does.
+
+    Each prompt once (its group shares it): the text layers over its tokens, the vision tower's blocks over
+    its patches and the merger over patches / 4. Each completion token: the text layers and the LM head.
+    Attention scores, embeddings lookups and gradient-checkpointing recomputation are left out (MFU's
+    convention); the weights are read off the model (2-D weights of its linear layers).
+    """
+    from vlrft.models.actor import vision_module
+
+    vision = vision_module(model)
+    vision_ids = {id(p) for p in vision.parameters()} if vision is not None else set()
+    merger = {id(p) for name, m in (vision.named_children() if vision is not None else ()) if "merger" in name
+              for p in m.parameters()}
+    head = model.get_output_embeddings().weight
+    text = vision_block = vision_merger = 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.dim() != 2 or p is head or "embed_tokens" in name:
+            continue
+        if id(p) in merger:
+            vision_merger += p.numel()
+        elif id(p) in vision_ids:
+            vision_block += p.numel()
+        else:
+            text += p.numel()
+    forward = 2 * (text * (prompts * prompt_tokens + completion_tokens) + head.numel() * completion_tokens
+                   + prompts * (vision_block * patches + vision_merger * patches / 4))
+    return 3 * forward
+
+
 def worker(config: str, result: str) -> int:
     import resource
 
@@ -124,7 +154,11 @@ def worker(config: str, result: str) -> int:
     trainer = Trainer(cfg)
     world = trainer.strategy.world_size
     cuda = trainer.device.type == "cuda"
-    prompt_tokens = sum(len(p) for p in trainer.encoder.encode(trainer.train_samples[:16]).batch.prompt_ids) / 16
+    probe = trainer.encoder.encode(trainer.train_samples[:16]).batch
+    prompt_tokens = sum(probe.prompt_lengths) / len(probe)
+    pixels = probe.visual.pixel_values
+    patches = (0 if pixels is None else pixels.shape[0]) / len(probe)  # one pixel_values row per patch
+    prompts_per_step = cfg.rollout.global_batch_completions // cfg.rollout.n  # all ranks
     trained = sum(p.numel() for p in trainer.actor.parameters() if p.requires_grad)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -134,6 +168,8 @@ def worker(config: str, result: str) -> int:
         completion = metrics["completions/mean_length"] * cfg.rollout.global_batch_completions  # all ranks
         steps.append({"generate_s": metrics.get("time/generate", 0.0), "train_s": metrics.get("time/train", 0.0),
                       "completion_tokens": completion,
+                      "train_flops": cfg.train.ppo_epochs * train_flops(
+                          trainer.actor.model, prompts_per_step, prompt_tokens, patches, completion),
                       "train_tokens": cfg.train.ppo_epochs * (completion + prompt_tokens * cfg.rollout.global_batch_completions)})
     timed = steps[1:] or steps  # the first step warms up kernels and allocators
     gen_s, train_s = sum(s["generate_s"] for s in timed), sum(s["train_s"] for s in timed)
@@ -150,7 +186,9 @@ def worker(config: str, result: str) -> int:
         "parameters": plan.parameters, "trained_parameters": trained, "steps": len(steps),
         "rollout_tokens_per_s": sum(s["completion_tokens"] for s in timed) / max(gen_s, 1e-9),
         "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
-        "mfu": 6 * trained * train_tokens / train_s / (flops * world) if flops and train_s else None,
+        "train_tflops_per_s": sum(s["train_flops"] for s in timed) / max(train_s, 1e-9) / 1e12,
+        "mfu": sum(s["train_flops"] for s in timed) / train_s / (flops * world) if flops and train_s else None,
+        "prompt_tokens": prompt_tokens, "patches_per_prompt": patches,
         "peak_memory_bytes": peak, "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process RSS",
         "plan_train_bytes": plan.phase_total("train"), "plan_rollout_bytes": plan.phase_total("rollout"),
         "plan_bytes": plan.total,
@@ -172,7 +210,7 @@ def run_strategy(config: Path, strategy: str, args) -> dict | None:
         cmd = [sys.executable, *script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *script]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLRFT_SKIP_MEMORY_PLAN": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "VLRFT_SKIP_MEMORY_PLAN": "1", "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0 or not result.is_file():
@@ -185,12 +223,12 @@ def run_strategy(config: Path, strategy: str, args) -> dict | None:
 
 def table(results: list[dict]) -> str:
     gib = 2 ** 30
-    lines = [f"{'strategy':<10}{'ranks':>6}{'rollout tok/s':>15}{'train tok/s':>13}{'MFU':>7}"
+    lines = [f"{'strategy':<10}{'ranks':>6}{'rollout tok/s':>15}{'train tok/s':>13}{'TFLOP/s':>9}{'MFU':>7}"
              f"{'peak/GPU':>11}{'plan train':>12}{'plan peak':>11}"]
     for r in results:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         lines.append(f"{r['strategy']:<10}{r['world_size']:>6}{r['rollout_tokens_per_s']:>15.0f}"
-                     f"{r['train_tokens_per_s']:>13.0f}{mfu:>7}{r['peak_memory_bytes'] / gib:>9.1f}Gi"
+                     f"{r['train_tokens_per_s']:>13.0f}{r['train_tflops_per_s']:>9.1f}{mfu:>7}{r['peak_memory_bytes'] / gib:>9.1f}Gi"
                      f"{r['plan_train_bytes'] / gib:>10.1f}Gi{r['plan_bytes'] / gib:>9.1f}Gi")
     return "\n".join(lines)
 

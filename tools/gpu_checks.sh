@@ -1,28 +1,37 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one prepared run with a time limit each, about 11 minutes in all,
-# at most 13.5 (the steps' limits)
-# (a lent GPU machine has minutes, not hours). Run from the repository root:
+# Every check that needs a GPU, in one prepared run with a time limit each (a lent GPU machine has minutes, not
+# hours): about 6 minutes on one H100 with a 0.5B model. Run from the repository root:
 #
 #     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)
-#     OUT=/tmp/out SIZE=1.5b GRAPHS=1 bash tools/gpu_checks.sh   # a larger model; also with CUDA graphs
+#     OUT=/tmp/out SIZE=1.5b GRAPHS=1 BUDGET=500 bash tools/gpu_checks.sh   # a larger model; CUDA graphs; 500 s in all
 #
-# 1. imports and the GPU, then `vlrft env`; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast; the
-# engine GPU tests skip without vLLM/SGLang), and FSDP2 cpu_offload's weight sync gathering on the GPU;
-# 3. the hf engine's decode rates on a 0.5B-shaped random model, float32 weights under bf16 autocast as the
-# trainer samples (bench/bench_decode.py);
-# 4. training MFU, rollout tokens/s and peak memory beside the plan for a random Qwen2.5-VL of
-# $SIZE (default 0.5b), one process (tools/gpu_bench.py), with GRAPHS=1 also with
-# rollout.cuda_graph_decode. A step that fails or runs out of time is reported and the next one runs.
+# 1. imports and the GPU, then `vlrft env`; 2. training MFU, rollout tokens/s and peak memory beside the plan for a
+# random Qwen2.5-VL of $SIZE (default 0.5b), one process (tools/gpu_bench.py); 3. the CUDA tests (CUDA-graph
+# decoding, also under bf16 autocast; the engine GPU tests skip without vLLM/SGLang), FSDP2 cpu_offload's weight
+# sync gathering on the GPU, and the reward model's offload; 4. the hf engine's decode rates on a 0.5B-shaped random
+# model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py); 5. the training bench
+# under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. with GRAPHS=1 the training bench again with
+# rollout.cuda_graph_decode. A step that fails or runs out of time is reported and the
+# next one runs; with BUDGET (seconds) a step gets at most the time left, and is skipped under 20 s.
 set -u
 OUT=${OUT:-runs/gpu_checks}
 STEPS=${STEPS:-3}
 SIZE=${SIZE:-0.5b}
+BUDGET=${BUDGET:-0}
+PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its exit status and last lines
     local name=$1 seconds=$2
     shift 2
+    if [ "$BUDGET" -gt 0 ] && [ $((SECONDS + seconds)) -gt "$BUDGET" ]; then
+        seconds=$((BUDGET - SECONDS))
+        if [ "$seconds" -lt 20 ]; then
+            echo "== $name: skipped (${seconds} s of BUDGET=$BUDGET left)"
+            return
+        fi
+    fi
     local start=$SECONDS
     timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
@@ -30,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, keep its log, print its exit s
     tail -n 25 "$OUT/$name.log"
 }
 
-step environment 60 python -c '
+step environment 45 "$PYTHON" -c '
 import importlib.util, torch, transformers
 print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())
 if torch.cuda.is_available():
@@ -40,21 +49,23 @@ missing = [m for m in ("vlrft", "yaml", "safetensors", "tokenizers", "PIL", "ten
 print("missing modules:", missing or "none")
 import vlrft.trainer  # the package imports with this machine torch and transformers
 '
-step stack 120 python -m vlrft env  # versions, GPUs, NCCL, and any requirement the installed versions break
-if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+step stack 45 "$PYTHON" -m vlrft env  # versions, GPUs, NCCL, and any requirement the installed versions break
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "no CUDA device visible: nothing more to check here"
     exit 1
 fi
-step cuda_tests 150 python -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
+step train_bench 200 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
+    --out "$OUT/bench" --json "$OUT/gpu_bench.json"
+step cuda_tests 120 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
     tests/test_rollout_engines_gpu.py -k "cuda or gpu"
-step offload_sync 120 python -m pytest -q -x -p no:cacheprovider \
+step offload_sync 100 "$PYTHON" -m pytest -q -x -p no:cacheprovider \
     tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync \
     tests/test_rewards_model.py::test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores
-step decode_rates 120 python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
-    --tokens 256 --regimes 1,3 --repeats 3
-step train_bench 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
-    --out "$OUT/bench" --json "$OUT/gpu_bench.json"
+step decode_rates 120 "$PYTHON" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
+    --tokens 128 --regimes 1,3 --repeats 3
+step fsdp2_bench 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies fsdp2 --gpus 1 --steps "$STEPS" \
+    --out "$OUT/bench" --json "$OUT/gpu_bench_fsdp2.json"  # FSDP2 over NCCL (one rank), weight sync to the engine
 if [ "${GRAPHS:-0}" = 1 ]; then
-    step train_bench_graphs 240 python tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
+    step train_bench_graphs 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
         --cuda-graph-decode --out "$OUT/bench" --json "$OUT/gpu_bench_graphs.json"
 fi
