@@ -74,15 +74,15 @@ def main() -> None:
     tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
     image = Image.new("RGB", (112, 112), (200, 40, 40))
     variants = {"generate": dict(share_prompts=False),
-                "group, dynamic cache": dict(static_cache=False, lean_decode=False),
-                "group, static cache": dict(static_cache=True, lean_decode=False),
-                "group, lean step": dict(lean_decode=True),
-                "group, lean, unpacked": dict(lean_decode=True),  # weights as views: see `unpacked`
+                "group, dynamic cache": dict(static_cache=False, lean_decode=False, cuda_graph_decode=False),
+                "group, static cache": dict(static_cache=True, lean_decode=False, cuda_graph_decode=False),
+                "group, lean step": dict(lean_decode=True, cuda_graph_decode=False),
+                "group, lean, unpacked": dict(lean_decode=True, cuda_graph_decode=False),  # weights as views: see `unpacked`
                 "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True)}
     if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
     if args.compile:
-        variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True)
+        variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True, cuda_graph_decode=False)
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]
     print(f"{args.tokens} tokens per completion, {args.prompts} prompts per call, {args.threads} thread(s); "
           f"tokens/s min / median / max over {args.repeats} interleaved repeats")

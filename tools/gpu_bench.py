@@ -81,7 +81,7 @@ def write_config(folder: Path, model: Path, strategy: str, args) -> Path:
                  "min_pixels": args.image_pixels, "max_pixels": args.image_pixels, "max_prompt_length": 2048},
         "rollout": {"engine": "hf", "n": args.n, "global_batch_completions": args.prompts_per_rank * args.n * world,
                     "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,
-                    "cuda_graph_decode": args.cuda_graph_decode},
+                    **({"cuda_graph_decode": False} if args.eager_decode else {})},
         "reward": {"functions": [{"name": "exact_match"}]},
         "train": {"output_dir": str(folder / f"run_{strategy}"), "skip_zero_advantage_rows": False, "total_steps": args.steps, "lr": 1e-6,
                   "micro_batch_completions_per_rank": args.micro_batch, "strategy": strategy, "eval_before_training": False},
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/gpu_bench", help="folder for the model, configs and runs")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per strategy")
-    parser.add_argument("--cuda-graph-decode", action="store_true", help="rollout.cuda_graph_decode=true")
+    parser.add_argument("--eager-decode", action="store_true",
+                        help="rollout.cuda_graph_decode=false (default: CUDA graphs on a GPU)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, 8 new tokens, one process")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)

@@ -3,15 +3,16 @@
 # hours): about 6 minutes on one H100 with a 0.5B model. Run from the repository root:
 #
 #     bash tools/gpu_checks.sh              # logs under $OUT (default runs/gpu_checks)
-#     OUT=/tmp/out SIZE=1.5b GRAPHS=1 BUDGET=500 bash tools/gpu_checks.sh   # a larger model; CUDA graphs; 500 s in all
+#     OUT=/tmp/out SIZE=1.5b EAGER=1 BUDGET=500 bash tools/gpu_checks.sh   # a larger model; eager decoding too; 500 s in all
 #
 # 1. imports and the GPU, then `vlrft env`; 2. training MFU, rollout tokens/s and peak memory beside the plan for a
 # random Qwen2.5-VL of $SIZE (default 0.5b), one process (tools/gpu_bench.py); 3. the CUDA tests (CUDA-graph
 # decoding, also under bf16 autocast; the engine GPU tests skip without vLLM/SGLang), FSDP2 cpu_offload's weight
 # sync gathering on the GPU, and the reward model's offload; 4. the hf engine's decode rates on a 0.5B-shaped random
-# model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py); 5. the training bench
-# under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. with GRAPHS=1 the training bench again with
-# rollout.cuda_graph_decode. A step that fails or runs out of time is reported and the
+# model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py), and the vision tower's
+# attention per segment vs per segment length (bench/bench_vision_attention.py); 5. the training bench
+# under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. with EAGER=1 the training bench again with
+# rollout.cuda_graph_decode=false (eager decode steps). A step that fails or runs out of time is reported and the
 # next one runs; with BUDGET (seconds) a step gets at most the time left, and is skipped under 20 s.
 set -u
 OUT=${OUT:-runs/gpu_checks}
@@ -57,15 +58,17 @@ fi
 step train_bench 200 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
     --out "$OUT/bench" --json "$OUT/gpu_bench.json"
 step cuda_tests 120 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
-    tests/test_rollout_engines_gpu.py -k "cuda or gpu"
+    tests/test_rollout_engines_gpu.py tests/test_vision_attention.py -k "cuda or gpu"
 step offload_sync 100 "$PYTHON" -m pytest -q -x -p no:cacheprovider \
     tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync \
     tests/test_rewards_model.py::test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores
 step decode_rates 120 "$PYTHON" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 \
     --tokens 128 --regimes 1,3 --repeats 3
+step vision_attention 90 "$PYTHON" bench/bench_vision_attention.py --device cuda --dtype bfloat16 --width 1280 \
+    --depth 32 --images 8 --repeats 5
 step fsdp2_bench 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies fsdp2 --gpus 1 --steps "$STEPS" \
     --out "$OUT/bench" --json "$OUT/gpu_bench_fsdp2.json"  # FSDP2 over NCCL (one rank), weight sync to the engine
-if [ "${GRAPHS:-0}" = 1 ]; then
-    step train_bench_graphs 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
-        --cuda-graph-decode --out "$OUT/bench" --json "$OUT/gpu_bench_graphs.json"
+if [ "${EAGER:-0}" = 1 ]; then
+    step train_bench_eager 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
+        --eager-decode --out "$OUT/bench" --json "$OUT/gpu_bench_eager.json"
 fi

@@ -20,6 +20,7 @@ from vlrft.models.logprobs import token_logprobs
 from vlrft.batch import SequenceBatch, width_classes
 from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
+from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
 
@@ -138,6 +139,8 @@ class ActorVL(nn.Module):
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.chunk_tokens = chunk_tokens
+        # One SDPA call per segment length in the vision tower, not one per window/frame (vlrft.models.vision_attention)
+        self.segment_vision_attention = use_segment_attention(vision_module(model))
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
         self.share_prompts = supports_prompt_sharing(model)

@@ -244,7 +244,7 @@ def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch
 def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool = True,
-                  compile_step: bool = False, lean_step: bool = True, cuda_graph: bool = False) -> DecodedRows:
+                  compile_step: bool = False, lean_step: bool = True, cuda_graph: bool | None = None) -> DecodedRows:
     """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt.
 
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
@@ -255,7 +255,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
     Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
     every position (`vlrft.rollout.graph_decode`) and on CUDA are replayed as one CUDA graph; elsewhere
-    those fixed-shape steps run eagerly.
+    those fixed-shape steps run eagerly. `cuda_graph=None`: on a CUDA device only.
     """
     backbone, head = split_head(model)
     device = head.weight.device
@@ -279,6 +279,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
     # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda"
     fixed = cuda_graph and max_new > WARMUP_STEPS
     if use_lean:
         if autocast_on:

@@ -59,7 +59,7 @@ class HFEngine:
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
                  whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool | None = None,
-                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool = False,
+                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool | None = None,
                  autocast: Callable[[], ContextManager] | None = None):
         self._get_model = get_model
         # The trainer's mixed precision (bf16 autocast on GPUs; nothing on CPU): sampling computes in the precision
@@ -79,7 +79,8 @@ class HFEngine:
         self.static_cache = static_cache
         self.compile_decode = compile_decode
         self.lean_decode = lean_decode  # Qwen-family decode steps without transformers' modules (rollout.lean_decode)
-        self.cuda_graph_decode = cuda_graph_decode  # lean steps replayed as a CUDA graph (rollout.cuda_graph_decode)
+        # lean steps replayed as a CUDA graph (rollout.cuda_graph_decode; None: on a CUDA device)
+        self.cuda_graph_decode = cuda_graph_decode
 
     def generation_config(self, sampling: SamplingParams):
         from transformers import GenerationConfig
