@@ -204,22 +204,47 @@ def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fi
     assert gap > 1e-4, "the engine sampled in float32: the autocast it was given was not applied"
 
 
-def test_lora_wrapped_projections_decode_through_transformers(setup, lean_steps):
-    """A LoRA adapter changes what a projection computes: the lean step must not bypass it."""
+def _adapted(model, **kwargs):
+    """`model` with LoRA adapters on every text projection whose B is not zero (peft starts B at zero: a no-op)."""
     import copy
 
-    _, model, _, _ = setup
-    adapted = apply_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    adapted = apply_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, **kwargs)
     for name, parameter in adapted.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero (a no-op adapter); make the adapter change the outputs
+        if "lora_B" in name:
             torch.nn.init.normal_(parameter, std=0.5)
+    return adapted.eval()
+
+
+def test_lora_adapters_decode_through_the_lean_step_as_transformers_does(setup, lean_steps, fixed_rows_steps):
+    """A LoRA-wrapped projection is its base weight plus the adapters' delta: the lean steps (and the fixed-shape
+    steps a CUDA graph replays) sample what PEFT's layers sample through transformers, and the adapter matters."""
+    _, model, _, _ = setup
+    adapted = _adapted(model, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     backbone, _ = split_head(adapted)
-    assert "LoRA" in unsupported_reason(backbone.language_model) or "Linear" in unsupported_reason(
-        backbone.language_model)
+    assert unsupported_reason(backbone.language_model) is None
     sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
-    with_adapter = _run(setup, sampling, lean=True, model=adapted.eval())
+    lean = _run(setup, sampling, lean=True, model=adapted)
+    assert lean_steps, "the lean step was not used for a LoRA model"
+    _assert_same(lean, _run(setup, sampling, lean=False, model=adapted), atol=1e-4)
+    processor, _, tokens, batch = setup
+    fixed = HFEngine(lambda: adapted, processor, tokens, share_prompts=True, cuda_graph_decode=True).generate(batch,
+                                                                                                           sampling)
+    assert fixed_rows_steps
+    _assert_same(lean, fixed, atol=1e-4)
+    assert lean.completion_ids != _run(setup, sampling, lean=True).completion_ids  # the adapter changes the samples
+    assert not any(getattr(m, "merged", False) for m in adapted.modules())  # the model is untouched (no merge)
+
+
+def test_a_lora_variant_the_lean_step_cannot_read_as_one_weight_decodes_through_transformers(setup, lean_steps):
+    _, model, _, _ = setup
+    adapted = _adapted(model, target_modules=["q_proj", "v_proj"])
+    backbone, _ = split_head(adapted)
+    for module in backbone.language_model.modules():
+        if hasattr(module, "use_dora"):
+            module.use_dora = {name: True for name in module.lora_A}  # what a DoRA adapter sets
+    assert "variant" in unsupported_reason(backbone.language_model)
+    _run(setup, SamplingParams(n=2, max_new_tokens=4, temperature=0.0), lean=True, model=adapted)
     assert not lean_steps
-    assert with_adapter.completion_ids != _run(setup, sampling, lean=True).completion_ids
 
 
 @pytest.fixture

@@ -150,7 +150,8 @@ class RolloutConfig:
                                   "GPU); falls back to eager with a warning if compiling fails")
     lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL decode steps run the layers' arithmetic directly "
                                "(weights read in place, preallocated KV cache) instead of through transformers' "
-                               "modules; other models, LoRA adapters and compile_decode decode through transformers")
+                               "modules (LoRA adapters as base weight + delta); other models, DoRA and compile_decode "
+                               "decode through transformers")
     cuda_graph_decode: bool | None = option(None, "hf engine, lean decoding: record the decode step once per "
                                             "generate call as a CUDA graph and replay it per token (every row "
                                             "computed until all stop, attention over all max_new_tokens positions). "

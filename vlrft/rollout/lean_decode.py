@@ -23,10 +23,14 @@ not in that dtype already: transformers' autocast casts them once per region too
 stay in float32, and attention is SDPA, as in transformers; the KV cache is kept in the autocast
 dtype, which is what SDPA under autocast reads.
 
+A LoRA-wrapped projection (PEFT's `lora.Linear`) decodes as its base weight plus the active adapters'
+delta (`get_delta_weight`), made once per decode call: the same function, computed as one matmul
+instead of three (rounding differs from PEFT's unmerged forward by float32 / bf16 rounding, not more).
+Where the step would read the weights in place, a LoRA projection is a copy for the call.
+
 Only architectures whose layers are known to be exactly this arithmetic are taken
-(`unsupported_reason` says why another is not); anything else, an adapter-wrapped projection
-(LoRA), sharded parameters or a sliding window, decodes through transformers (`decode_groups`
-falls back).
+(`unsupported_reason` says why another is not); anything else (DoRA and other LoRA variants,
+sharded parameters, a sliding window) decodes through transformers (`decode_groups` falls back).
 """
 
 from __future__ import annotations
@@ -59,12 +63,45 @@ def unsupported_reason(text_model: nn.Module) -> str | None:
     for layer in text_model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(linear) is not nn.Linear:
-                return f"a projection is a {type(linear).__name__} (e.g. a LoRA adapter), not a plain Linear"
+            reason = None if type(linear) is nn.Linear else _lora_reason(linear)
+            if reason is not None:
+                return reason
     for parameter in text_model.parameters():
         if type(parameter.data) is not torch.Tensor:  # DTensor (FSDP2 shard) or another tensor subclass
             return f"parameters are {type(parameter.data).__name__}, not whole tensors"
     return None
+
+
+def _is_lora(linear: nn.Module) -> bool:
+    return hasattr(linear, "base_layer") and hasattr(linear, "get_delta_weight") and hasattr(linear, "lora_A")
+
+
+def _lora_reason(linear: nn.Module) -> str | None:
+    """Why a non-Linear projection cannot be read as one weight (None: a plain LoRA adapter over a Linear)."""
+    name = type(linear).__name__
+    if not _is_lora(linear) or type(linear.base_layer) is not nn.Linear:
+        return f"a projection is a {name}, neither a Linear nor a LoRA adapter over one"
+    active = [a for a in linear.active_adapters if a in linear.lora_A]
+    if linear.merged or linear.disable_adapters:
+        return "a LoRA adapter is merged into its base weight or disabled"
+    use_dora, lora_bias = getattr(linear, "use_dora", {}), getattr(linear, "lora_bias", {})
+    if any(use_dora.get(a) or lora_bias.get(a) or a in getattr(linear, "lora_variant", {}) for a in active):
+        return "a LoRA adapter is a variant (DoRA, LoRA bias, ...) whose delta is not one weight"
+    return None
+
+
+def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A projection's weight and bias as its forward applies them; a LoRA adapter's base weight plus the active
+    adapters' delta (a new tensor), which is what `x @ W.T + scaling * B(A(x))` computes."""
+    if not _is_lora(linear):
+        return linear.weight, linear.bias
+    base = linear.base_layer
+    with torch.no_grad():
+        weight = base.weight.detach().clone()
+        for adapter in linear.active_adapters:
+            if adapter in linear.lora_A:
+                weight += linear.get_delta_weight(adapter).to(weight.dtype)
+    return weight, base.bias
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -93,19 +130,20 @@ class _Projections:
     added after the matmul, in float32, as transformers does; otherwise it is folded into the matmul.
     """
 
-    def __init__(self, linears: list[nn.Linear], rows: int, pack: bool, cast: torch.dtype | None = None):
-        self.sizes = [linear.out_features for linear in linears]
+    def __init__(self, linears: list[nn.Module], rows: int, pack: bool, cast: torch.dtype | None = None):
+        weights, biases = zip(*(_weight_and_bias(linear) for linear in linears))
+        self.sizes = [weight.shape[0] for weight in weights]
         self.fold_residual = cast is None  # under autocast transformers adds the residual after the matmul
-        if cast == linears[0].weight.dtype:
+        if cast == weights[0].dtype:
             cast = None  # already in the compute dtype: read in place
         self.packed, self.bias, self.views = None, None, []
         if not pack and cast is None:
-            self.views = [(linear.weight.t(), linear.bias) for linear in linears]
+            self.views = [(weight.t(), bias) for weight, bias in zip(weights, biases)]
             return
-        weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
-        if any(linear.bias is not None for linear in linears):
-            self.bias = torch.cat([linear.bias if linear.bias is not None else linear.weight.new_zeros(size)
-                                   for linear, size in zip(linears, self.sizes)])
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        if any(bias is not None for bias in biases):
+            self.bias = torch.cat([bias if bias is not None else weight.new_zeros(size)
+                                   for bias, size in zip(biases, self.sizes)])
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         else:
