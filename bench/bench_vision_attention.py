@@ -5,7 +5,7 @@
     python bench/bench_vision_attention.py --device cuda --dtype bfloat16 --width 1280 --depth 32 --images 8
 
 A random Qwen2.5-VL vision tower (`--depth` blocks of `--width`, windows of 112 px, full attention every 8th
-block as released) encodes `--images` images of `--pixels` px (plus one of 3/4 the side, for edge windows),
+block as released) encodes `--images` images of `--pixels` px (plus one of 7/8 the side: edge windows),
 forward and backward, under gradient checkpointing as the trainer trains it. Both variants run interleaved
 `--repeats` times; printed: seconds per pass min/median/max (wall and this process's CPU time), the ratio of
 medians, dispatched torch ops and SDPA calls per pass, and the largest difference of the features. The
@@ -66,7 +66,8 @@ def main() -> None:
     use_segment_attention(grouped)
     side = args.pixels
     images = [Image.new("RGB", (side, side), (200, 40 + i, 40)) for i in range(args.images)]
-    images.append(Image.new("RGB", (side * 3 // 4, side * 3 // 4), (40, 200, 40)))
+    small = side * 7 // 8 // 28 * 28  # 392 px for 448: 14 x 14 merged patches, so 4-patch edge windows
+    images.append(Image.new("RGB", (small, small), (40, 200, 40)))
     enc = processor.image_processor(images=images, return_tensors="pt")
     pixels = enc["pixel_values"].to(args.device, getattr(torch, args.dtype))
     grid = enc["image_grid_thw"].to(args.device)
@@ -110,7 +111,7 @@ def main() -> None:
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
     names = list(variants)
-    print(f"Qwen2.5-VL vision tower, {args.depth} blocks of {args.width}, {args.images} x {side} px + 1 x {side * 3 // 4}"
+    print(f"Qwen2.5-VL vision tower, {args.depth} blocks of {args.width}, {args.images} x {side} px + 1 x {small}"
           f" px ({pixels.shape[0]} patches), {args.device} {args.dtype}, forward + backward with checkpointing; "
           f"{args.repeats} interleaved repeats")
     for name in names:

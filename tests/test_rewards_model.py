@@ -182,8 +182,8 @@ def test_host_resident_weights_copy_a_tied_weight_once_and_restore_buffers():
 
 @pytest.fixture(scope="module")
 def wide_rm_dir(tmp_path_factory):
-    """A reward model whose weights (about 120 MB in float32) outweigh what CUDA keeps after any first matmul (cuBLAS
-    workspaces: 33 MiB on an H100), so memory held between calls tells the weights apart."""
+    """A reward model whose weights (137 MB in float32) outweigh what CUDA keeps after a first matmul (cuBLAS
+    workspaces: 33 MiB per thread's handle on an H100), so memory held between calls tells the weights apart."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     from vlrft.models.tiny import build_tokenizer
@@ -215,12 +215,11 @@ def test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores(wide_rm_dir
     scores = on_gpu.score(COMPLETIONS, prompts=PROMPTS).total.tolist()
     assert scores == pytest.approx(on_cpu.score(COMPLETIONS, prompts=PROMPTS).total.tolist(), abs=1e-4)
     assert seen and all(p.is_cuda for p in seen[0])
-    seen.clear()  # the hook's references to the call's copies
-    torch.cuda.synchronize()
-    after_first = torch.cuda.memory_allocated()
-    # The first matmul leaves cuBLAS workspaces allocated for the process (33 MiB on an H100); the weights are gone.
-    assert after_first - before < weight_bytes / 2
-    on_gpu.score(COMPLETIONS, prompts=PROMPTS)
-    seen.clear()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == after_first  # nothing kept per call
+    for call in range(3):
+        if call:
+            on_gpu.score(COMPLETIONS, prompts=PROMPTS)
+        seen.clear()  # the hook's references to the call's copies
+        torch.cuda.synchronize()
+        # Kept after a call: cuBLAS workspaces of the scoring threads' handles (33 MiB each on an H100), not the
+        # weights, which alone would be weight_bytes more.
+        assert torch.cuda.memory_allocated() - before < weight_bytes

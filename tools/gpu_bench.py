@@ -117,7 +117,9 @@ def train_flops(model, prompts: int, prompt_tokens: float, patches: float, compl
     Each prompt once (its group shares it): the text layers over its tokens, the vision tower's blocks over
     its patches and the merger over patches / 4. Each completion token: the text layers and the LM head.
     Attention scores, embeddings lookups and gradient-checkpointing recomputation are left out (MFU's
-    convention); the weights are read off the model (2-D weights of its linear layers).
+    convention); the weights are read off the model (2-D weights of its linear layers). Exact for the model this
+    tool builds (Qwen2.5-VL, everything trained); it would count Qwen3-VL's position-embedding table as a matmul,
+    skip fused 3-D MoE experts, and count a backward for frozen weights.
     """
     from vlrft.models.actor import vision_module
 

@@ -156,7 +156,8 @@ class RolloutConfig:
                                             "generate call as a CUDA graph and replay it per token (every row "
                                             "computed until all stop, attention over all max_new_tokens positions). "
                                             "None = on CUDA devices (an H100 sampled 3.8-4.3x the tokens/s of "
-                                            "eager lean steps, docs/gpu_results.md), off elsewhere; true off CUDA runs the "
+                                            "eager lean steps, forced lengths, one process: docs/gpu_results.md), "
+                                            "off elsewhere; true off CUDA runs the "
                                             "same fixed-shape steps eagerly (slower)")
     # vLLM / SGLang only
     gpu_memory_utilization: float = option(0.5, "vLLM/SGLang: fraction of the GPU the engine may take (vLLM) / "

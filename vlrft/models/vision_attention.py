@@ -16,6 +16,7 @@ config is switched, and only from "sdpa": the text model, eager and flash-attent
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class SegmentPlan:
 
 
 _plans: dict[int, tuple[torch.Tensor, SegmentPlan]] = {}  # id(bounds) -> (bounds, plan); the reference keeps the id
+_plans_lock = threading.Lock()
 
 
 def _plan(bounds: torch.Tensor) -> SegmentPlan:
@@ -61,9 +63,10 @@ def _plan(bounds: torch.Tensor) -> SegmentPlan:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(len(order), device=order.device)
     plan = SegmentPlan(groups, order, inverse)
-    if len(_plans) >= _CACHE_SIZE:
-        _plans.pop(next(iter(_plans)))
-    _plans[id(bounds)] = (bounds, plan)
+    with _plans_lock:
+        while len(_plans) >= _CACHE_SIZE:
+            _plans.pop(next(iter(_plans)))
+        _plans[id(bounds)] = (bounds, plan)
     return plan
 
 
@@ -97,7 +100,7 @@ def segment_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 def use_segment_attention(vision: nn.Module | None) -> bool:
     """Switch a Qwen-VL vision tower on SDPA to `segment_sdpa`; returns whether it was switched (or already was)."""
-    if type(vision).__name__ not in TOWERS:
+    if not any(cls.__name__ in TOWERS for cls in type(vision).__mro__):  # FSDP2 subclasses as FSDP<name>
         return False
     config = vision.config
     current = getattr(config, "_attn_implementation", None)

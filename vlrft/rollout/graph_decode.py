@@ -66,7 +66,9 @@ class CudaGraphDecoder(FixedRowsDecoder):
         dtype = decoder.compute_dtype
         uncached = (contextlib.nullcontext() if dtype is None
                     else torch.autocast("cuda", dtype=dtype, cache_enabled=False))
-        with uncached, torch.cuda.graph(self.graph):
+        # thread_local: only this thread's CUDA calls are barred during the capture, not a reward thread's (a reward
+        # model scoring in another thread, or one left running after its timeout) that happens to run meanwhile.
+        with uncached, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.hidden = decoder.step(self.tokens, 0)  # recorded, not run: the output lives in the graph's pool
         decoder.restore(state)  # undo the warm-up steps (slot, positions, mask); their KV entries are masked again
 
