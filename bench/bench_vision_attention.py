@@ -15,7 +15,6 @@ Qwen2.5-VL 3B-72B towers are `--width 1280 --depth 32`.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -43,7 +42,7 @@ def main() -> None:
 
     from vlrft.models.actor import vision_module
     from vlrft.models.tiny import TinySpec, build_config, build_processor
-    from vlrft.models.vision_attention import use_segment_attention
+    from vlrft.models.vision_attention import switched_copy
 
     torch.set_num_threads(args.threads)
     spec = TinySpec(arch="qwen2_5_vl", vision_depth=args.depth, vision_hidden_size=args.width,
@@ -58,12 +57,7 @@ def main() -> None:
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")
     stock = vision_module(model).to(args.device, getattr(torch, args.dtype)).train()
     stock.gradient_checkpointing_enable() if hasattr(stock, "gradient_checkpointing_enable") else None
-    grouped = copy.deepcopy(stock)
-    grouped.config = copy.deepcopy(stock.config)
-    for module in grouped.modules():
-        if hasattr(module, "config"):
-            module.config = grouped.config
-    use_segment_attention(grouped)
+    grouped = switched_copy(stock)
     side = args.pixels
     images = [Image.new("RGB", (side, side), (200, 40 + i, 40)) for i in range(args.images)]
     small = side * 7 // 8 // 28 * 28  # 392 px for 448: 14 x 14 merged patches, so 4-patch edge windows

@@ -4,8 +4,6 @@ segment."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +11,7 @@ from PIL import Image
 
 from vlrft.models.actor import vision_module
 from vlrft.models.tiny import TinySpec, build_processor, build_tiny_model
-from vlrft.models.vision_attention import NAME, segment_sdpa, use_segment_attention
+from vlrft.models.vision_attention import NAME, segment_sdpa, switched_copy, use_segment_attention
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -58,12 +56,8 @@ def _count_sdpa(monkeypatch) -> list[tuple]:
 def test_segments_batched_by_length_equal_sdpa_per_segment_in_values_and_gradients(arch, monkeypatch):
     model, pixel_values, grid = _tower(arch)
     stock = vision_module(model)
-    grouped = copy.deepcopy(stock)
-    grouped.config = copy.deepcopy(stock.config)  # its own config: the stock tower stays on SDPA
-    for module in grouped.modules():
-        if hasattr(module, "config"):
-            module.config = grouped.config
-    assert use_segment_attention(grouped) and grouped.config._attn_implementation == NAME
+    grouped = switched_copy(stock)
+    assert grouped.config._attn_implementation == NAME
     assert stock.config._attn_implementation == "sdpa"
 
     calls = _count_sdpa(monkeypatch)
@@ -142,12 +136,7 @@ def test_on_cuda_in_bf16_segments_batched_by_length_equal_sdpa_per_segment(arch)
     gradients as one call per segment, within bf16's rounding."""
     model, pixel_values, grid = _tower(arch)
     stock = vision_module(model).cuda().to(torch.bfloat16)
-    grouped = copy.deepcopy(stock)
-    grouped.config = copy.deepcopy(stock.config)
-    for module in grouped.modules():
-        if hasattr(module, "config"):
-            module.config = grouped.config
-    use_segment_attention(grouped)
+    grouped = switched_copy(stock)
     pixel_values, grid = pixel_values.cuda().to(torch.bfloat16), grid.cuda()
     expected, got = _run(stock, pixel_values, grid), _run(grouped, pixel_values, grid)
     assert torch.allclose(got[0].float(), expected[0].float(), atol=2e-2, rtol=2e-2)

@@ -113,3 +113,17 @@ def use_segment_attention(vision: nn.Module | None) -> bool:
     AttentionInterface.register(NAME, segment_sdpa)
     config._attn_implementation = NAME
     return True
+
+
+def switched_copy(vision: nn.Module) -> nn.Module:
+    """A deep copy of a vision tower with a config of its own, switched by `use_segment_attention`; the original
+    keeps its attention (for comparing the two, as the tests and bench/bench_vision_attention.py do)."""
+    import copy
+
+    twin = copy.deepcopy(vision)
+    twin.config = copy.deepcopy(vision.config)
+    for module in twin.modules():
+        if hasattr(module, "config"):
+            module.config = twin.config
+    use_segment_attention(twin)
+    return twin
