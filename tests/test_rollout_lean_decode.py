@@ -378,6 +378,17 @@ def test_on_cuda_the_default_replays_a_cuda_graph(on_gpu):
 
 
 @needs_cuda
+def test_on_cuda_a_lora_model_decodes_through_a_cuda_graph_as_through_eager_lean_steps(on_gpu):
+    processor, gpu_model, tokens, batch, captures = on_gpu
+    adapted = _adapted(gpu_model, target_modules=["q_proj", "v_proj", "down_proj"])
+    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0)
+    runs = {graph: HFEngine(lambda: adapted, processor, tokens, share_prompts=True,
+                            cuda_graph_decode=graph).generate(batch, sampling) for graph in (None, False)}
+    assert captures, "no CUDA graph was captured for a LoRA model"
+    _assert_same(runs[None], runs[False], atol=1e-4)
+
+
+@needs_cuda
 def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_gpu, monkeypatch):
     """On a GPU under the trainer's mixed precision (bf16 autocast over float32 weights): replaying the captured
     graph samples what the same fixed-shape steps sample eagerly (greedy: same ids, logprobs within 1e-3)."""
