@@ -59,7 +59,6 @@ def test_two_ranks_give_the_weights_of_one_process_with_the_same_global_batch(tm
     prompt's reference and REINFORCE++ whitens over the global batch, so the advantages are not zero
     although every group's completions agree.
     """
-    import torch
     from safetensors.torch import load_file
 
     from vlrft.config import load_config

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 from vlrft.plan.architecture import ModelShape, load_model_shape, shape_from_config
-from vlrft.plan.memory import HOST_PHASES, GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
+from vlrft.plan.memory import PHASES, GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
 from vlrft.plan.reward_models import reward_model_shapes
 
 __all__ = ["GiB", "Hardware", "MemoryPlan", "ModelShape", "StrategyChoice", "check_fits", "check_fits_at_load", "format_plan",
@@ -125,7 +125,7 @@ def host_memory_warning(plan: MemoryPlan, node_memory: int) -> str | None:
     Python traceback, so it is said before any model loads."""
     if not plan.host:
         return None
-    phase = max(HOST_PHASES, key=plan.host_total)
+    phase = max(PHASES, key=plan.host_total)
     need = plan.host_total(phase)
     if need <= node_memory:
         return None

@@ -25,9 +25,8 @@ NCCL and allocator slack.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.reward_models import RewardModelShape
@@ -39,8 +38,8 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so l
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
-HOST_PHASES = ("load", "rollout", "train")
-GPU_PHASES = ("load", "rollout", "train")  # "load": before the first step (only LoRA under sharding holds much then)
+# "load": before the first step (on the GPU only LoRA under ZeRO-3 holds much then: the whole float32 policy)
+PHASES = ("load", "rollout", "train")
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return max(self.phase_total(phase) for phase in GPU_PHASES)
+        return max(self.phase_total(phase) for phase in PHASES)
 
     @property
     def peak_phase(self) -> str:
@@ -133,12 +132,12 @@ class MemoryPlan:
             "world_size": self.hardware.world_size, "gradient_checkpointing": self.gradient_checkpointing,
             "per_gpu_bytes": {c.name: c.bytes for c in self.components},
             "phases": {phase: {"components": [c.name for c in self.components if phase in c.phases],
-                               "total": self.phase_total(phase)} for phase in GPU_PHASES},
+                               "total": self.phase_total(phase)} for phase in PHASES},
             "engine_kv_cache_bytes": self.engine_kv_bytes, "engine_kv_needed_bytes": self.engine_kv_needed,
             "total": self.total, "peak_phase": self.peak_phase, "capacity": self.capacity, "fits": self.fits,
             "suggestions": self.suggestions,
             "per_node_host_bytes": {c.name: c.bytes for c in self.host},
-            "host_phases": {phase: self.host_total(phase) for phase in HOST_PHASES},
+            "host_phases": {phase: self.host_total(phase) for phase in PHASES},
             "not_counted": self.not_counted,
         }
 
@@ -328,7 +327,7 @@ def reward_model_components(reward_models: Sequence[RewardModelShape], ranks_per
         if rm.offload:
             gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes + rm.activation_bytes, ("rollout",),
                                  f"{where}: copied to the GPU for scoring, with one batch's activations"))
-            host.append(Component(f"reward_model:{rm.key}", rm.weight_bytes * ranks_per_node, HOST_PHASES,
+            host.append(Component(f"reward_model:{rm.key}", rm.weight_bytes * ranks_per_node, PHASES,
                                   f"{where}: pinned weights of each of the node's {ranks_per_node} rank(s) (offload)"))
         else:
             gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes, ("rollout", "train"),
@@ -561,7 +560,7 @@ def format_plan(plan: MemoryPlan) -> str:
     for c in plan.components:
         phases = "+".join(c.phases)
         lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {phases:<15}{c.note}")
-    for phase in GPU_PHASES:
+    for phase in PHASES:
         if phase != "load" or any(phase in c.phases and c.name != "cuda_reserve" for c in plan.components):
             lines.append(f"  {'total while ' + phase:<24}{_gib(plan.phase_total(phase)):>12}")
     if plan.engine_kv_bytes is not None:
@@ -571,7 +570,7 @@ def format_plan(plan: MemoryPlan) -> str:
         lines += ["", f"{'host memory, first node':<26}{'bytes':>12}  {'phase':<20}note"]
         for c in plan.host:
             lines.append(f"  {c.name:<24}{_gib(c.bytes):>12}  {'+'.join(c.phases):<20}{c.note}")
-        lines.append("  " + ", ".join(f"{phase} {_gib(plan.host_total(phase))}" for phase in HOST_PHASES)
+        lines.append("  " + ", ".join(f"{phase} {_gib(plan.host_total(phase))}" for phase in PHASES)
                      + " (the policy's part; processes and page cache come on top)")
     lines += [f"not counted: {what}" for what in plan.not_counted]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
