@@ -140,7 +140,7 @@ class ActorVL(nn.Module):
         self.video_token_id = video_token_id
         self.chunk_tokens = chunk_tokens
         # One SDPA call per segment length in the vision tower, not one per window/frame (vlrft.models.vision_attention)
-        self.segment_vision_attention = use_segment_attention(vision_module(model))
+        use_segment_attention(vision_module(model))
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
         self.share_prompts = supports_prompt_sharing(model)

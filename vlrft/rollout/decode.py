@@ -278,9 +278,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
     hidden = out.last_hidden_state[rows, -1]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
-    # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
+    # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
     fixed = cuda_graph and max_new > WARMUP_STEPS
     if use_lean:
         if autocast_on:
