@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--regimes", default="all", help="comma-separated indices into the regime list, or 'all'")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
+    p.add_argument("--prompt-repeat", type=int, default=1, help="repeat each prompt's question this many times (long "
+                   "prompts: the shared-prompt KV cache is used from decode.SHARED_PROMPT_TOKENS tokens)")
     p.add_argument("--autocast", default=None, help="sample under autocast in this dtype (e.g. bfloat16): the "
                    "trainer's mixed precision on GPUs, float32 weights")
     args = p.parse_args()
@@ -78,7 +80,10 @@ def main() -> None:
                 "group, static cache": dict(static_cache=True, lean_decode=False, cuda_graph_decode=False),
                 "group, lean step": dict(lean_decode=True, cuda_graph_decode=False),
                 "group, lean, unpacked": dict(lean_decode=True, cuda_graph_decode=False),  # weights as views: see `unpacked`
-                "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True)}
+                "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True),
+                # the lean step with each prompt's KV cache copied per row / held once per group, whatever its length
+                "group, lean, prompt per row": dict(lean_decode=True, cuda_graph_decode=False),
+                "group, lean, shared prompt": dict(lean_decode=True, cuda_graph_decode=False)}
     if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
     if args.compile:
@@ -87,15 +92,17 @@ def main() -> None:
     print(f"{args.tokens} tokens per completion, {args.prompts} prompts per call, {args.threads} thread(s); "
           f"tokens/s min / median / max over {args.repeats} interleaved repeats")
     for name, with_image, group in chosen:
-        samples = [Sample(id=str(i), prompt=("<image>" if with_image else "") + f"Question {i}: describe the shape.",
+        samples = [Sample(id=str(i), prompt=("<image>" if with_image else "")
+                          + f"Question {i}: describe the shape. " * args.prompt_repeat,
                           images=[image] if with_image else []) for i in range(args.prompts)]
-        batch = PromptEncoder(processor, DataConfig(min_pixels=112 * 112, max_pixels=112 * 112)).encode(samples).batch
+        batch = PromptEncoder(processor, DataConfig(min_pixels=112 * 112, max_pixels=112 * 112,
+                                                max_prompt_length=1 << 20)).encode(samples).batch
         sampling = SamplingParams(n=group, max_new_tokens=args.tokens, min_new_tokens=args.tokens, temperature=1.0)
         autocast = None if args.autocast is None else (
             lambda: torch.autocast(torch.device(args.device).type, dtype=getattr(torch, args.autocast)))
         engines = {v: HFEngine(lambda: model, processor, tokens, autocast=autocast, **opts) for v, opts in variants.items()}
         for variant, engine in engines.items():  # warm-up (and compile) outside the timing
-            with unpacked(variant.endswith("unpacked")):
+            with unpacked(variant.endswith("unpacked")), prompt_kv(variant):
                 engine.generate(batch, sampling)
         rates: dict[str, list[float]] = {v: [] for v in engines}
         cpu_rates: dict[str, list[float]] = {v: [] for v in engines}
@@ -104,7 +111,7 @@ def main() -> None:
                 if cuda:
                     torch.cuda.synchronize()
                 start, start_cpu = time.perf_counter(), time.process_time()
-                with unpacked(variant.endswith("unpacked")):
+                with unpacked(variant.endswith("unpacked")), prompt_kv(variant):
                     out = engine.generate(batch, sampling)
                 if cuda:
                     torch.cuda.synchronize()
@@ -113,7 +120,9 @@ def main() -> None:
                 rates[variant].append(generated / elapsed)
                 cpu_rates[variant].append(generated / elapsed_cpu)
         base, cpu_base = statistics.median(rates["generate"]), statistics.median(cpu_rates["generate"])
-        print(f"\n{name}:  tokens/s (wall) min/median/max, x generate | tokens per CPU-second min/median/max, x generate")
+        prompt_len = max(len(ids) for ids in batch.prompt_ids)
+        print(f"\n{name}, prompts of up to {prompt_len} tokens:  tokens/s (wall) min/median/max, x generate | "
+              "tokens per CPU-second min/median/max, x generate")
         for variant in rates:
             wall, cpu = rates[variant], cpu_rates[variant]
             print(f"  {variant:<24} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
@@ -133,6 +142,22 @@ def unpacked(active: bool):
         yield
     finally:
         lean_decode.packing_applies = packing_applies
+
+
+@contextlib.contextmanager
+def prompt_kv(variant: str):
+    """The "prompt per row" / "shared prompt" variants: the lean decoder's prompt KV layout forced either way."""
+    from vlrft.rollout import decode
+
+    threshold = decode.SHARED_PROMPT_TOKENS
+    if variant.endswith("prompt per row"):
+        decode.SHARED_PROMPT_TOKENS = 1 << 40
+    elif variant.endswith("shared prompt"):
+        decode.SHARED_PROMPT_TOKENS = 0
+    try:
+        yield
+    finally:
+        decode.SHARED_PROMPT_TOKENS = threshold
 
 
 if __name__ == "__main__":

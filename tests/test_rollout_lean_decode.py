@@ -326,6 +326,143 @@ def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypat
             fixed.keep(torch.tensor([0]))
 
 
+@pytest.fixture
+def shared_prompt(monkeypatch):
+    """Every prompt's KV held once per group (decode.SHARED_PROMPT_TOKENS = 0); counts the shared attention's calls,
+    and those made after rows stopped and left the cache (`slots` set)."""
+    from vlrft.rollout.lean_decode import _SharedPrompt
+
+    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", 0)
+    calls = {"all": 0, "after_rows_left": 0}
+    attend = _SharedPrompt.attend
+
+    def counted(self, *args, **kwargs):
+        calls["all"] += 1
+        calls["after_rows_left"] += self.slots is not None
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(_SharedPrompt, "attend", counted)
+    return calls
+
+
+def test_a_prompt_held_once_per_group_samples_what_transformers_layers_sample(setup, shared_prompt):
+    """Sampled (greedy decodes one row per prompt), with and without rows stopping early (their places in the
+    prompt-by-prompt layout left empty): the same ids as transformers' layers over per-row caches, logprobs within
+    1e-5."""
+    plain = SamplingParams(n=3, max_new_tokens=10, temperature=1.0)
+    _assert_same(_run(setup, plain, lean=True), _run(setup, plain, lean=False))
+    assert shared_prompt["all"], "the shared prompt cache was not used"
+    sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    lean = _run(setup, sampling, lean=True)
+    _assert_same(lean, _run(setup, sampling, lean=False))
+    assert shared_prompt["after_rows_left"], "no row left the cache, so empty places were not exercised"
+
+
+def test_a_shared_prompt_decodes_the_same_in_fixed_shapes(setup, shared_prompt, fixed_rows_steps):
+    """The CUDA graph's fixed-shape steps (eager here) over a shared prompt sample what the lean steps sample."""
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=4, max_new_tokens=14, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    torch.manual_seed(0)
+    fixed = HFEngine(lambda: model, processor, tokens, share_prompts=True, cuda_graph_decode=True).generate(batch,
+                                                                                                         sampling)
+    assert fixed_rows_steps and shared_prompt["all"]
+    _assert_same(fixed, _run(setup, sampling, lean=True))
+
+
+def test_a_shared_prompt_under_autocast_is_as_close_to_float32_as_transformers_layers_under_it(setup):
+    """Under bf16 autocast the shared prompt's attention is computed in float32 from the bf16 cache (two parts, one
+    rounding), not by SDPA: not the same rounding as transformers' layers under autocast, so the check is precision.
+    At every step its hidden states (2 rows per prompt, different tokens) are about as far from the float32 text
+    model's as transformers' layers under the same autocast are (L2 distance, measured 0.95-1.07x; bound 1.25x)."""
+    from vlrft.rollout.lean_decode import LeanDecoder
+
+    group = 2
+    with _bf16_autocast():
+        text_model, out, mask, positions = _prefill(setup)
+    _, out_fp32, _, _ = _prefill(setup)
+    rows = torch.arange(len(mask)).repeat_interleave(group)
+    with torch.no_grad():
+        with _bf16_autocast():
+            lean = LeanDecoder(text_model, out.past_key_values, rows, mask[rows], positions[0, rows, -1],
+                               max_new_tokens=5, share_prompt=True)
+        assert lean.shared is not None and lean.keys[0].shape[2] == 5  # per row: only the generated positions
+        caches = {"bf16": out.past_key_values, "fp32": out_fp32.past_key_values}
+        for cache in caches.values():
+            cache.batch_repeat_interleave(group)
+        attention, position = mask[rows].clone(), positions[:, rows, -1:].clone()
+        generator = torch.Generator().manual_seed(0)
+        for step in range(5):
+            new = torch.randint(0, text_model.config.vocab_size, (len(rows),), generator=generator)
+            attention = torch.cat([attention, torch.ones(len(rows), 1, dtype=attention.dtype)], dim=1)
+            position = position + 1
+            expected = {}
+            for name, cache in caches.items():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                    expected[name] = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
+                                                past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+            with _bf16_autocast():
+                hidden = lean.step(new, step)
+            transformers_gap = (expected["fp32"] - expected["bf16"]).norm()
+            assert transformers_gap > 1e-3, "autocast changed nothing: the comparison would prove nothing"
+            assert (hidden - expected["fp32"]).norm() <= 1.25 * transformers_gap, step
+
+
+def _held_bytes(decoder, *existing) -> int:
+    """Bytes of the storages `decoder` holds that are not those of `existing` tensors (new memory)."""
+    seen = {t.untyped_storage().data_ptr() for t in existing}
+    held = {}
+    tensors = [*decoder.keys, *decoder.values, decoder.mask_bias, decoder.position, decoder.cos, decoder.sin]
+    if decoder.shared is not None:
+        tensors += [*decoder.shared.keys, *decoder.shared.values, decoder.shared.bias]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
+
+
+def test_a_shared_prompt_is_not_copied_per_row(setup):
+    """What a decode call's KV cache holds beyond the prefill's: per row, every row's copy of its prompt plus its
+    generated positions; shared, the generated positions only (the prefill's cache is read in place). 4 rows per
+    prompt here."""
+    from vlrft.rollout.lean_decode import LeanDecoder
+
+    text_model, out, mask, positions = _prefill(setup)
+    group, max_new = 4, 6
+    rows = torch.arange(len(mask)).repeat_interleave(group)
+    cache = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+    held = {}
+    with torch.no_grad():
+        for share in (False, True):
+            decoder = LeanDecoder(text_model, out.past_key_values, rows, mask[rows], positions[0, rows, -1],
+                                  max_new_tokens=max_new, share_prompt=share)
+            held[share] = _held_bytes(decoder, *cache)
+    keys = cache[0]  # [prompts, kv_heads, prompt_len, head_dim]
+    per_position = len(cache) * keys.shape[1] * keys.shape[3] * keys.element_size()  # every layer's keys + values
+    copies, generated = len(rows) * mask.shape[1] * per_position, len(rows) * max_new * per_position
+    assert held[False] >= copies + generated
+    assert held[True] < generated + copies / 10  # masks and the rotary table: small here
+    with pytest.raises(ValueError, match="each prompt's rows together"):
+        LeanDecoder(text_model, out.past_key_values, rows.flip(0), mask[rows], positions[0, rows, -1],
+                    max_new_tokens=2, share_prompt=True)
+
+
+@pytest.mark.parametrize("prompt_offset,n,shared", [(0, 2, True), (1, 2, False), (0, 1, False)],
+                         ids=["at_the_threshold", "under_it", "one_row_per_prompt"])
+def test_the_default_shares_prompts_from_the_threshold_length_and_groups_of_two(setup, monkeypatch, prompt_offset, n,
+                                                                                shared):
+    from vlrft.rollout.lean_decode import _SharedPrompt
+
+    _, _, _, batch = setup
+    longest = max(len(ids) for ids in batch.prompt_ids)  # the padded length
+    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", longest + prompt_offset)
+    made = []
+    of = _SharedPrompt.of
+    monkeypatch.setattr(_SharedPrompt, "of", classmethod(lambda cls, *a: made.append(1) or of(*a)))
+    _run(setup, SamplingParams(n=n, max_new_tokens=3, temperature=1.0), lean=True)
+    assert bool(made) == shared
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
 
 
@@ -405,4 +542,26 @@ def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_
     replayed = run()
     assert captures == [torch.bfloat16], "no CUDA graph was captured under bf16 autocast"
     monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)  # the same steps, eager
+    _assert_same(replayed, run(), atol=1e-3)
+
+
+@needs_cuda
+def test_cuda_graph_decoding_of_shared_prompts_under_bf16_autocast_equals_the_same_steps_eager(on_gpu, monkeypatch):
+    """On a GPU: prompts held once per group (their attention in float32 from the bf16 cache), replayed as a graph,
+    sample what the same fixed-shape steps sample eagerly (greedy per row is not shared: sampled, same seed)."""
+    from vlrft.rollout import graph_decode
+
+    processor, gpu_model, tokens, batch, captures = on_gpu
+    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", 0)
+    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=1.0, stop_token_ids=list(range(40, 80)))
+
+    def run():
+        torch.manual_seed(0)
+        engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
+                          cuda_graph_decode=True, autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        return engine.generate(batch, sampling)
+
+    replayed = run()
+    assert captures == [torch.bfloat16]
+    monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)
     _assert_same(replayed, run(), atol=1e-3)

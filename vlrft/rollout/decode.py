@@ -23,6 +23,9 @@ from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from vlrft.vision import mm_token_type_ids
 
+# Prompts at least this long (padded) are held once per group in the lean decoder's KV cache, not once per row
+# (`LeanDecoder(share_prompt=True)`); shorter ones are copied per row, which takes fewer ops per step.
+SHARED_PROMPT_TOKENS = 128
 
 @dataclass
 class DecodedRows:
@@ -287,8 +290,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             # The prefill's weight casts stay in autocast's cache until the region ends; the lean steps cast (and
             # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
             torch.clear_autocast_cache()
+        share = sampling.n > 1 and prompt_len >= SHARED_PROMPT_TOKENS
         decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new,
-                              fixed_shapes=fixed)
+                              fixed_shapes=fixed, share_prompt=share)
         if fixed:
             decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
     else:

@@ -192,6 +192,107 @@ class _LayerWeights:
                    layer.post_attention_layernorm, projections(mlp.gate_proj, mlp.up_proj), projections(mlp.down_proj))
 
 
+def _scores(bias: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """bias + scaling * q @ keys.T, batched, in float32 whatever the cache's dtype (as SDPA's kernels keep them)."""
+    if keys.dtype == torch.float32 and q.dtype == torch.float32 and active_autocast_dtype(keys.device) is None:
+        return torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
+    with torch.autocast(keys.device.type, enabled=False):  # q rounded to the cache's dtype, as SDPA takes it
+        return torch.baddbmm(bias.float(), q.float(), keys.float().transpose(1, 2), alpha=scaling)
+
+
+def _float32_bmm(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs @ values in float32 (the two parts of an attention are added before one rounding to the cache's dtype,
+    as SDPA rounds its output once)."""
+    if values.dtype == torch.float32 and active_autocast_dtype(values.device) is None:
+        return torch.bmm(probs, values)
+    with torch.autocast(values.device.type, enabled=False):  # probabilities rounded to it too
+        return torch.bmm(probs, values.float())
+
+
+@dataclass
+class _SharedPrompt:
+    """Each prompt's keys and values held once for its group of rows (`LeanDecoder(share_prompt=True)`).
+
+    Copied per row, a long prompt's cache is repeated `group` times: 8 rows of a 16k-token video prompt of a 7B
+    model hold 7.5 GB of copies of the same 0.94 GB, and every step reads them all. Here a row's query heads meet
+    its prompt's keys in one batch per prompt and KV head (the `group` rows' query heads of that KV head are the
+    batch's rows), and its own generated positions in one per row and KV head; one softmax over both score rows,
+    so a row attends exactly as over the concatenated cache. Rows that stopped and were dropped (`keep`) leave
+    their places in the prompt-by-prompt layout empty (zero queries, outputs dropped): `slots` maps each row there.
+    """
+
+    keys: list[torch.Tensor]  # per layer [prompts * kv_heads, prompt_len, head_dim]
+    values: list[torch.Tensor]
+    bias: torch.Tensor  # [prompts * kv_heads, 1, prompt_len]: 0 on a prompt's tokens, -inf on its left padding
+    prompts: int
+    group: int
+    slots: torch.Tensor | None = None  # each row's place in the prompts x group layout (None: row i is place i)
+
+    @classmethod
+    def of(cls, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
+           dtype: torch.dtype | None) -> "_SharedPrompt":
+        """From the prefill's cache (one row per prompt); `rows` must be each prompt's rows together, as many for
+        each (decode_groups' order); `prompt_mask` is per row."""
+        first = prefill_cache.layers[0].keys
+        prompts, kv_heads, prompt_len = first.shape[0], first.shape[1], prompt_mask.shape[1]
+        group = len(rows) // prompts
+        in_order = torch.arange(prompts, device=rows.device).repeat_interleave(group)
+        if len(rows) != prompts * group or not torch.equal(rows, in_order):
+            raise ValueError("share_prompt: `rows` must list each prompt's rows together, as many for every prompt "
+                             "(the order decode_groups decodes in)")
+
+        def flat(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor[:, :, :prompt_len].to(dtype or tensor.dtype)
+            return tensor.reshape(prompts * kv_heads, prompt_len, tensor.shape[-1])
+
+        keys = [flat(layer.keys) for layer in prefill_cache.layers]
+        values = [flat(layer.values) for layer in prefill_cache.layers]
+        padding = ~prompt_mask[::group].bool()[:, None, None, :].expand(prompts, kv_heads, 1, prompt_len)
+        bias = torch.zeros(padding.shape, dtype=keys[0].dtype, device=prompt_mask.device)
+        bias.masked_fill_(padding, float("-inf"))
+        return cls(keys, values, bias.view(prompts * kv_heads, 1, prompt_len), prompts, group)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Rows `index` of the current ones go on (the others stopped)."""
+        self.slots = index if self.slots is None else self.slots.index_select(0, index)
+
+    def _to_places(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row `x` [rows, ...] in the prompts x group layout (empty places zero)."""
+        if self.slots is None:
+            return x
+        return x.new_zeros(self.prompts * self.group, *x.shape[1:]).index_copy_(0, self.slots, x)
+
+    def attend(self, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """One new query per row, `q` [rows, heads, dim], over its prompt and over its own generated positions
+        (`keys`, `values` [rows * kv_heads, length, dim], `bias` [rows * kv_heads, 1, length]): [rows, heads * dim]."""
+        rows, heads, dim = q.shape
+        kv_heads, prompts, group = self.bias.shape[0] // self.prompts, self.prompts, self.group
+        per_kv = heads // kv_heads
+        prompt_keys, prompt_values = self.keys[layer], self.values[layer]
+        prompt_len = prompt_keys.shape[1]
+
+        def by_prompt(x: torch.Tensor) -> torch.Tensor:  # [places, kv, per_kv, n] -> [prompts * kv, group * per_kv, n]
+            x = x.view(prompts, group, kv_heads, per_kv, x.shape[-1]).transpose(1, 2)
+            return x.reshape(prompts * kv_heads, group * per_kv, x.shape[-1])
+
+        def by_row(x: torch.Tensor) -> torch.Tensor:  # the inverse, then back to the current rows
+            x = x.view(prompts, kv_heads, group, per_kv, x.shape[-1]).transpose(1, 2)
+            x = x.reshape(prompts * group, kv_heads, per_kv, x.shape[-1])
+            return x if self.slots is None else x.index_select(0, self.slots)
+
+        grouped = q.view(rows, kv_heads, per_kv, dim)
+        prompt_scores = _scores(self.bias, by_prompt(self._to_places(grouped)), prompt_keys, scaling)
+        own_scores = _scores(bias, grouped.view(rows * kv_heads, per_kv, dim), keys, scaling)
+        scores = torch.cat([by_row(prompt_scores).view(rows * kv_heads, per_kv, prompt_len), own_scores], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        prompt_probs, own_probs = probs.split([prompt_len, probs.shape[-1] - prompt_len], dim=-1)
+        prompt_probs = self._to_places(prompt_probs.reshape(rows, kv_heads, per_kv, prompt_len))
+        from_prompt = by_row(_float32_bmm(by_prompt(prompt_probs), prompt_values))  # [rows, kv, per_kv, dim]
+        attended = from_prompt.view(rows * kv_heads, per_kv, dim) + _float32_bmm(own_probs, values)
+        return attended.view(rows, -1).to(keys.dtype)
+
+
 class LeanDecoder:
     """Decode steps for `rows` rows continuing prompts of `prompt_len` (left-padded) positions.
 
@@ -206,7 +307,8 @@ class LeanDecoder:
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
-                 last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False):
+                 last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False,
+                 share_prompt: bool = False):
         self.model = text_model
         self.fixed_shapes = fixed_shapes
         # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
@@ -216,7 +318,13 @@ class LeanDecoder:
         first = text_model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.prompt_len = prompt_mask.shape[1]
-        length = self.prompt_len + max_new_tokens
+        device = prompt_mask.device
+        self.shared: _SharedPrompt | None = None
+        if share_prompt:
+            self.shared = _SharedPrompt.of(prefill_cache, rows, prompt_mask, self.compute_dtype)
+        # The per-row buffers: with a shared prompt the generated positions only, else the prompt's (copied) too.
+        self.offset = 0 if self.shared else self.prompt_len  # where the generated positions start in them
+        length = self.offset + max_new_tokens
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for index in range(len(self.layers)):
@@ -228,18 +336,20 @@ class LeanDecoder:
                            device=keys.device)
             v_buffer = new(len(rows), values.shape[1], length, values.shape[3],
                            dtype=self.compute_dtype or values.dtype, device=values.device)
-            k_buffer[:, :, :self.prompt_len] = keys[rows, :, :self.prompt_len]
-            v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
+            if not self.shared:
+                k_buffer[:, :, :self.prompt_len] = keys[rows, :, :self.prompt_len]
+                v_buffer[:, :, :self.prompt_len] = values[rows, :, :self.prompt_len]
             self.keys.append(k_buffer)
             self.values.append(v_buffer)
         self.kv_heads = self.keys[0].shape[1]
         dtype = self.keys[0].dtype
-        bias = torch.full((len(rows), self.kv_heads, 1, length), float("-inf"), dtype=dtype, device=prompt_mask.device)
-        bias[..., :self.prompt_len].masked_fill_(prompt_mask.bool()[:, None, None, :], 0.0)
+        bias = torch.full((len(rows), self.kv_heads, 1, length), float("-inf"), dtype=dtype, device=device)
+        if not self.shared:
+            bias[..., :self.prompt_len].masked_fill_(prompt_mask.bool()[:, None, None, :], 0.0)
         self.mask_bias = bias  # [rows, kv_heads, 1, length]: 0 where a row may attend, -inf elsewhere
         self.position = last_position.clone()  # [rows]: the last position each row has seen
-        self.slot = torch.full((1,), self.prompt_len - 1, dtype=torch.long, device=prompt_mask.device)  # last written
-        table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=prompt_mask.device)
+        self.slot = torch.full((1,), self.offset - 1, dtype=torch.long, device=device)  # the last written
+        table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=device)
         # in the hidden states' dtype, as transformers' layers take it (under autocast float32, not the cache's)
         probe = text_model.embed_tokens.weight.new_empty(1, 1, self.head_dim)
         cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1))
@@ -257,6 +367,8 @@ class LeanDecoder:
         self.values = [v.index_select(0, index) for v in self.values]
         self.mask_bias = self.mask_bias.index_select(0, index)
         self.position = self.position.index_select(0, index)
+        if self.shared:
+            self.shared.keep(index)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]."""
@@ -288,7 +400,7 @@ class LeanDecoder:
         is not read: the same kernels on the same shapes each time, which a CUDA graph can replay.
         """
         rows, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
-        length = self.mask_bias.shape[-1] if self.fixed_shapes else self.prompt_len + step + 1
+        length = self.mask_bias.shape[-1] if self.fixed_shapes else self.offset + step + 1
         self.slot += 1
         self.position += 1
         self.mask_bias.index_fill_(-1, self.slot, 0.0)
@@ -296,7 +408,7 @@ class LeanDecoder:
         sin = self.sin.index_select(0, self.position).unsqueeze(1)
         bias = self.mask_bias.view(rows * kv_heads, 1, -1)[..., :length]
         hidden = F.embedding(tokens, self.embed)  # [rows, hidden]
-        for weights, k_cache, v_cache in zip(self.layers, self.keys, self.values):
+        for index, (weights, k_cache, v_cache) in enumerate(zip(self.layers, self.keys, self.values)):
             x = _rms_norm(hidden, weights.norm1)
             q, k, v = weights.qkv(x)
             q, k, v = q.view(rows, -1, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
@@ -304,7 +416,11 @@ class LeanDecoder:
                 q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
             k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).to(k_cache.dtype).unsqueeze(2))
             v_cache.index_copy_(2, self.slot, v.to(v_cache.dtype).unsqueeze(2))
-            if self.compute_dtype is not None:
+            if self.shared:
+                attended = self.shared.attend(index, self._rotate(q, cos, sin),
+                                              k_cache.view(rows * kv_heads, -1, dim)[:, :length],
+                                              v_cache.view(rows * kv_heads, -1, dim)[:, :length], bias, self.scaling)
+            elif self.compute_dtype is not None:
                 attended = self._sdpa(self._rotate(q, cos, sin), k_cache[:, :, :length], v_cache[:, :, :length])
             else:
                 keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
