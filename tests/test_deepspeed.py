@@ -229,7 +229,9 @@ def test_zero3_trains_with_the_hf_engine_and_evaluates(setup, zero):
 @torchrun_test
 def test_zero3_trains_critic_reference_and_lora_like_one_process(setup):
     """PPO (critic + ZeRO-3 reference) and LoRA under ZeRO-3 equal one process (mixed image and text-only
-    steps: test_zero3_trains_mixed_image_and_text_only_prompts_like_one_process)."""
+    steps: test_zero3_trains_mixed_image_and_text_only_prompts_like_one_process). The LoRA policy is built inside
+    zero.Init like any ZeRO-3 policy (no rank ever holds it whole: 125 GiB per GPU for 32B when it did), and a
+    LoRA checkpoint resumes onto that partitioned base like one process."""
     from scripted_engine import ScriptedEngine
 
     from vlrft.config import load_config
@@ -238,8 +240,16 @@ def test_zero3_trains_critic_reference_and_lora_like_one_process(setup):
     folder = setup["folder"]
     ppo = ["train.total_steps=1", "algorithm.advantage=gae", "algorithm.kl_coef=0.1"]
     lora = ["train.total_steps=1", "model.lora.rank=4", "train.lr=1e-2"]
+    resumed = ["model.lora.rank=4", "train.lr=1e-2", "train.total_steps=2"]
     results = run_plan(folder, 2, [run_args(setup, "PPO", *ppo),
-                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"))])
+                                   run_args(setup, "LORA", *lora, sync_out=str(folder / "sync_lora.pt"),
+                                            watch_loads=True),
+                                   run_args(setup, "LORA-R", *resumed,
+                                            f"train.resume={folder / 'LORA' / 'checkpoints' / 'step_1'}")])
+    # what each rank's load returned, before PEFT and DeepSpeed: ZeRO-3 shards only (a partitioned parameter's own
+    # data is empty; its shard lives in ds_tensor), where it was the whole float32 policy on every rank
+    [(rank0_bytes, _)], [(rank1_bytes, _)] = results[1]["loads_per_rank"]
+    assert rank0_bytes == 0 and rank1_bytes == 0
     for name, overrides in (("PPO", ppo), ("LORA", lora)):
         cfg = load_config(setup["config"], [f"train.output_dir={folder / (name + '-single')}", "train.strategy=single",
                                             *overrides])
@@ -264,6 +274,15 @@ def test_zero3_trains_critic_reference_and_lora_like_one_process(setup):
         assert_close(ours_saved, single_saved, atol=1e-4)
     # vLLM/SGLang weight sync of the LoRA policy: ZeRO-3 partitions the adapters too, gathered with each weight
     assert_lora_sync_merges_the_adapters(torch.load(folder / "sync_lora.pt"), single_lora, setup["model"])
+    cfg = load_config(setup["config"], [f"train.output_dir={folder / 'LORA-R-single'}", "train.strategy=single",
+                                        *resumed, f"train.resume={folder / 'LORA-single' / 'checkpoints' / 'step_1'}"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
+        single_resumed = Trainer(cfg).fit()
+    assert "history" in results[2], results[2]
+    [ours] = results[2]["history"]
+    assert ours["step"] == 2
+    assert ours["actor/grad_norm"] == pytest.approx(single_resumed[0]["actor/grad_norm"], rel=1e-4)
 
 
 @torchrun_test

@@ -125,10 +125,10 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     def load_model(self, source: ModelSource, *, trainable: bool) -> nn.Module:
         """ZeRO-3 (and every reference model): built inside `zero.Init`, so each rank keeps only its shard.
 
-        A model that gets LoRA adapters after loading is loaded whole (PEFT wraps plain layers); the
-        engine partitions it at `prepare_trainable`.
+        A model that gets LoRA adapters after loading is partitioned too: PEFT wraps the partitioned layers (reading
+        only their in/out features) and `deepspeed.initialize` partitions the new adapter parameters.
         """
-        if (trainable and not self.sharded_weights) or source.adapters:
+        if trainable and not self.sharded_weights:
             return super().load_model(source, trainable=trainable)
         from transformers.integrations import HfDeepSpeedConfig
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config

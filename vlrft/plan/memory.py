@@ -38,7 +38,7 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so l
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
-# "load": before the first step (on the GPU only LoRA under ZeRO-3 holds much then: the whole float32 policy)
+# "load": before the first step (host memory: the checkpoint read; on the GPU only the reserve then)
 PHASES = ("load", "rollout", "train")
 
 
@@ -282,7 +282,7 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         comps.append(Component("checkpoint_read", (4 if lora else shape.checkpoint_bytes) * params, ("load",),
                                f"rank 0 reads the checkpoint in {'float32' if lora else f'its own dtype ({stored})'}; "
                                "the other ranks receive their shards"))
-    elif strategy.name == "deepspeed" and strategy.zero_stage >= 3 and not lora:
+    elif strategy.name == "deepspeed" and strategy.zero_stage >= 3:  # with LoRA too: the adapters come after
         # built inside zero.Init; rank 0's checkpoint tensors are copied into every rank's partition (measured with
         # bench/bench_loading.py: rank 0 holds about the checkpoint more than rank 1 after loading; docs/deepspeed.md)
         comps.append(Component("checkpoint_read", shape.checkpoint_bytes * params, ("load",),
@@ -452,10 +452,6 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                    "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
     rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
     comps += rm_gpu
-    if m.lora.rank > 0 and strategy.name == "deepspeed" and strategy.zero_stage >= 3:
-        comps.append(Component("lora_load", 4 * params + 4 * trainable, ("load",),
-                               "LoRA under ZeRO-3: each rank loads the whole policy in float32 onto its GPU and adds "
-                               "the adapters before DeepSpeed partitions it"))
     comps.append(Component("cuda_reserve", CUDA_RESERVE, ("load", *both), "CUDA context, NCCL buffers, allocator slack"))
     plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
                       hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
@@ -490,9 +486,6 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
             verdict = "fits" if p.fits else "still too much"
             out.append((not p.fits, p.total, f"{text} (-> {_gib(p.total)} per GPU, {verdict})"))
 
-    if plan.component("lora_load") > 0 and plan.peak_phase == "load":
-        add("set train.strategy: fsdp2 (rank 0 reads the checkpoint and the weights are sharded as they load)",
-            trial(s=dataclasses.replace(strategy, name="fsdp2", offload_optimizer=False, offload_params=False)))
     resident = [rm.key for rm in reward_models if not rm.offload]
     if resident:
         add(f"set offload: true in the kwargs of reward model(s) {', '.join(resident)}",
