@@ -313,6 +313,27 @@ def test_wandb_without_the_package_says_which_extra(tmp_path, tiny_vlm_dir, shap
         run(cfg)
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
+    """Real wandb, offline: the run and its resumption log to one wandb run, `vlrft-<run id>` (the lineage id every
+    checkpoint keeps), where each start made a new run; WANDB_RUN_ID still names another."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'vlrft[wandb]')")
+    from vlrft.trainer import checkpoint
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    common = ["logging.wandb=true", "train.save_every=1", "train.eval_every=0", "train.eval_before_training=false"]
+    run(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, *common, "train.total_steps=2"))
+    folder = tmp_path / "run"
+    lineage = checkpoint.load_trainer_state(folder / "checkpoints" / "step_1")["run_id"]
+    run(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, *common, "train.total_steps=3",
+               f"train.resume={folder / 'checkpoints' / 'step_1'}"))
+    runs = sorted(path.name for path in (folder / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-vlrft-{lineage}") for name in runs), runs
+    monkeypatch.setenv("WANDB_RUN_ID", "chosen-by-the-user")
+    run(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, *common, "train.total_steps=3", "train.overwrite=true"))
+    assert [p.name for p in (folder / "wandb").glob("offline-run-*")][0].endswith("-chosen-by-the-user")
+
+
 def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     """On GPUs the trainer's forward runs under bf16 autocast over float32 weights and the reference is bf16; the hf
     engine samples under the same autocast, not in float32. VLRFT_CPU_MIXED_PRECISION=1 takes those paths on the

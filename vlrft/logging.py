@@ -43,7 +43,8 @@ def _clean(value: Any) -> Any:
 class RunLogger:
     """Writes every tracker the config asks for; call `log(step, metrics)` once per step on rank 0."""
 
-    def __init__(self, cfg: Config, output_dir: str | Path, total_steps: int, start_step: int = 0):
+    def __init__(self, cfg: Config, output_dir: str | Path, total_steps: int, start_step: int = 0,
+                 run_id: str | None = None):
         self.cfg: LoggingConfig = cfg.logging
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -63,14 +64,17 @@ class RunLogger:
                 old.unlink()
             self._tb = SummaryWriter(log_dir=str(tb_dir))
             self._replay_tensorboard()
-        self._wandb = self._init_wandb(cfg) if self.cfg.wandb else None
+        self._wandb = self._init_wandb(cfg, run_id) if self.cfg.wandb else None
         self._bar = None
         if self.cfg.progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="vlrft", dynamic_ncols=True)
 
-    def _init_wandb(self, cfg: Config):
+    def _init_wandb(self, cfg: Config, run_id: str | None):
+        """One wandb run per run lineage: a resumed run continues the run it resumes (id `vlrft-<run_id>`, kept in
+        every checkpoint's trainer state), unless WANDB_RUN_ID names another. wandb ignores steps it already has
+        (those logged after the checkpoint by the run that stopped) and logs on from the next one."""
         try:
             import wandb
         except ImportError as exc:
@@ -78,8 +82,9 @@ class RunLogger:
                                          "pip install 'vlrft[wandb]'") from exc
         if self.cfg.wandb_api_key and not os.environ.get("WANDB_API_KEY"):
             os.environ["WANDB_API_KEY"] = self.cfg.wandb_api_key
+        run = os.environ.get("WANDB_RUN_ID") or (f"vlrft-{run_id}" if run_id else None)
         return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, dir=str(self.dir),
-                          config=to_dict(cfg, redact_secrets=True), resume="allow")
+                          config=to_dict(cfg, redact_secrets=True), id=run, resume="allow")
 
     def _replay_tensorboard(self) -> None:
         """The steps kept in metrics.jsonl / completions.jsonl (a resumed run's steps up to its checkpoint)."""

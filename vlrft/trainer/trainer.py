@@ -512,7 +512,8 @@ class Trainer:
         if self.strategy.is_main:
             run_folder.clear(self._stale_run_files)
             save_config(cfg, self.output_dir)
-            self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count)
+            self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count,
+                                    run_id=self.run_id)
             if self.resume_from is not None:
                 self.message(f"resumed from {self.resume_from} at step {self.step_count}")
         self.strategy.barrier()  # the old run's files are gone before any rank writes
