@@ -463,6 +463,37 @@ def test_the_default_shares_prompts_from_the_threshold_length_and_groups_of_two(
     assert bool(made) == shared
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "transformers_layers"])
+def test_ragged_prompts_prefilled_one_length_at_a_time_sample_what_one_padded_prefill_samples(setup, monkeypatch,
+                                                                                             lean):
+    """Prompts of different lengths (an image prompt among them) whose padded prefill would need a large attention
+    mask are prefilled one length at a time, unpadded, their caches merged: the same ids and logprobs (1e-5) as
+    one padded prefill, through the lean steps (shared prompt or not) and transformers' layers alike."""
+    _, model, _, batch = setup
+    backbone, _ = split_head(model)
+    calls = []
+    forward = type(backbone).forward
+
+    def counted(self, *args, **kwargs):
+        calls.append((kwargs["input_ids"].shape, int(kwargs["attention_mask"].min()), "pixel_values" in kwargs))
+        return forward(self, *args, **kwargs)
+
+    sampling = SamplingParams(n=3, max_new_tokens=8, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    one_call = _run(setup, sampling, lean=lean)
+    monkeypatch.setattr(decode_module, "PREFILL_MASK_ELEMENTS", 0)
+    monkeypatch.setattr(type(backbone), "forward", counted)
+    for shared in (0, 1 << 30):
+        monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", shared)
+        calls.clear()
+        _assert_same(_run(setup, sampling, lean=lean), one_call)
+        prefills = [call for call in calls if call[0][1] > 1]  # not the decode steps (one token each)
+        lengths = sorted({len(ids) for ids in batch.prompt_ids})
+        assert sorted(shape[1] for shape, _, _ in prefills) == lengths  # one call per length, none padded
+        assert all(unpadded == 1 for _, unpadded, _ in prefills) and sum(image for _, _, image in prefills) == 1
+        if not lean:
+            break  # the transformers layers never share a prompt
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
 
 

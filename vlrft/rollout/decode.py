@@ -21,8 +21,12 @@ from vlrft.models.precision import active_autocast_dtype
 from vlrft.rollout.graph_decode import WARMUP_STEPS, CudaGraphDecoder, FixedRowsDecoder
 from vlrft.rollout.lean_decode import LeanDecoder, unsupported_reason
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, SamplingParams
-from vlrft.vision import mm_token_type_ids
+from vlrft.vision import VisualBatch, mm_token_type_ids
 
+# Prompts of different lengths whose padded prefill would take an attention mask of this many elements or more
+# ([prompts, 1, length, length]: 64 MiB of bool, and SDPA turns it into an additive one per layer call) are prefilled
+# one length at a time, unpadded (`_prefill`). 4 prompts of 16.6k tokens in one call: 1.1 GB of mask.
+PREFILL_MASK_ELEMENTS = 1 << 26
 # Prompts at least this long (padded) are held once per group in the lean decoder's KV cache, not once per row
 # (`LeanDecoder(share_prompt=True)`); shorter ones are copied per row, which takes fewer ops per step.
 SHARED_PROMPT_TOKENS = 128
@@ -243,8 +247,65 @@ def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch
     return buffer
 
 
+def _length_groups(mask: torch.Tensor) -> list[torch.Tensor]:
+    """The prompts (rows of the left-padded `mask`) to prefill together: all of them in one call, unless their
+    lengths differ and the padded call's attention mask would reach PREFILL_MASK_ELEMENTS; then one call per length
+    (each unpadded, so attention needs no mask at all)."""
+    prompts, length = mask.shape
+    everyone = [torch.arange(prompts, device=mask.device)]
+    if prompts < 2 or prompts * length * length < PREFILL_MASK_ELEMENTS:
+        return everyone
+    lengths = mask.sum(dim=1)
+    distinct = lengths.unique()
+    if len(distinct) == 1:
+        return everyone
+    return [(lengths == value).nonzero().squeeze(1) for value in distinct]
+
+
+def _prefill(backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor, positions: torch.Tensor,
+             visual: VisualBatch, cache, groups: list[torch.Tensor]):
+    """The prompts through the backbone: (each prompt's last hidden state [prompts, hidden], its KV cache).
+
+    One padded call, or one unpadded call per group of `groups` whose caches are then merged into one left-padded
+    dynamic cache (a group's layer at a time), the padding zeros, which the decode steps' masks never attend to.
+    """
+    if len(groups) == 1:
+        out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
+                       use_cache=True, past_key_values=cache, **visual.model_inputs())
+        return out.last_hidden_state[:, -1].clone(), out.past_key_values  # not a view holding every position
+    from transformers import DynamicCache
+
+    length = ids.shape[1]
+    last = None
+    parts: list[tuple[torch.Tensor, list]] = []  # (prompts, per layer (keys, values))
+    for index in groups:
+        n = int(mask[index[0]].sum())
+        out = backbone(input_ids=ids[index, -n:], attention_mask=mask[index, -n:], mm_token_type_ids=mm[index, -n:],
+                       position_ids=positions[:, index, -n:], use_cache=True,
+                       **visual.select(index.tolist()).model_inputs())
+        hidden = out.last_hidden_state[:, -1]
+        if last is None:
+            last = hidden.new_empty(ids.shape[0], hidden.shape[-1])
+        last[index] = hidden
+        parts.append((index, [[layer.keys, layer.values] for layer in out.past_key_values.layers]))
+        out = None
+    merged = DynamicCache()
+    for layer in range(len(parts[0][1])):
+        padded = []
+        for which in (0, 1):  # keys, values
+            first = parts[0][1][layer][which]
+            buffer = first.new_zeros(ids.shape[0], first.shape[1], length, first.shape[3])
+            for index, layers in parts:
+                tensor = layers[layer][which]
+                buffer[index, :, length - tensor.shape[2]:] = tensor
+                layers[layer][which] = None  # the group's copy goes as soon as it is merged
+            padded.append(buffer)
+        merged.update(*padded, layer)
+    return last, merged
+
+
 @torch.no_grad()
-def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampling: SamplingParams, *,
+def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool = True,
                   compile_step: bool = False, lean_step: bool = True, cuda_graph: bool | None = None) -> DecodedRows:
@@ -265,21 +326,22 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
     ids, mask = (t.to(device) for t in left_pad(prompt_ids, pad_id))
     prompt_len, max_new = ids.shape[1], sampling.max_new_tokens
     mm = mm_token_type_ids(ids, image_token_id, video_token_id)
-    positions = prompt_positions(backbone, ids, mask, mm, visual_inputs)
+    positions = prompt_positions(backbone, ids, mask, mm, visual.model_inputs())
     use_lean = lean_step and not compile_step and _lean_applies(backbone, positions[:, :, -1])
     cache = None
     # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
     # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
     autocast_on = active_autocast_dtype(device) is not None
-    static_cache = static_cache and not use_lean and not autocast_on
+    by_length = _length_groups(mask)
+    # A ragged batch prefilled by length groups fills a dynamic cache (merged from the groups'), not a static one.
+    static_cache = static_cache and not use_lean and not autocast_on and len(by_length) == 1
     if static_cache:
         from transformers import StaticCache
 
         cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)
-    out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions, use_cache=True,
-                   past_key_values=cache, **visual_inputs)
+    last, prefill_cache = _prefill(backbone, ids, mask, mm, positions, visual, cache, by_length)
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
-    hidden = out.last_hidden_state[rows, -1]
+    hidden = last[rows]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
@@ -291,16 +353,16 @@ def decode_groups(model, prompt_ids: list[list[int]], visual_inputs: dict, sampl
             # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
             torch.clear_autocast_cache()
         share = sampling.n > 1 and prompt_len >= SHARED_PROMPT_TOKENS
-        decoder = LeanDecoder(backbone.language_model, out.past_key_values, rows, mask[rows], position[0], max_new,
+        decoder = LeanDecoder(backbone.language_model, prefill_cache, rows, mask[rows], position[0], max_new,
                               fixed_shapes=fixed, share_prompt=share)
         if fixed:
             decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
     else:
-        decoder = _TransformersDecoder(backbone, out.past_key_values, rows, mask[rows], position, max_new, mm.dtype,
+        decoder = _TransformersDecoder(backbone, prefill_cache, rows, mask[rows], position, max_new, mm.dtype,
                                        static_cache, compile_step)
     if not (use_lean and fixed):  # fixed-shape steps keep every row anyway
         decoder = HalvingRowsDecoder(decoder, len(rows))
-    out = None  # the prefill's cache now lives in the decoder
+    prefill_cache = None  # it now lives in the decoder
     total = len(rows)
     # Buffers for every position the group can reach, written in place: the history (prompt + generated
     # ids: what repetition penalty and stop strings look at), and the outputs.

@@ -201,7 +201,7 @@ class HFEngine:
             for start in range(0, len(batch), self.max_batch_prompts):
                 index = list(range(start, min(start + self.max_batch_prompts, len(batch))))
                 rows = decode_groups(model, [batch.prompt_ids[i] for i in index],
-                                     batch.visual.select(index).to(device).model_inputs(), sampling,
+                                     batch.visual.select(index).to(device), sampling,
                                      pad_id=self.tokens.pad_id, stop_ids=stop_ids,
                                      image_token_id=self.tokens.image_token_id,
                                      video_token_id=self.tokens.video_token_id,
