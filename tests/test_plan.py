@@ -123,20 +123,33 @@ def test_the_hf_engine_counts_the_whole_weights_it_samples_from():
     assert held.phases == ("rollout",)  # given back before training
 
 
-def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision():
+def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision_and_holds_a_prompt_once():
+    """The lean step (plain LoRA included) keeps a bf16 cache under bf16 autocast, and from the engine's
+    SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group; transformers' layers keep float32 keys
+    and every row's copy of its prompt."""
+    from vlrft.plan.memory import SHARED_PROMPT_TOKENS
+    from vlrft.rollout import decode
+
+    assert SHARED_PROMPT_TOKENS == decode.SHARED_PROMPT_TOKENS
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     hw, cfg = Hardware(), load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
-    rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
-    tokens = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    prompts = cfg.prompts_per_step // hw.world_size
+    rows = prompts * cfg.rollout.n
+    assert cfg.rollout.n > 1 and cfg.data.max_prompt_length >= SHARED_PROMPT_TOKENS
+    shared = prompts * cfg.data.max_prompt_length + rows * cfg.rollout.max_new_tokens
+    per_row = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
     per_token = 2 * shape.text.num_layers * shape.text.kv_dim
     lean = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2")).component("engine_kv_cache")
     layers = plan_memory(replace(cfg, rollout=replace(cfg.rollout, lean_decode=False)), shape, hw,
                          StrategyChoice("fsdp2")).component("engine_kv_cache")
     float32 = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", mixed_precision=False)).component("engine_kv_cache")
     lora = plan_memory(replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=8))), shape, hw,
-                       StrategyChoice("fsdp2")).component("engine_kv_cache")  # LoRA layers: no lean step
-    assert (lean, layers, float32, lora) == (2 * per_token * tokens, 4 * per_token * tokens, 4 * per_token * tokens,
-                                             4 * per_token * tokens)
+                       StrategyChoice("fsdp2")).component("engine_kv_cache")
+    short = replace(cfg, data=replace(cfg.data, max_prompt_length=SHARED_PROMPT_TOKENS - 1))
+    copied = rows * (SHARED_PROMPT_TOKENS - 1 + cfg.rollout.max_new_tokens)
+    assert (lean, layers, float32, lora) == (2 * per_token * shared, 4 * per_token * per_row, 4 * per_token * shared,
+                                             2 * per_token * shared)
+    assert plan_memory(short, shape, hw, StrategyChoice("fsdp2")).component("engine_kv_cache") == 2 * per_token * copied
 
 
 def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():

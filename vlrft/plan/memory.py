@@ -38,6 +38,7 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so l
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
+SHARED_PROMPT_TOKENS = 128  # vlrft.rollout.decode's: from this prompt length the hf engine holds a prompt's KV once
 # "load": before the first step (host memory: the checkpoint read; on the GPU only the reserve then)
 PHASES = ("load", "rollout", "train")
 
@@ -424,15 +425,21 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None
     if r.engine == "hf":
-        rows = (cfg.prompts_per_step // world) * r.n
+        prompts = cfg.prompts_per_step // world
+        rows = prompts * r.n
         # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
-        # keys in float32 (values bf16), so those count as float32. The lean step does not run with LoRA layers, a
-        # compiled step or attention other than SDPA/eager (`vlrft.rollout.lean_decode.unsupported_reason`).
-        lean = r.lean_decode and not r.compile_decode and m.lora.rank <= 0 and m.attn_implementation in ("sdpa", "eager")
+        # keys in float32 (values bf16), so those count as float32. The lean step does not run with a compiled step
+        # or attention other than SDPA/eager (`vlrft.rollout.lean_decode.unsupported_reason`; plain LoRA it reads).
+        lean = r.lean_decode and not r.compile_decode and m.attn_implementation in ("sdpa", "eager")
         kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
-        kv = rows * seq_len * kv_bytes_per_token(shape, kv_dtype[1])
-        comps.append(Component("engine_kv_cache", kv, rollout,
-                               f"hf engine: {kv_dtype[0]} KV cache of the rank's {rows} rollouts x {seq_len} tokens"))
+        if lean and r.n > 1 and d.max_prompt_length >= SHARED_PROMPT_TOKENS:  # each prompt held once for its group
+            kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * kv_bytes_per_token(shape, kv_dtype[1])
+            what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
+                    f"{r.tokens_after_prompt} tokens each")
+        else:
+            kv = rows * seq_len * kv_bytes_per_token(shape, kv_dtype[1])
+            what = f"the rank's {rows} rollouts x {seq_len} tokens"
+        comps.append(Component("engine_kv_cache", kv, rollout, f"hf engine: {kv_dtype[0]} KV cache of {what}"))
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
