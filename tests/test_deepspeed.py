@@ -48,6 +48,10 @@ def test_deepspeed_options_are_validated():
     from vlrft.config import ConfigError, load_config
 
     assert load_config(None, ["train.strategy=deepspeed"], world_size=2).train.deepspeed.zero_stage == 3
+    assert load_config(None, ["train.strategy=deepspeed", "train.hf_model_dtype=bfloat16"], world_size=2)
+    with pytest.raises(ConfigError, match=r"train.hf_model_dtype='bfloat16' is not allowed; expected 'auto' or "
+                                          r"'float32' with train.strategy=ddp"):
+        load_config(None, ["train.strategy=ddp", "train.hf_model_dtype=bfloat16"], world_size=2)
     with pytest.raises(ConfigError, match=r"train.deepspeed.zero_stage=1 is not allowed; expected 2 or 3"):
         load_config(None, ["train.strategy=deepspeed", "train.deepspeed.zero_stage=1"])
     with pytest.raises(ConfigError, match=r"train.deepspeed.offload_param=True is not allowed; expected false with "
@@ -393,3 +397,5 @@ def test_zero3_in_the_gpus_mixed_precision_trains_like_one_process_in_it(setup, 
     assert ours["actor/grad_norm"] != pytest.approx(zero["Z3"][0]["actor/grad_norm"], rel=1e-5)
     hf = results[1]["history"][0]
     assert hf["completions/mean_length"] > 0 and hf["actor/grad_norm"] > 0 and math.isfinite(hf["kl"])
+    # model/ is an export under ZeRO-3: written in model.dtype (train.hf_model_dtype=auto)
+    assert all(t.dtype == torch.bfloat16 for t in weights(setup, "Z3MP", 1).values())

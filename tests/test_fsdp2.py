@@ -6,6 +6,7 @@ their weights can be compared after each optimizer step. One run uses the real h
 The tiny model ties its embeddings to the LM head, the case a sharded load and sync get wrong.
 """
 
+import json
 import math
 import time
 from pathlib import Path
@@ -375,7 +376,9 @@ def test_fsdp2_trains_in_the_gpus_mixed_precision(setup, sharded, monkeypatch):
     """The GPUs' default precision on CPU ranks (VLRFT_CPU_MIXED_PRECISION=1, model.dtype bfloat16): FSDP2 gathers
     the weights in bf16 (its MixedPrecisionPolicy, over gloo) and reduces float32 gradients, the reference is bf16
     and the hf engine samples from the gathered bf16 policy. With run A's scripted completions the first step's
-    gradient norm is within 5 % of the float32 one and not equal to it (bf16 was in effect); the hf run trains."""
+    gradient norm is within 5 % of the float32 one and not equal to it (bf16 was in effect); the hf run trains.
+    model/ (an export under FSDP2) is written in model.dtype by default: the float32 weights a
+    train.hf_model_dtype=float32 export of the same run holds, rounded to bf16, bitwise."""
     from vlrft.models.precision import CPU_MIXED_PRECISION_ENV
 
     monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")
@@ -383,17 +386,23 @@ def test_fsdp2_trains_in_the_gpus_mixed_precision(setup, sharded, monkeypatch):
     results = run_plan(setup["folder"], 2, [
         run_args(setup, "BF16", *mixed),
         run_args(setup, "BF16HF", *mixed, "algorithm.kl_coef=0.1", "train.micro_batch_completions_per_rank=2",
-                 scripted=False)])
+                 scripted=False),
+        run_args(setup, "BF16F32", *mixed, "train.hf_model_dtype=float32")])
     ours, fp32 = results[0]["history"][0], sharded["A"][0]
     assert ours["actor/grad_norm"] == pytest.approx(fp32["actor/grad_norm"], rel=0.05)
     assert ours["actor/grad_norm"] != pytest.approx(fp32["actor/grad_norm"], rel=1e-5)
     hf = results[1]["history"][0]
     assert hf["completions/mean_length"] > 0 and hf["actor/grad_norm"] > 0 and math.isfinite(hf["kl"])
-    for run in ("BF16", "BF16HF"):
-        trained = weights(setup, run, 1)
-        assert all(t.dtype == torch.float32 for t in trained.values())  # float32 master weights, saved whole
-        initial = load_file(Path(setup["model"]) / "model.safetensors")
-        assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-4
+    exported, full = weights(setup, "BF16", 1), weights(setup, "BF16F32", 1)
+    assert sorted(exported) == sorted(full)
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], full[k].to(torch.bfloat16))
+               for k in full)
+    config = json.loads((setup["folder"] / "BF16" / "checkpoints" / "step_1" / "model" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    initial = load_file(Path(setup["model"]) / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in full.values())
+    assert max((full[k] - initial[k]).abs().max().item() for k in full) > 1e-4  # it trained
+    assert weights(setup, "BF16HF", 1)[next(iter(full))].dtype == torch.bfloat16
 
 
 def test_an_output_folder_that_is_not_shared_by_every_rank_is_refused_at_start(setup):

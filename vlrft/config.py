@@ -444,7 +444,12 @@ class TrainConfig:
     save_hf_model: Literal["every", "last"] = option(
         "every", "which checkpoints get model/ (the policy in Hugging Face format): 'every', or only the 'last' one "
         "(the end of training). FSDP2 and DeepSpeed resume from their own files; rank 0 writes model/ alone, in "
-        "float32 (288 GB for a 72B policy, while every GPU waits). single/ddp always write it (it is their weights)")
+        "train.hf_model_dtype (144 GB for a 72B policy in bfloat16, while every GPU waits). single/ddp always write "
+        "it (it is their weights)")
+    hf_model_dtype: Literal["auto", "float32", "bfloat16", "float16"] = option(
+        "auto", "dtype of the weights in model/ under fsdp2/deepspeed, where model/ is an export (they resume from "
+        "their own float32 files): 'auto' = model.dtype (bfloat16 by default: half the bytes of float32). single/ddp "
+        "write float32 (model/ is what they resume from); only 'auto' or 'float32' there")
     resume: str = option("none", "'none', 'auto' (the last checkpoint written in output_dir) or a checkpoint path")
     overwrite: bool = option(False, "start over in a non-empty output_dir, deleting the run files there; without "
                              "it (or resume) a non-empty output_dir is refused")
@@ -547,6 +552,9 @@ class Config:
         if self.prompts_per_step % world:
             _fail("rollout.global_batch_completions", r.global_batch_completions,
                   f"a multiple of rollout.n * world_size = {r.n * world} so every one of the {world} ranks gets whole groups")
+        if t.strategy in ("single", "ddp") and t.hf_model_dtype not in ("auto", "float32"):
+            _fail("train.hf_model_dtype", t.hf_model_dtype, f"'auto' or 'float32' with train.strategy={t.strategy} "
+                  "(its model/ is the weights a resume starts from; fsdp2/deepspeed export it in another dtype)")
         mini = t.global_mini_batch_completions
         if mini is not None:
             _positive("train.global_mini_batch_completions", mini)

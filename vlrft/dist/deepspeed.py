@@ -273,21 +273,17 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
-                        export_hf: bool = True) -> None:
+                        export_hf: bool = True, hf_dtype: torch.dtype | None = None) -> None:
         """`deepspeed/<part>/` (DeepSpeed's sharded checkpoint, every rank writes its shard) and, when `export_hf`,
-        `model/`."""
+        `model/` (in `hf_dtype`)."""
         for name, part in parts.items():
             engine = self._engine_of(part.module)
             engine.save_checkpoint(str(folder / CHECKPOINT_DIR / name), tag=TAG, save_latest=False)
-        policy = self._engine_of(parts["policy"].module)
         if not export_hf:
             return
-        if _is_zero3(policy):
-            save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
-            return
-        if self.is_main:  # ZeRO-2: every rank holds the whole weights
-            hf_model.save_pretrained(folder / "model", safe_serialization=True)
-            processor.save_pretrained(folder / "model")
+        # ZeRO-3 gathers one tensor at a time; under ZeRO-2 every rank holds the whole weights (nothing to gather)
+        save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered,
+                      dtype=hf_dtype)
 
     def check_resumable(self, folder: Path, saved_world_size: int, parts: tuple[str, ...] = ("policy",)) -> None:
         for name in parts:

@@ -291,9 +291,9 @@ class FSDP2Strategy(ProcessGroupStrategy):
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
-                        export_hf: bool = True) -> None:
+                        export_hf: bool = True, hf_dtype: torch.dtype | None = None) -> None:
         """`sharded/` (DCP: every rank's shards of every part and its optimizer) and, when `export_hf`, `model/`
-        (HF format, written by rank 0 a bucket at a time)."""
+        (HF format in `hf_dtype`, written by rank 0 a bucket at a time)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -303,7 +303,8 @@ class FSDP2Strategy(ProcessGroupStrategy):
             state[name] = {"model": model_state, "optimizer": optim_state}
         dcp.save(state, checkpoint_id=str(folder / SHARDED_DIR))
         if export_hf:
-            save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered)
+            save_gathered(hf_model, processor, folder / "model", is_main=self.is_main, gather=self.gathered,
+                          dtype=hf_dtype)
 
     def check_resumable(self, folder: Path, saved_world_size: int) -> None:
         if not (folder / SHARDED_DIR / ".metadata").is_file():

@@ -5,8 +5,8 @@ float32 in rank 0's host memory at every checkpoint. Here every rank walks `Poli
 lock-step (each tensor gathered collectively) and rank 0 writes each bucket as one safetensors file as it
 arrives, then the index, the config and the processor: rank 0 holds one bucket (`SHARD_BYTES`) at a time.
 Names are those `save_pretrained` writes (`PolicyWeights`: transformers' reversion of its in-memory names,
-tied weights once), dtypes the weights' own, so `from_pretrained` reads the folder as it reads one
-`save_pretrained` wrote. A LoRA policy gathers only its adapter and saves it with PEFT's `save_pretrained`.
+tied weights once), dtypes the weights' own or the one asked for (`train.hf_model_dtype`), so `from_pretrained`
+reads the folder as it reads one `save_pretrained` wrote. A LoRA policy gathers only its adapter and saves it with PEFT's `save_pretrained`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ INDEX = "model.safetensors.index.json"
 
 def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
                          gather: Callable[[Sequence[torch.Tensor]], ContextManager],
-                         shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `hf_model` (sharded or not) into `folder` as `save_pretrained` would; every rank calls this together."""
+                         shard_bytes: int = SHARD_BYTES, dtype: torch.dtype | None = None) -> None:
+    """Write `hf_model` (sharded or not) into `folder` as `save_pretrained` would, its floating-point tensors in
+    `dtype` (None: their own); every rank calls this together."""
     from safetensors.torch import save_file
 
     from vlrft.rollout.weights import PolicyWeights
@@ -36,17 +37,17 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, list[str]]] = []
-    total, dtype = 0, None
+    total, written = 0, None  # written: the dtype of the floating-point weights, for config.json
     # Only rank 0 writes. The other ranks take part in each gather (one tensor at a time) and drop each gathered
     # tensor at once ("meta" keeps the shape, not the data): they hold one tensor at a time, never a bucket.
     # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
-    for bucket in PolicyWeights(hf_model, None, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
+    for bucket in PolicyWeights(hf_model, dtype, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
         if is_main:  # the other ranks only take part in the gathers
             part = folder / f"part-{len(parts):05d}.safetensors"
             save_file(dict(bucket), str(part), metadata={"format": "pt"})
             parts.append((part, [name for name, _ in bucket]))
             total += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-            dtype = dtype or next((t.dtype for _, t in bucket if t.is_floating_point()), None)
+            written = written or next((t.dtype for _, t in bucket if t.is_floating_point()), None)
         del bucket  # freed before the next bucket is gathered: rank 0 holds one bucket, not two
     if not is_main:
         return
@@ -60,8 +61,8 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
                                                indent=2, sort_keys=True))
     config = hf_model.config
     config.architectures = [type(hf_model).__name__.removeprefix("FSDP")]  # fully_shard renames a root's class
-    if dtype is not None:
-        config.dtype = dtype  # as save_pretrained records the weights' dtype
+    if written is not None:
+        config.dtype = written  # as save_pretrained records the weights' dtype
     config.save_pretrained(folder)
     if getattr(hf_model, "generation_config", None) is not None and hf_model.can_generate():
         hf_model.generation_config.save_pretrained(folder)
@@ -69,11 +70,14 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
 
 
 def save_gathered(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,
-                  gather: Callable[[Sequence[torch.Tensor]], ContextManager]) -> None:
-    """A sharded policy's `model/` folder: only a LoRA policy's adapter, else the policy one shard file at a time;
-    rank 0 never holds the whole model. Every rank calls this together."""
-    save = save_adapter_gathered if hasattr(hf_model, "peft_config") else save_policy_streamed
-    save(hf_model, processor, folder, is_main=is_main, gather=gather)
+                  gather: Callable[[Sequence[torch.Tensor]], ContextManager], dtype: torch.dtype | None = None) -> None:
+    """A sharded policy's `model/` folder: only a LoRA policy's adapter (as trained), else the policy one shard file
+    at a time, in `dtype` (`train.hf_model_dtype`); rank 0 never holds the whole model. Every rank calls this
+    together."""
+    if hasattr(hf_model, "peft_config"):
+        save_adapter_gathered(hf_model, processor, folder, is_main=is_main, gather=gather)
+    else:
+        save_policy_streamed(hf_model, processor, folder, is_main=is_main, gather=gather, dtype=dtype)
 
 
 def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_main: bool,

@@ -236,11 +236,12 @@ class Strategy:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path, parts: dict[str, TrainedModel], hf_model: nn.Module, processor,
-                        export_hf: bool = True) -> None:
+                        export_hf: bool = True, hf_dtype: torch.dtype | None = None) -> None:
         """Write the trained models' weights and optimizer states into `folder` (every rank calls this).
 
-        `folder/model/` holds the policy in Hugging Face format (from_pretrained works on it): here always, since it
-        is the policy's weights; strategies whose own files hold them write it only when `export_hf`.
+        `folder/model/` holds the policy in Hugging Face format (from_pretrained works on it): here always, and in
+        the weights' own dtype, since it is the policy's weights; strategies whose own files hold them write it only
+        when `export_hf`, in `hf_dtype` (None: the weights' own).
         Here: `optimizer.pt`, and `<name>.pt` (model + optimizer) for every other part, e.g. the critic.
         """
         if not self.is_main:

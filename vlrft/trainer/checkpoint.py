@@ -107,12 +107,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict, hf_model, processor, scheduler,
-                    trainer_state: dict, keep_last: int = 2, export_hf: bool = True) -> Path:
+                    trainer_state: dict, keep_last: int = 2, export_hf: bool = True,
+                    hf_dtype: torch.dtype | None = None) -> Path:
     """Write checkpoint `step` atomically on all ranks (every rank must call this).
 
     The strategy writes the models and optimizers (`parts`: "policy", optionally "critic"), and `model/` (where its
-    own files hold the weights, only when `export_hf`); this adds the scheduler, every rank's RNG and the trainer
-    state.
+    own files hold the weights, only when `export_hf`, in `hf_dtype`); this adds the scheduler, every rank's RNG
+    and the trainer state.
     """
     root = checkpoint_root(output_dir)
     final = root / f"{PREFIX}{step}"
@@ -122,7 +123,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
         (tmp / "rng").mkdir(parents=True)
     strategy.barrier()
     torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
-    strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf)
+    strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf, hf_dtype=hf_dtype)
     strategy.barrier()
     if strategy.is_main:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")

@@ -25,7 +25,7 @@ from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models import precision
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
-from vlrft.models.loading import load_processor, model_fingerprint
+from vlrft.models.loading import DTYPES, load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
@@ -569,7 +569,9 @@ class Trainer:
             self.output_dir, self.step_count, strategy=self.strategy, parts=self._checkpoint_parts(),
             hf_model=self.actor.model, processor=self.processor, scheduler=self.scheduler,
             trainer_state=self.trainer_state(), keep_last=self.cfg.train.keep_last,
-            export_hf=self.cfg.train.save_hf_model == "every" or self.step_count >= self.cfg.train.total_steps)
+            export_hf=self.cfg.train.save_hf_model == "every" or self.step_count >= self.cfg.train.total_steps,
+            hf_dtype=DTYPES[self.cfg.model.dtype if self.cfg.train.hf_model_dtype == "auto"
+                            else self.cfg.train.hf_model_dtype])
 
     def _checkpoint_parts(self) -> dict[str, TrainedModel]:
         parts = {"policy": TrainedModel(self.wrapped, self.optimizer, self.scheduler)}
