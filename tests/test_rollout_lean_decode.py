@@ -147,6 +147,26 @@ def _bf16_autocast():
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
+def _autocast_steps(text_model, lean, caches: dict, mask: torch.Tensor, last_positions: torch.Tensor, steps: int = 5):
+    """The same random tokens through `lean` under bf16 autocast and through the text model over each of `caches`
+    ("bf16": under that autocast, "fp32": without it); yields (step, lean's hidden states, the text model's by name)."""
+    rows = len(mask)
+    attention, position = mask.clone(), last_positions.clone()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        new = torch.randint(0, text_model.config.vocab_size, (rows,), generator=generator)
+        attention = torch.cat([attention, torch.ones(rows, 1, dtype=attention.dtype)], dim=1)
+        position = position + 1
+        expected = {}
+        for name, cache in caches.items():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                expected[name] = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
+                                            past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        with _bf16_autocast():
+            hidden = lean.step(new, step)
+        yield step, hidden, expected
+
+
 def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it(setup):
     """Under bf16 autocast (float32 weights) the lean step follows transformers' layers: projections cast once,
     float32 residual and rotary, SDPA; its hidden states are at least 20x closer to the text model's under the same
@@ -163,19 +183,7 @@ def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it
         assert lean.compute_dtype == torch.bfloat16 and lean.keys[0].dtype == torch.bfloat16
         assert lean.layers[0].qkv.packed is None and lean.layers[0].qkv.views[0][0].dtype == torch.bfloat16
         caches = {"bf16": out.past_key_values, "fp32": out_fp32.past_key_values}
-        attention, position = mask.clone(), positions[:, :, -1:].clone()
-        generator = torch.Generator().manual_seed(0)
-        for step in range(5):
-            new = torch.randint(0, text_model.config.vocab_size, (len(mask),), generator=generator)
-            attention = torch.cat([attention, torch.ones(len(mask), 1, dtype=attention.dtype)], dim=1)
-            position = position + 1
-            expected = {}
-            for name, cache in caches.items():
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
-                    expected[name] = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
-                                                past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
-            with _bf16_autocast():
-                hidden = lean.step(new, step)
+        for step, hidden, expected in _autocast_steps(text_model, lean, caches, mask, positions[:, :, -1:]):
             precision_gap = (expected["fp32"] - expected["bf16"]).abs().max()
             assert precision_gap > 1e-3, "autocast changed nothing: the comparison would prove nothing"
             assert (hidden - expected["bf16"]).abs().max() <= precision_gap / 20, step
@@ -389,19 +397,7 @@ def test_a_shared_prompt_under_autocast_is_as_close_to_float32_as_transformers_l
         caches = {"bf16": out.past_key_values, "fp32": out_fp32.past_key_values}
         for cache in caches.values():
             cache.batch_repeat_interleave(group)
-        attention, position = mask[rows].clone(), positions[:, rows, -1:].clone()
-        generator = torch.Generator().manual_seed(0)
-        for step in range(5):
-            new = torch.randint(0, text_model.config.vocab_size, (len(rows),), generator=generator)
-            attention = torch.cat([attention, torch.ones(len(rows), 1, dtype=attention.dtype)], dim=1)
-            position = position + 1
-            expected = {}
-            for name, cache in caches.items():
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
-                    expected[name] = text_model(input_ids=new[:, None], attention_mask=attention, position_ids=position,
-                                                past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
-            with _bf16_autocast():
-                hidden = lean.step(new, step)
+        for step, hidden, expected in _autocast_steps(text_model, lean, caches, mask[rows], positions[:, rows, -1:]):
             transformers_gap = (expected["fp32"] - expected["bf16"]).norm()
             assert transformers_gap > 1e-3, "autocast changed nothing: the comparison would prove nothing"
             assert (hidden - expected["fp32"]).norm() <= 1.25 * transformers_gap, step
