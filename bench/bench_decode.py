@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
     p.add_argument("--prompt-repeat", type=int, default=1, help="repeat each prompt's question this many times (long "
-                   "prompts: the shared-prompt KV cache is used from decode.SHARED_PROMPT_TOKENS tokens)")
+                   "prompts; adds the variants 'prompt per row' and 'shared prompt', the lean step's prompt KV cache "
+                   "forced either way: by default it is shared from decode.SHARED_PROMPT_TOKENS tokens)")
     p.add_argument("--autocast", default=None, help="sample under autocast in this dtype (e.g. bfloat16): the "
                    "trainer's mixed precision on GPUs, float32 weights")
     args = p.parse_args()
@@ -80,10 +81,10 @@ def main() -> None:
                 "group, static cache": dict(static_cache=True, lean_decode=False, cuda_graph_decode=False),
                 "group, lean step": dict(lean_decode=True, cuda_graph_decode=False),
                 "group, lean, unpacked": dict(lean_decode=True, cuda_graph_decode=False),  # weights as views: see `unpacked`
-                "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True),
-                # the lean step with each prompt's KV cache copied per row / held once per group, whatever its length
-                "group, lean, prompt per row": dict(lean_decode=True, cuda_graph_decode=False),
-                "group, lean, shared prompt": dict(lean_decode=True, cuda_graph_decode=False)}
+                "group, lean, fixed shapes": dict(lean_decode=True, cuda_graph_decode=True)}
+    if args.prompt_repeat > 1:  # long prompts: each prompt's KV cache copied per row / held once, whatever its length
+        variants["group, lean, prompt per row"] = dict(lean_decode=True, cuda_graph_decode=False)
+        variants["group, lean, shared prompt"] = dict(lean_decode=True, cuda_graph_decode=False)
     if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
     if args.compile:

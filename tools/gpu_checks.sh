@@ -11,8 +11,9 @@
 # sync gathering on the GPU, and the reward model's offload; 4. the hf engine's decode rates on a 0.5B-shaped random
 # model, float32 weights under bf16 autocast as the trainer samples (bench/bench_decode.py), and the vision tower's
 # attention per segment vs per segment length (bench/bench_vision_attention.py); 5. the training bench
-# under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. with EAGER=1 the training bench again with
-# rollout.cuda_graph_decode=false (eager decode steps). A step that fails or runs out of time is reported and the
+# under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. decode rates with ~1.4k-token prompts, each prompt's
+# KV cache held once per group vs copied per row (the shared-prompt CUDA test runs in step 3); 7. with EAGER=1 the
+# training bench again with rollout.cuda_graph_decode=false (eager decode steps). A step that fails or runs out of time is reported and the
 # next one runs; with BUDGET (seconds) a step gets at most the time left, and is skipped under 20 s.
 set -u
 OUT=${OUT:-runs/gpu_checks}
@@ -68,6 +69,8 @@ step vision_attention 90 "$PYTHON" bench/bench_vision_attention.py --device cuda
     --depth 32 --images 8 --repeats 5
 step fsdp2_bench 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies fsdp2 --gpus 1 --steps "$STEPS" \
     --out "$OUT/bench" --json "$OUT/gpu_bench_fsdp2.json"  # FSDP2 over NCCL (one rank), weight sync to the engine
+step long_prompt_decode 100 "$PYTHON" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 \
+    --layers 24 --tokens 128 --regimes 1 --repeats 2 --prompt-repeat 80  # ~1.4k-token prompts: shared vs per row
 if [ "${EAGER:-0}" = 1 ]; then
     step train_bench_eager 150 "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
         --eager-decode --out "$OUT/bench" --json "$OUT/gpu_bench_eager.json"
