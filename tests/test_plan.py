@@ -125,8 +125,9 @@ def test_the_hf_engine_counts_the_whole_weights_it_samples_from():
 
 def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision_and_holds_a_prompt_once():
     """The lean step (plain LoRA included) keeps a bf16 cache under bf16 autocast, and from the engine's
-    SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group; transformers' layers keep float32 keys
-    and every row's copy of its prompt."""
+    SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group (not with tools: later turns decode
+    each row alone); transformers' layers keep float32 keys and every row's copy of its prompt."""
+    from vlrft.config import ToolConfig
     from vlrft.plan.memory import SHARED_PROMPT_TOKENS
     from vlrft.rollout import decode
 
@@ -147,6 +148,11 @@ def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision
                        StrategyChoice("fsdp2")).component("engine_kv_cache")
     short = replace(cfg, data=replace(cfg.data, max_prompt_length=SHARED_PROMPT_TOKENS - 1))
     copied = rows * (SHARED_PROMPT_TOKENS - 1 + cfg.rollout.max_new_tokens)
+    # with tools the turns after the first decode each row alone (n = 1): every row's prompt and trajectory
+    tools = replace(cfg.rollout, tools=[ToolConfig(name="zoom")])
+    trajectories = rows * (cfg.data.max_prompt_length + tools.tokens_after_prompt)
+    assert plan_memory(replace(cfg, rollout=tools), shape, hw,
+                       StrategyChoice("fsdp2")).component("engine_kv_cache") == 2 * per_token * trajectories
     assert (lean, layers, float32, lora) == (2 * per_token * shared, 4 * per_token * per_row, 4 * per_token * shared,
                                              2 * per_token * shared)
     assert plan_memory(short, shape, hw, StrategyChoice("fsdp2")).component("engine_kv_cache") == 2 * per_token * copied

@@ -378,10 +378,11 @@ def test_a_shared_prompt_decodes_the_same_in_fixed_shapes(setup, shared_prompt, 
 
 
 def test_a_shared_prompt_under_autocast_is_as_close_to_float32_as_transformers_layers_under_it(setup):
-    """Under bf16 autocast the shared prompt's attention is computed in float32 from the bf16 cache (two parts, one
-    rounding), not by SDPA: not the same rounding as transformers' layers under autocast, so the check is precision.
-    At every step its hidden states (2 rows per prompt, different tokens) are about as far from the float32 text
-    model's as transformers' layers under the same autocast are (L2 distance, measured 0.95-1.07x; bound 1.25x)."""
+    """Under bf16 autocast the shared prompt's attention is bf16 products over the bf16 cache with a float32 softmax,
+    its two halves added in float32 and rounded once, not SDPA: not the same rounding as transformers' layers under
+    autocast, so the check is precision. At every step its hidden states (2 rows per prompt, different tokens) are
+    about as far from the float32 text model's as transformers' layers under the same autocast are (L2 distance,
+    measured 0.99-1.15x on the three architectures; bound 1.5x)."""
     from vlrft.rollout.lean_decode import LeanDecoder
 
     group = 2
@@ -400,7 +401,7 @@ def test_a_shared_prompt_under_autocast_is_as_close_to_float32_as_transformers_l
         for step, hidden, expected in _autocast_steps(text_model, lean, caches, mask[rows], positions[:, rows, -1:]):
             transformers_gap = (expected["fp32"] - expected["bf16"]).norm()
             assert transformers_gap > 1e-3, "autocast changed nothing: the comparison would prove nothing"
-            assert (hidden - expected["fp32"]).norm() <= 1.25 * transformers_gap, step
+            assert (hidden - expected["fp32"]).norm() <= 1.5 * transformers_gap, step
 
 
 def _held_bytes(decoder, *existing) -> int:

@@ -11,6 +11,7 @@ reads the folder as it reads one `save_pretrained` wrote. A LoRA policy gathers 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -59,7 +60,7 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     if len(parts) > 1:
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                indent=2, sort_keys=True))
-    config = hf_model.config
+    config = copy.deepcopy(hf_model.config)  # what is written, not the training model's own config
     config.architectures = [type(hf_model).__name__.removeprefix("FSDP")]  # fully_shard renames a root's class
     if written is not None:
         config.dtype = written  # as save_pretrained records the weights' dtype

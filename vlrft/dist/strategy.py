@@ -83,7 +83,8 @@ class ModelSource:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     # Modules are added after loading (LoRA adapters): FSDP2 then keeps rank 0's model real (its adapters are
-    # made there) until it is sharded; ZeRO-3 loads real weights on every rank and broadcasts rank 0's.
+    # made there) until it is sharded. ZeRO-3 does not read it: its base is partitioned at load, the adapters at
+    # deepspeed.initialize (rank 0's broadcast).
     adapters: bool = False
 
 

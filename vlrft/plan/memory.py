@@ -432,7 +432,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         # or attention other than SDPA/eager (`vlrft.rollout.lean_decode.unsupported_reason`; plain LoRA it reads).
         lean = r.lean_decode and not r.compile_decode and m.attn_implementation in ("sdpa", "eager")
         kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
-        if lean and r.n > 1 and d.max_prompt_length >= SHARED_PROMPT_TOKENS:  # each prompt held once for its group
+        # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
+        if lean and r.n > 1 and d.max_prompt_length >= SHARED_PROMPT_TOKENS and not r.tools:
             kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * kv_bytes_per_token(shape, kv_dtype[1])
             what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
                     f"{r.tokens_after_prompt} tokens each")

@@ -287,6 +287,7 @@ def _prefill(backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor, 
         if last is None:
             last = hidden.new_empty(ids.shape[0], hidden.shape[-1])
         last[index] = hidden
+        hidden = None  # a view: it would keep the group's every position alive through the merge
         parts.append((index, [[layer.keys, layer.values] for layer in out.past_key_values.layers]))
         out = None
     merged = DynamicCache()

@@ -192,23 +192,6 @@ class _LayerWeights:
                    layer.post_attention_layernorm, projections(mlp.gate_proj, mlp.up_proj), projections(mlp.down_proj))
 
 
-def _scores(bias: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """bias + scaling * q @ keys.T, batched, in float32 whatever the cache's dtype (as SDPA's kernels keep them)."""
-    if keys.dtype == torch.float32 and q.dtype == torch.float32 and active_autocast_dtype(keys.device) is None:
-        return torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
-    with torch.autocast(keys.device.type, enabled=False):  # q rounded to the cache's dtype, as SDPA takes it
-        return torch.baddbmm(bias.float(), q.float(), keys.float().transpose(1, 2), alpha=scaling)
-
-
-def _float32_bmm(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """probs @ values in float32 (the two parts of an attention are added before one rounding to the cache's dtype,
-    as SDPA rounds its output once)."""
-    if values.dtype == torch.float32 and active_autocast_dtype(values.device) is None:
-        return torch.bmm(probs, values)
-    with torch.autocast(values.device.type, enabled=False):  # probabilities rounded to it too
-        return torch.bmm(probs, values.float())
-
-
 @dataclass
 class _SharedPrompt:
     """Each prompt's keys and values held once for its group of rows (`LeanDecoder(share_prompt=True)`).
@@ -281,15 +264,22 @@ class _SharedPrompt:
             x = x.reshape(prompts * group, kv_heads, per_kv, x.shape[-1])
             return x if self.slots is None else x.index_select(0, self.slots)
 
+        # The products read the cache as it is (under autocast: bf16 operands and results, as transformers' eager
+        # attention computes them); the softmax is float32, and the two halves of the output are added in float32
+        # and rounded once. No float32 copy of any cache is made: the steps stay bound by reading it once.
         grouped = q.view(rows, kv_heads, per_kv, dim)
-        prompt_scores = _scores(self.bias, by_prompt(self._to_places(grouped)), prompt_keys, scaling)
-        own_scores = _scores(bias, grouped.view(rows * kv_heads, per_kv, dim), keys, scaling)
-        scores = torch.cat([by_row(prompt_scores).view(rows * kv_heads, per_kv, prompt_len), own_scores], dim=-1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        prompt_scores = torch.baddbmm(self.bias, by_prompt(self._to_places(grouped)), prompt_keys.transpose(1, 2),
+                                      alpha=scaling)
+        own_scores = torch.baddbmm(bias, grouped.view(rows * kv_heads, per_kv, dim), keys.transpose(1, 2),
+                                   alpha=scaling)
+        scores = torch.cat([by_row(prompt_scores).reshape(rows * kv_heads, per_kv, prompt_len),
+                            own_scores.to(prompt_scores.dtype)], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(keys.dtype)
         prompt_probs, own_probs = probs.split([prompt_len, probs.shape[-1] - prompt_len], dim=-1)
         prompt_probs = self._to_places(prompt_probs.reshape(rows, kv_heads, per_kv, prompt_len))
-        from_prompt = by_row(_float32_bmm(by_prompt(prompt_probs), prompt_values))  # [rows, kv, per_kv, dim]
-        attended = from_prompt.view(rows * kv_heads, per_kv, dim) + _float32_bmm(own_probs, values)
+        from_prompt = by_row(torch.bmm(by_prompt(prompt_probs), prompt_values))  # [rows, kv, per_kv, dim]
+        own = torch.bmm(own_probs, values)
+        attended = from_prompt.reshape(rows * kv_heads, per_kv, dim).float() + own.float()
         return attended.view(rows, -1).to(keys.dtype)
 
 
