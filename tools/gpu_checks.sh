@@ -13,8 +13,8 @@
 # attention per segment vs per segment length (bench/bench_vision_attention.py); 5. the training bench
 # under FSDP2 on one GPU (NCCL, weight sync to the engine); 6. decode rates with ~1.4k-token prompts, each prompt's
 # KV cache held once per group vs copied per row (the shared-prompt CUDA test runs in step 3); 7. with EAGER=1 the
-# training bench again with rollout.cuda_graph_decode=false (eager decode steps). A step that fails or runs out of time is reported and the
-# next one runs; with BUDGET (seconds) a step gets at most the time left, and is skipped under 20 s.
+# training bench again with rollout.cuda_graph_decode=false (eager decode steps). A step that fails or runs out of
+# time is reported and the next one runs; with BUDGET (seconds) a step gets at most the time left, and is skipped under 20 s.
 set -u
 OUT=${OUT:-runs/gpu_checks}
 STEPS=${STEPS:-3}

@@ -6,7 +6,8 @@ lock-step (each tensor gathered collectively) and rank 0 writes each bucket as o
 arrives, then the index, the config and the processor: rank 0 holds one bucket (`SHARD_BYTES`) at a time.
 Names are those `save_pretrained` writes (`PolicyWeights`: transformers' reversion of its in-memory names,
 tied weights once), dtypes the weights' own or the one asked for (`train.hf_model_dtype`), so `from_pretrained`
-reads the folder as it reads one `save_pretrained` wrote. A LoRA policy gathers only its adapter and saves it with PEFT's `save_pretrained`.
+reads the folder as it reads one `save_pretrained` wrote. A LoRA policy gathers only its adapter and saves it
+with PEFT's `save_pretrained`.
 """
 
 from __future__ import annotations

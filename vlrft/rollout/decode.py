@@ -31,6 +31,7 @@ PREFILL_MASK_ELEMENTS = 1 << 26
 # (`LeanDecoder(share_prompt=True)`); shorter ones are copied per row, which takes fewer ops per step.
 SHARED_PROMPT_TOKENS = 128
 
+
 @dataclass
 class DecodedRows:
     """Per completion row: generated ids (stop token included), logprobs and finish reason."""
@@ -320,7 +321,9 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
     Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
     every position (`vlrft.rollout.graph_decode`) and on CUDA are replayed as one CUDA graph; elsewhere
-    those fixed-shape steps run eagerly. `cuda_graph=None`: on a CUDA device only.
+    those fixed-shape steps run eagerly. `cuda_graph=None`: on a CUDA device only. Long prompts of different lengths
+    prefill one length at a time (`_length_groups`), and from SHARED_PROMPT_TOKENS a prompt's KV cache is held once
+    for its group in the lean steps.
     """
     backbone, head = split_head(model)
     device = head.weight.device
