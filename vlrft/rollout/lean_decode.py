@@ -406,16 +406,16 @@ class LeanDecoder:
                 q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
             k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).to(k_cache.dtype).unsqueeze(2))
             v_cache.index_copy_(2, self.slot, v.to(v_cache.dtype).unsqueeze(2))
+            q = self._rotate(q, cos, sin)
             if self.shared:
-                attended = self.shared.attend(index, self._rotate(q, cos, sin),
-                                              k_cache.view(rows * kv_heads, -1, dim)[:, :length],
+                attended = self.shared.attend(index, q, k_cache.view(rows * kv_heads, -1, dim)[:, :length],
                                               v_cache.view(rows * kv_heads, -1, dim)[:, :length], bias, self.scaling)
             elif self.compute_dtype is not None:
-                attended = self._sdpa(self._rotate(q, cos, sin), k_cache[:, :, :length], v_cache[:, :, :length])
+                attended = self._sdpa(q, k_cache[:, :, :length], v_cache[:, :, :length])
             else:
                 keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
                 values = v_cache.view(rows * kv_heads, -1, dim)[:, :length]
-                grouped = self._rotate(q, cos, sin).view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
+                grouped = q.view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
                 scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 attended = torch.bmm(probs, values).view(rows, -1)
