@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
     p.add_argument("--prompt-repeat", type=int, default=1, help="repeat each prompt's question this many times (long "
                    "prompts; adds the variants 'prompt per row' and 'shared prompt', the lean step's prompt KV cache "
-                   "forced either way: by default it is shared from decode.SHARED_PROMPT_TOKENS tokens)")
+                   "forced either way, eagerly and in fixed shapes: by default it is shared from "
+                   "decode.SHARED_PROMPT_TOKENS tokens)")
+    p.add_argument("--skip", default="", help="variants to leave out, separated by ';' (e.g. 'group, static cache'); "
+                   "'generate' is the baseline and stays")
     p.add_argument("--autocast", default=None, help="sample under autocast in this dtype (e.g. bfloat16): the "
                    "trainer's mixed precision on GPUs, float32 weights")
     args = p.parse_args()
@@ -85,10 +88,16 @@ def main() -> None:
     if args.prompt_repeat > 1:  # long prompts: each prompt's KV cache copied per row / held once, whatever its length
         variants["group, lean, prompt per row"] = dict(lean_decode=True, cuda_graph_decode=False)
         variants["group, lean, shared prompt"] = dict(lean_decode=True, cuda_graph_decode=False)
+        variants["group, lean, fixed shapes, prompt per row"] = dict(lean_decode=True, cuda_graph_decode=True)
+        variants["group, lean, fixed shapes, shared prompt"] = dict(lean_decode=True, cuda_graph_decode=True)
     if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
     if args.compile:
         variants["group, static, compiled"] = dict(static_cache=True, compile_decode=True, cuda_graph_decode=False)
+    for name in filter(None, (v.strip() for v in args.skip.split(";"))):
+        if name == "generate" or name not in variants:
+            raise SystemExit(f"--skip {name!r}: not a variant that can be left out ({'; '.join(list(variants)[1:])})")
+        del variants[name]
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]
     print(f"{args.tokens} tokens per completion, {args.prompts} prompts per call, {args.threads} thread(s); "
           f"tokens/s min / median / max over {args.repeats} interleaved repeats")
@@ -126,7 +135,7 @@ def main() -> None:
               "tokens per CPU-second min/median/max, x generate")
         for variant in rates:
             wall, cpu = rates[variant], cpu_rates[variant]
-            print(f"  {variant:<24} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
+            print(f"  {variant:<42} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
                   f"{statistics.median(wall) / base:5.2f}x | {min(cpu):6.0f}/{statistics.median(cpu):6.0f}/"
                   f"{max(cpu):6.0f} {statistics.median(cpu) / cpu_base:5.2f}x")
 
