@@ -267,3 +267,62 @@ def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forwa
     assert shared_grads.keys() == full_grads.keys()
     for name in full_grads:
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
+
+
+def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of_every_weight(monkeypatch):
+    """On GPUs the trainer's forwards run under bf16 autocast over float32 weights. torch's autocast keeps the bf16
+    copy of each weight it casts until its region ends: at the end of a forward, a copy of the whole model (7 GiB for
+    a 3.75 B model; under ZeRO-3 every GPU's copy of every gathered layer). Under gradient checkpointing nothing
+    needs them (the backward recomputes each layer and casts again): the scoring and training forwards' autocast
+    (`precision.forward_autocast`) caches no cast, so each copy lives with its layer. Here on the CPU (the GPUs'
+    mixed-precision path): what the forward leaves alive, beside the copies' weight; values and gradients unchanged."""
+    from _live_bytes import LiveBytes
+
+    from vlrft.models import precision
+    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from vlrft.vision import VisualBatch
+
+    monkeypatch.setenv(precision.CPU_MIXED_PRECISION_ENV, "1")
+    spec = TinySpec(arch="qwen2_vl", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                    intermediate_size=1024, vocab_size=512)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    model = build_tiny_model(spec, tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    copies = 2 * sum(p.numel() for p in split_head(model)[0].language_model.layers.parameters())  # bf16 bytes
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(20, 400, (24,), generator=generator).tolist()
+    completions = [torch.randint(20, 400, (8,), generator=generator).tolist() for _ in range(4)]
+    seqs = build_sequences([prompt], VisualBatch.empty(1, 2), completions, [0] * 4, tokenizer.pad_token_id)
+
+    def forward(autocast, grad: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grad), LiveBytes() as live:
+            with autocast:
+                out = actor.logprobs(seqs)
+                held = live.current  # the forward's end, still inside the autocast region
+            if grad:
+                out.logprobs.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return held, out.logprobs.detach(), grads
+
+    device = torch.device("cpu")
+    for grad in (True, False):
+        held, logprobs, grads = forward(precision.forward_autocast(device, "bfloat16", gradient_checkpointing=True),
+                                        grad)
+        cached_held, cached_logprobs, cached_grads = forward(precision.autocast(device, "bfloat16"), grad)
+        assert cached_held > 0.95 * copies  # what the measure sees with the cache: every layer's copy (norms aside)
+        assert held < 0.2 * copies, (grad, held, copies)
+        assert torch.equal(logprobs, cached_logprobs)
+        assert len(grads) == len(cached_grads) and (len(grads) > 0) == grad
+        # one cast per use (the prompt and completion passes) sums their gradients in float32, the cached cast in
+        # bf16 first: the same gradients up to bf16 rounding
+        assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item()) for a, b in zip(grads, cached_grads))
+    # without checkpointing autograd keeps each copy for the backward: the cache stays (one copy per weight)
+    assert torch.is_autocast_cache_enabled()
+    with precision.forward_autocast(device, "bfloat16", gradient_checkpointing=False):
+        assert torch.is_autocast_cache_enabled()
+    with precision.forward_autocast(device, "bfloat16", gradient_checkpointing=True):
+        assert not torch.is_autocast_cache_enabled()

@@ -101,3 +101,34 @@ def test_under_autocast_recomputed_chunks_give_autograds_gradients(monkeypatch):
     for got, want in zip(*results):
         assert got.dtype == want.dtype == torch.float32
         assert (got - want).norm() <= 0.005 * want.norm()
+
+
+def test_under_autocast_without_its_cast_cache_the_head_is_cast_once_per_pass():
+    """Under gradient checkpointing the trainer's autocast caches no weight cast (`precision.forward_autocast`), so a
+    matmul per chunk would cast the whole [vocab, hidden] head again for every chunk of ~110 tokens (152k rows):
+    token_logprobs casts it once for the forward and once for the recomputing backward, whatever the chunk count.
+    Values and gradients equal those under autocast's own cached casts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HeadCasts(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    head, hidden, targets = _case(tokens=200, vocab=3000, width=64)
+    results = []
+    for cache in (False, True):
+        for budget in (16 * 3000, 10**9):  # 13 chunks recomputed in backward (_ChunkedHead); kept for autograd
+            with HeadCasts(tuple(head.weight.shape)) as casts:
+                with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+                    lp, ent = token_logprobs(hidden, head, targets, max_chunk_elements=budget, chunk_tokens=16)
+                grads = torch.autograd.grad(lp.sum() + ent.mean(), (hidden, head.weight))
+            assert casts.count <= 2, (cache, budget, casts.count)
+            results.append((lp, ent, *grads))
+    for uncached, cached in zip(results[:2], results[2:]):
+        assert all(torch.equal(a, b) for a, b in zip(uncached, cached))

@@ -171,6 +171,25 @@ def test_checkpointing_micro_batch_and_engine_fraction_move_the_figures():
     assert engine.phase_total("rollout") - base.phase_total("rollout") == pytest.approx(0.3 * 80 * GiB, abs=1)
 
 
+def test_without_checkpointing_the_bf16_copies_autocast_keeps_for_the_backward_are_counted():
+    """Float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is saved for the backward (the whole
+    model's, ZeRO-3's gathered layers too); under gradient checkpointing one layer's at a time, and FSDP2 gathers
+    bf16 weights (no copies). A frozen vision tower passes no gradient: its copies are not kept."""
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    cfg = load_config(CONFIG_7B, validate=False)
+    no_ckpt = replace(cfg, model=replace(cfg.model, gradient_checkpointing=False))
+    n = shape.num_parameters
+    for choice in (StrategyChoice("ddp"), StrategyChoice("deepspeed", zero_stage=3)):
+        assert plan_memory(no_ckpt, shape, Hardware(), choice).component("weight_casts") == 2 * n
+        assert plan_memory(cfg, shape, Hardware(), choice).component("weight_casts") == 0
+    assert plan_memory(no_ckpt, shape, Hardware(), StrategyChoice("fsdp2")).component("weight_casts") == 0
+    assert plan_memory(no_ckpt, shape, Hardware(), StrategyChoice("ddp", mixed_precision=False)
+                       ).component("weight_casts") == 0
+    frozen = replace(no_ckpt, model=replace(no_ckpt.model, freeze_vision_tower=True))
+    assert plan_memory(frozen, shape, Hardware(), StrategyChoice("ddp")).component("weight_casts") == \
+        2 * (n - shape.count("vision"))
+
+
 def test_with_tools_the_plan_counts_a_whole_trajectory_after_the_prompt():
     """Multi-turn rows hold the prompt plus up to rollout.max_trajectory_tokens: the training activations and the
     engine's longest sequence are counted at that length, not at prompt + max_new_tokens."""

@@ -32,6 +32,16 @@ def chunk_tokens_for(vocab_size: int, chunk_tokens: int = 1024, max_chunk_elemen
     return max(1, min(chunk_tokens, max_chunk_elements // max(vocab_size, 1)))
 
 
+def _in_compute_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias as autocast's matmuls read them (`dtype`: the active autocast's, or None), cast once
+    for all chunks: with autocast's cast cache off (`vlrft.models.precision.forward_autocast`) each chunk's matmul
+    would cast the whole [vocab, hidden] weight again."""
+    if dtype is None or weight.dtype != torch.float32:
+        return weight, bias
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
            inv_temperature: float, suppressed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temperature
@@ -79,12 +89,14 @@ class _ChunkedHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, inv_temperature, suppressed, step):
-        parts = [_lean_chunk(hidden[start:start + step], weight, bias, targets[start:start + step], inv_temperature,
+        dtype = active_autocast_dtype(hidden.device)
+        w, b = _in_compute_dtype(weight, bias, dtype)
+        parts = [_lean_chunk(hidden[start:start + step], w, b, targets[start:start + step], inv_temperature,
                              suppressed) for start in range(0, hidden.shape[0], step)]
+        del w, b
         logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
         ctx.inv_temperature, ctx.step = inv_temperature, step
-        dtype = active_autocast_dtype(hidden.device)
         ctx.autocast = (hidden.device.type, dtype) if dtype is not None else None
         return logprobs, entropy
 
@@ -96,10 +108,11 @@ class _ChunkedHead(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias and bias is not None else None
         with torch.autocast(*ctx.autocast) if ctx.autocast else contextlib.nullcontext():
+            w, b = _in_compute_dtype(weight, bias, ctx.autocast[1] if ctx.autocast else None)
             for start in range(0, hidden.shape[0], ctx.step):
                 end = min(start + ctx.step, hidden.shape[0])
                 h = hidden[start:end]
-                log_p = _scaled_logits(h, weight, bias, ctx.inv_temperature, suppressed)
+                log_p = _scaled_logits(h, w, b, ctx.inv_temperature, suppressed)
                 log_p.sub_(log_norm[start:end, None])
                 p = log_p.exp()
                 if suppressed is not None:
@@ -115,7 +128,7 @@ class _ChunkedHead(torch.autograd.Function):
                     grad_z.mul_(ctx.inv_temperature)
                 grad_z = grad_z.to(weight.dtype)
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = grad_z @ weight  # under autocast a bf16 matmul, as autograd's
+                    grad_hidden[start:end] = grad_z @ w  # under autocast a bf16 matmul, as autograd's
                 if grad_weight is not None and grad_weight.dtype == grad_z.dtype and ctx.autocast is None:
                     grad_weight.addmm_(grad_z.t(), h.to(weight.dtype))  # in place: no [vocab, hidden] temporary
                 elif grad_weight is not None:
@@ -152,6 +165,7 @@ def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torc
     if torch.is_grad_enabled() and hidden.shape[0] * weight.shape[0] > max_chunk_elements:
         return _ChunkedHead.apply(hidden, weight, bias, targets, inv_t, suppressed, step)
     compute = _chunk if torch.is_grad_enabled() else _lean_chunk  # small enough to keep for autograd, or no grad
+    weight, bias = _in_compute_dtype(weight, bias, active_autocast_dtype(hidden.device))  # a cast autograd follows
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], step):
         lp, ent = compute(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed)[:2]

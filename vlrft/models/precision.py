@@ -37,9 +37,29 @@ def compute_dtype(device: torch.device, model_dtype: str) -> torch.dtype:
     return torch.float32
 
 
-def autocast(device: torch.device, model_dtype: str) -> contextlib.AbstractContextManager:
-    """The forward's mixed precision: autocast in `compute_dtype`, or nothing where that is float32."""
+def autocast(device: torch.device, model_dtype: str, cache_casts: bool = True) -> contextlib.AbstractContextManager:
+    """The forward's mixed precision: autocast in `compute_dtype`, or nothing where that is float32.
+
+    `cache_casts`: autocast keeps the low-precision copy of every float32 weight it casts until the
+    region ends (torch's cast cache), so a forward over the whole model holds 2 bytes per parameter
+    of copies at its end. Worth it where those copies are kept anyway (saved for the backward) and
+    reused (generation casts once for all its steps); not under gradient checkpointing, where the
+    backward recomputes each layer and casts again (`forward_autocast`).
+    """
     dtype = compute_dtype(device, model_dtype)
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache_casts)
+
+
+def forward_autocast(device: torch.device, model_dtype: str, gradient_checkpointing: bool
+                     ) -> contextlib.AbstractContextManager:
+    """The mixed precision of the trainer's scoring and training forwards (not generation's).
+
+    Under gradient checkpointing no weight cast is cached: each layer's copy is freed with the layer,
+    instead of every layer's copy held to the end of the forward (2 bytes per parameter: 7 GiB for
+    a 3.75 B model; under ZeRO-3 or FSDP2 without its own mixed precision, the whole model's gathered
+    weights on every GPU). Without checkpointing autograd keeps each copy for the backward anyway,
+    and the cache lets the shared-prompt forward's two passes keep one copy instead of two.
+    """
+    return autocast(device, model_dtype, cache_casts=not gradient_checkpointing)

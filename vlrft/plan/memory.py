@@ -421,6 +421,13 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     comps.append(Component("activations", acts, train,
                            f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
                            f"{'on' if m.gradient_checkpointing else 'off'}"))
+    if strategy.mixed_precision and not m.gradient_checkpointing and strategy.name != "fsdp2":
+        # float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is kept for the backward (ZeRO-3's
+        # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
+        cast = params - (shape.count("vision") if m.freeze_vision_tower else 0)
+        comps.append(Component("weight_casts", 2 * cast, train,
+                               "bf16 copies of the float32 weights, made by autocast and kept for the backward "
+                               "(model.gradient_checkpointing: true keeps one layer's at a time)"))
     comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     kv_avail = kv_needed = None

@@ -319,7 +319,12 @@ class Trainer:
         return self.strategy.all_reduce(tensor, "max")
 
     def autocast(self):
+        """Generation's mixed precision (weight casts cached for all the decode steps)."""
         return precision.autocast(self.device, self.cfg.model.dtype)
+
+    def forward_autocast(self):
+        """The scoring and training forwards' mixed precision (`precision.forward_autocast`)."""
+        return precision.forward_autocast(self.device, self.cfg.model.dtype, self.cfg.model.gradient_checkpointing)
 
     @contextlib.contextmanager
     def timer(self, name: str):
@@ -340,7 +345,7 @@ class Trainer:
 
     def _batching(self) -> Batching:
         return Batching(self.tokens.pad_id, self.device, self.cfg.train.micro_batch_completions_per_rank,
-                        self.autocast, max_tokens=self.cfg.train.max_tokens_per_micro_batch,
+                        self.forward_autocast, max_tokens=self.cfg.train.max_tokens_per_micro_batch,
                         share_prompts=self.actor.share_prompts, message=self.message,
                         split_widths=not self.strategy.balances_vision_calls,  # as ActorVL._width_classes
                         agree_count=self.max_count if self.strategy.world_size > 1 else None)
