@@ -24,6 +24,13 @@ class LiveBytes(TorchDispatchMode):
                 self._track(tensor.untyped_storage())
         return out
 
+    def ignore(self, *tensors: torch.Tensor) -> "LiveBytes":
+        """Never count these tensors' storages (made before the mode; views of them and in-place ops on them return
+        them again)."""
+        for tensor in tensors:
+            self._live.setdefault(tensor.untyped_storage().data_ptr(), 0)
+        return self
+
     def _track(self, storage) -> None:
         key, size = storage.data_ptr(), storage.nbytes()
         if key in self._live or size == 0:

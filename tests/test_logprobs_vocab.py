@@ -1,5 +1,7 @@
 """Chunked LM-head logprobs with large vocabularies: same values and gradients, no whole [tokens, vocab] tensor."""
 
+from types import SimpleNamespace
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -132,3 +134,28 @@ def test_under_autocast_without_its_cast_cache_the_head_is_cast_once_per_pass():
             results.append((lp, ent, *grads))
     for uncached, cached in zip(results[:2], results[2:]):
         assert all(torch.equal(a, b) for a, b in zip(uncached, cached))
+
+
+def test_the_heads_backward_allocates_what_the_plan_counts_for_it():
+    """The chunked head's backward allocates a float32 [vocab, hidden] gradient (accumulated over the chunks before it
+    reaches .grad) and, under bf16 autocast over float32 weights, the head cast once: `vlrft plan`'s head_backward.
+    Measured (bytes made during the backward, beyond the hidden states' gradient) against it, with the head's .grad
+    already there as from a second micro-batch: at least the planned bytes, and not more than those plus two chunks of
+    logits."""
+    from _live_bytes import LiveBytes
+
+    from vlrft.plan.memory import LOGITS_BYTES_PER_ELEMENT, head_backward_bytes
+
+    head, hidden, targets = _case(tokens=200, vocab=3000, width=64)
+    budget = 16 * 3000  # 13 chunks, recomputed in backward
+    shape = SimpleNamespace(text=SimpleNamespace(vocab_size=3000, hidden_size=64))  # what the plan reads of a model
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = token_logprobs(hidden, head, targets, max_chunk_elements=budget, chunk_tokens=16)
+        (lp.sum() + ent.mean()).backward(retain_graph=True)  # .grad exists, as after a first micro-batch
+        with LiveBytes().ignore(head.weight, head.weight.grad, hidden, hidden.grad) as live:
+            (lp.sum() + ent.mean()).backward()
+        planned = head_backward_bytes(shape, trained=True, float32_weights=autocast)
+        chunk = 16 * 3000 * LOGITS_BYTES_PER_ELEMENT  # the plan's logits component for chunks of 16 tokens
+        assert planned <= live.peak <= planned + chunk, (autocast, planned, live.peak)
+        head.weight.grad = hidden.grad = None

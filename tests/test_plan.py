@@ -190,6 +190,19 @@ def test_without_checkpointing_the_bf16_copies_autocast_keeps_for_the_backward_a
         2 * (n - shape.count("vision"))
 
 
+def test_lora_under_fsdp2_with_the_hf_engine_counts_the_merged_weights_it_decodes_with():
+    """FSDP2 gathers bf16 weights, which the lean step reads in place; a LoRA layer it reads as base weight + delta,
+    a merged bf16 copy of each wrapped text weight per generate call (measured in
+    tests/test_rollout_lean_decode.py). Under DDP that copy is the bf16 cast engine_weights counts already."""
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    cfg = load_config(CONFIG_7B, ["rollout.engine=hf", "model.lora.rank=64"], validate=False)
+    wrapped = sum(t.numel for t in shape.lora_targets(cfg.model.lora.target_modules) if t.part == "text")
+    assert plan_memory(cfg, shape, Hardware(), StrategyChoice("fsdp2")).component("engine_lora_merged") == 2 * wrapped
+    assert plan_memory(cfg, shape, Hardware(), StrategyChoice("ddp")).component("engine_lora_merged") == 0
+    no_lora = load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
+    assert plan_memory(no_lora, shape, Hardware(), StrategyChoice("fsdp2")).component("engine_lora_merged") == 0
+
+
 def test_with_tools_the_plan_counts_a_whole_trajectory_after_the_prompt():
     """Multi-turn rows hold the prompt plus up to rollout.max_trajectory_tokens: the training activations and the
     engine's longest sequence are counted at that length, not at prompt + max_new_tokens."""
@@ -552,3 +565,69 @@ def test_the_rows_of_a_group_share_their_prompt_and_videos_count_their_frames():
     assert video.component("activations") > image.component("activations") > shared.component("activations")
     assert "0 image(s) and 1 video(s) per prompt: 32768 vision patches" in next(
         c.note for c in video.components if c.name == "activations")
+
+
+def test_the_shared_prompt_forwards_keys_values_and_their_gradients_are_counted_per_prompt_token():
+    """Under gradient checkpointing the shared-prompt forward keeps every layer's prompt keys and values (the
+    completion pass reads them) and, through the completion pass's backward, their gradients. Measured as the
+    growth of the peak of forward + backward with the prompt's length: for a model whose keys and values are as
+    wide as its hidden states the layer-input and replay terms alone fall short; with `prompt_kv` the plan covers it."""
+    from _live_bytes import LiveBytes
+
+    from vlrft.batch import build_sequences
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from vlrft.plan.memory import activation_bytes, prompt_kv_bytes
+    from vlrft.vision import VisualBatch
+
+    spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=12, num_heads=8, num_kv_heads=8,
+                    intermediate_size=512, vocab_size=512)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    model = build_tiny_model(spec, tokenizer)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    shape = shape_from_config(model.config.to_dict())
+    generator = torch.Generator().manual_seed(0)
+    peaks = {}
+    for length in (256, 1024):
+        prompt = torch.randint(20, 400, (length,), generator=generator).tolist()
+        completions = [torch.randint(20, 400, (4,), generator=generator).tolist() for _ in range(2)]
+        seqs = build_sequences([prompt], VisualBatch.empty(1, 2), completions, [0, 0], tokenizer.pad_token_id)
+        with LiveBytes() as live:
+            actor.logprobs(seqs).logprobs.sum().backward()
+        peaks[length] = live.peak
+        model.zero_grad(set_to_none=True)
+    measured = peaks[1024] - peaks[256]
+    layers = activation_bytes(shape, 1024, 0, True, 4) - activation_bytes(shape, 256, 0, True, 4)
+    kv = prompt_kv_bytes(shape, 1024, True, 4, 4) - prompt_kv_bytes(shape, 256, True, 4, 4)
+    assert layers < measured <= layers + kv, (layers, measured, kv)
+
+
+def test_a_generate_call_of_the_hf_engine_stays_within_the_plans_rollout_figures(tiny_vlm_dir, monkeypatch):
+    """What a decode call allocates beyond the weights (the prefill of all the rank's prompts in one call, a layer's
+    activations at a time; the KV cache; the decode steps), measured on a tiny model, against the plan's hf-engine
+    components for the same numbers: the KV cache alone falls short of it (the prefill's activations are most of
+    it), the KV cache and the prefill cover it. The weights are read in place, as on a GPU (no CPU packing)."""
+    from _live_bytes import LiveBytes
+    from _rollout_helpers import engine_setup
+
+    from vlrft.data import Sample
+    from vlrft.rollout import SamplingParams, lean_decode
+    from vlrft.rollout.hf import HFEngine
+
+    monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
+    samples = [Sample(id=str(i), prompt=f"Question {i}: describe the shape. " * 24) for i in range(4)]
+    processor, model, tokens, batch = engine_setup(tiny_vlm_dir("qwen2_vl"), samples)
+    longest, group, new = max(len(ids) for ids in batch.prompt_ids), 4, 16
+    engine = HFEngine(lambda: model, processor, tokens, max_batch_prompts=len(samples))
+    with torch.no_grad(), LiveBytes().ignore(*model.parameters()) as live:
+        engine.generate(batch, SamplingParams(n=group, max_new_tokens=new, min_new_tokens=new, temperature=1.0))
+    cfg = load_config(CONFIG_7B, ["rollout.engine=hf", f"rollout.n={group}", f"rollout.max_new_tokens={new}",
+                                  f"rollout.global_batch_completions={group * len(samples)}",
+                                  f"data.max_prompt_length={longest}"], validate=False)
+    plan = plan_memory(cfg, shape_from_config(model.config.to_dict()), Hardware(gpus_per_node=1),
+                       StrategyChoice("single", mixed_precision=False), images_per_prompt=0)
+    kv, prefill = plan.component("engine_kv_cache"), plan.component("engine_prefill")
+    assert kv < live.peak <= kv + prefill, (kv, prefill, live.peak)

@@ -593,3 +593,32 @@ def test_cuda_graph_decoding_of_shared_prompts_under_bf16_autocast_equals_the_sa
     assert captures == [torch.bfloat16]
     monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)
     _assert_same(replayed, run(), atol=1e-3)
+
+
+def test_lora_weights_merged_for_decoding_are_what_the_plan_counts(setup):
+    """Where the weights are in the compute dtype already (FSDP2 gathers them in bf16) the lean step reads plain layers
+    in place, but a LoRA layer as its base weight plus the adapters' delta: a merged copy of each wrapped text weight
+    for the decode call, which `vlrft plan` counts (engine_lora_merged; elsewhere the bf16 cast it already counts
+    holds it). Measured: what building the decoder allocates, with LoRA minus without."""
+    import copy
+
+    from _live_bytes import LiveBytes
+
+    from vlrft.plan import shape_from_config
+    from vlrft.rollout.lean_decode import LeanDecoder
+
+    processor, model, tokens, batch = setup
+    made = {}
+    for lora in (False, True):
+        bf16 = (_adapted(model, target_modules=["all-linear"]) if lora else copy.deepcopy(model)).to(torch.bfloat16)
+        text_model, out, mask, positions = _prefill((processor, bf16, tokens, batch))
+        rows = torch.arange(len(mask)).repeat_interleave(2)
+        with torch.no_grad(), LiveBytes().ignore(*bf16.parameters()) as live:
+            decoder = LeanDecoder(text_model, out.past_key_values, rows, mask[rows], positions[0, rows, -1],
+                                  max_new_tokens=4)
+            made[lora] = live.current
+        del decoder
+    shape = shape_from_config(model.config.to_dict())
+    wrapped = sum(t.numel for t in shape.lora_targets(["all-linear"]) if t.part == "text")
+    planned = 2 * wrapped  # bf16
+    assert planned <= made[True] - made[False] <= 1.1 * planned, (planned, made)

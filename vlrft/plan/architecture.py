@@ -106,18 +106,16 @@ class ModelShape:
     def largest_layer(self) -> int:
         return max(n for name, n in self.blocks().items() if name != "root")
 
+    def lora_targets(self, target_modules: list[str], exclude_vision: bool = False) -> list[Tensor]:
+        """The weights of the linear layers LoRA wraps ("all-linear": all but lm_head); `exclude_vision`
+        (model.freeze_vision_tower): none in the vision tower."""
+        return [t for t in self.tensors()
+                if t.is_linear_weight and t.name != "lm_head.weight" and not (exclude_vision and t.part == "vision")
+                and (target_modules == ["all-linear"] or t.name.rsplit(".", 2)[-2] in target_modules)]
+
     def lora_parameters(self, rank: int, target_modules: list[str], exclude_vision: bool = False) -> int:
-        """LoRA adapter parameters: rank * (in + out) per targeted linear layer ("all-linear": all but lm_head);
-        `exclude_vision` (model.freeze_vision_tower): none in the vision tower."""
-        total = 0
-        for t in self.tensors():
-            if not t.is_linear_weight or t.name == "lm_head.weight" or (exclude_vision and t.part == "vision"):
-                continue
-            module = t.name.rsplit(".", 2)[-2]
-            if target_modules == ["all-linear"] or module in target_modules:
-                out_features, in_features = t.shape
-                total += rank * (in_features + out_features)
-        return total
+        """LoRA adapter parameters: rank * (in + out) per targeted linear layer (`lora_targets`)."""
+        return sum(rank * (t.shape[0] + t.shape[1]) for t in self.lora_targets(target_modules, exclude_vision))
 
 
 def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:

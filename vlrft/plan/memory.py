@@ -179,6 +179,26 @@ def activation_bytes(shape: ModelShape, tokens: int, patches: int, checkpointing
     return text + vision
 
 
+def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, checkpointing: bool, key_bytes: int, value_bytes: int
+                    ) -> int:
+    """The shared-prompt forward's record of every layer's prompt keys and values, and their gradients.
+
+    The completion pass reads every layer's prompt keys/values, and their gradients reach the prompt pass only after
+    the completion pass's whole backward: both are alive for all layers at once. Under checkpointing that comes on
+    top of the layer inputs; without it the records are among a layer's activations, and only the gradients count.
+    Keys follow the residual stream's dtype (float32 under autocast over float32 weights), values the compute dtype.
+    """
+    per_token = shape.text.num_layers * shape.text.kv_dim * (key_bytes + value_bytes)
+    return prompt_tokens * per_token * (2 if checkpointing else 1)
+
+
+def head_backward_bytes(shape: ModelShape, trained: bool, float32_weights: bool) -> int:
+    """What the chunked LM head's backward (`vlrft.models.logprobs`) allocates beside the model's own gradients: the
+    head's float32 gradient accumulated over the chunks (when the head trains) and, for bf16 products over float32
+    weights, the head cast once."""
+    return shape.text.vocab_size * shape.text.hidden_size * ((4 if trained else 0) + (2 if float32_weights else 0))
+
+
 def chunk_tokens(shape: ModelShape) -> int:
     """Tokens per LM-head chunk, as vlrft.models.logprobs.chunk_tokens_for picks them."""
     return max(1, min(LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_ELEMENTS // max(shape.text.vocab_size, 1)))
@@ -402,6 +422,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         vision = min(prompts * patches, tokens * shape.vision.spatial_merge_size ** 2)
         what = f"token budget {tokens} tokens per micro-batch (train.max_tokens_per_micro_batch)"
         completion_tokens = tokens  # short completions of many rows can fill the budget
+        prompt_tokens = min(prompts * d.max_prompt_length, tokens)
         rows = min(prompts * r.n, tokens)  # at most the rank's rows, one token each at least
     else:
         # The shared-prompt forward runs each distinct prompt once and the rows' completions after it; a micro-batch's
@@ -413,6 +434,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         what = (f"micro-batch of {rows} rows: {prompts} prompt(s) of {d.max_prompt_length} tokens, once each, and "
                 f"{rows} x {r.tokens_after_prompt} after them")
         completion_tokens = rows * r.tokens_after_prompt
+        prompt_tokens = prompts * d.max_prompt_length
     # the rows' copies of their prompt's keys (float32 under autocast) and values, made in each layer's call: one
     # layer's at a time under gradient checkpointing, every layer's kept for the backward without it
     copies = rows * d.max_prompt_length * shape.text.kv_dim * (4 + hi) * \
@@ -421,6 +443,17 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     comps.append(Component("activations", acts, train,
                            f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
                            f"{'on' if m.gradient_checkpointing else 'off'}"))
+    float32_weights = strategy.mixed_precision and strategy.name != "fsdp2"  # bf16 matmuls over float32 weights
+    comps.append(Component("prompt_kv", prompt_kv_bytes(shape, prompt_tokens, m.gradient_checkpointing,
+                                                        4 if float32_weights else hi, hi), train,
+                           f"the micro-batch's prompt tokens' keys and values, every layer's"
+                           f"{', and their gradients' if m.gradient_checkpointing else ' gradients'}"))
+    if strategy.name != "fsdp2":  # FSDP2 counts the LM head's gathered weight and gradient in gathered_layers
+        head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights)
+        if head_bytes:
+            comps.append(Component("head_backward", head_bytes, train,
+                                   "the LM head's backward over the logits chunks: its float32 gradient, accumulated "
+                                   "before it reaches .grad" + (", and the head in bf16" if float32_weights else "")))
     if strategy.mixed_precision and not m.gradient_checkpointing and strategy.name != "fsdp2":
         # float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is kept for the backward (ZeRO-3's
         # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
@@ -451,6 +484,21 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
+        if lean and m.lora.rank > 0 and (strategy.name == "fsdp2" or not strategy.mixed_precision):
+            # the lean step reads a LoRA layer as its base weight plus the adapters' delta: a merged copy per generate
+            # call (elsewhere that copy is the bf16 cast engine_weights counts)
+            wrapped = sum(t.numel for t in shape.lora_targets(m.lora.target_modules, m.freeze_vision_tower)
+                          if t.part == "text")
+            comps.append(Component("engine_lora_merged", hi * wrapped, rollout,
+                                   "hf engine: the LoRA layers' weights with their adapters merged, for each generate call"))
+        # the prefill of all the rank's prompts in one call: one layer's activations at a time, of the vision tower's
+        # patches or of the text layers' tokens
+        t, v = shape.text, shape.vision
+        text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size, hi)
+        vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size, hi)
+        prefill = max(prompts * d.max_prompt_length * text_layer, prompts * patches * vision_layer)
+        comps.append(Component("engine_prefill", prefill, rollout,
+                               f"hf engine: the prefill of the rank's {prompts} prompts in one call, a layer at a time"))
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         weights = 2 * params // r.tensor_parallel_size
