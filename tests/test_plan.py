@@ -128,10 +128,10 @@ def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision
     SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group (not with tools: later turns decode
     each row alone); transformers' layers keep float32 keys and every row's copy of its prompt."""
     from vlrft.config import ToolConfig
-    from vlrft.plan.memory import SHARED_PROMPT_TOKENS
+    from vlrft.plan.memory import PREFILL_TOKENS, SHARED_PROMPT_TOKENS
     from vlrft.rollout import decode
 
-    assert SHARED_PROMPT_TOKENS == decode.SHARED_PROMPT_TOKENS
+    assert SHARED_PROMPT_TOKENS == decode.SHARED_PROMPT_TOKENS and PREFILL_TOKENS == decode.PREFILL_TOKENS
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     hw, cfg = Hardware(), load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
     prompts = cfg.prompts_per_step // hw.world_size

@@ -491,6 +491,31 @@ def test_ragged_prompts_prefilled_one_length_at_a_time_sample_what_one_padded_pr
             break  # the transformers layers never share a prompt
 
 
+def test_a_call_prefills_its_prompts_a_token_budget_at_a_time(setup, monkeypatch):
+    """A decode call takes all the rank's prompts; their prefill holds a layer's activations of every token it runs,
+    so above PREFILL_TOKENS padded tokens it runs in groups (longest first, each padded to its own longest), their
+    caches merged: the same ids and logprobs as one call, no call over the budget but a prompt longer than it."""
+    _, model, _, batch = setup
+    backbone, _ = split_head(model)
+    calls = []
+    forward = type(backbone).forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(tuple(kwargs["input_ids"].shape))
+        return forward(self, *args, **kwargs)
+
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, stop_token_ids=list(range(40, 80)))
+    one_call = _run(setup, sampling, lean=True)
+    lengths = sorted(len(ids) for ids in batch.prompt_ids)
+    budget = lengths[-1] + lengths[0]  # the longest prompt with the shortest, not with the middle one
+    monkeypatch.setattr(decode_module, "PREFILL_TOKENS", budget)
+    monkeypatch.setattr(type(backbone), "forward", counted)
+    _assert_same(_run(setup, sampling, lean=True), one_call)
+    prefills = [shape for shape in calls if shape[1] > 1]
+    assert len(prefills) > 1 and all(rows * width <= max(budget, lengths[-1]) for rows, width in prefills)
+    assert sum(rows for rows, _ in prefills) == len(lengths)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device and none is visible")
 
 

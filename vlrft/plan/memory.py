@@ -39,6 +39,8 @@ LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
 SHARED_PROMPT_TOKENS = 128  # vlrft.rollout.decode's: from this prompt length the hf engine holds a prompt's KV once
+# `vlrft.rollout.decode.PREFILL_TOKENS`: the hf engine prefills a call's prompts this many padded tokens at a time
+PREFILL_TOKENS = 1 << 15
 # "load": before the first step (host memory: the checkpoint read; on the GPU only the reserve then)
 PHASES = ("load", "rollout", "train")
 
@@ -496,9 +498,11 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         t, v = shape.text, shape.vision
         text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size, hi)
         vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size, hi)
-        prefill = max(prompts * d.max_prompt_length * text_layer, prompts * patches * vision_layer)
+        at_once = max(1, min(prompts, PREFILL_TOKENS // max(1, d.max_prompt_length)))  # prompts per prefill call
+        prefill = at_once * max(d.max_prompt_length * text_layer, patches * vision_layer)
         comps.append(Component("engine_prefill", prefill, rollout,
-                               f"hf engine: the prefill of the rank's {prompts} prompts in one call, a layer at a time"))
+                               f"hf engine: the prefill of {at_once} of the rank's {prompts} prompts at once "
+                               f"(rollout prefills {PREFILL_TOKENS} tokens at a time), a layer at a time"))
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         weights = 2 * params // r.tensor_parallel_size

@@ -25,8 +25,12 @@ from vlrft.vision import VisualBatch, mm_token_type_ids
 
 # Prompts of different lengths whose padded prefill would take an attention mask of this many elements or more
 # ([prompts, 1, length, length]: 64 MiB of bool, and SDPA turns it into an additive one per layer call) are prefilled
-# one length at a time, unpadded (`_prefill`). 4 prompts of 16.6k tokens in one call: 1.1 GB of mask.
+# in groups of one length each, unpadded (`_prefill_groups`). 4 prompts of 16.6k tokens in one call: 1.1 GB of mask.
 PREFILL_MASK_ELEMENTS = 1 << 26
+# The prompts of a decode call are prefilled this many (padded) prompt tokens at a time at most: the prefill holds a
+# layer's activations of all the tokens it runs (about 200 KB per token for a 7B model), and a call takes all the
+# rank's prompts. A prompt longer than this runs alone. `vlrft.plan.memory.PREFILL_TOKENS` repeats it.
+PREFILL_TOKENS = 1 << 15
 # Prompts at least this long (padded) are held once per group in the lean decoder's KV cache, not once per row
 # (`LeanDecoder(share_prompt=True)`); shorter ones are copied per row, which takes fewer ops per step.
 SHARED_PROMPT_TOKENS = 128
@@ -248,27 +252,35 @@ def _step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch
     return buffer
 
 
-def _length_groups(mask: torch.Tensor) -> list[torch.Tensor]:
-    """The prompts (rows of the left-padded `mask`) to prefill together: all of them in one call, unless their
-    lengths differ and the padded call's attention mask would reach PREFILL_MASK_ELEMENTS; then one call per length
-    (each unpadded, so attention needs no mask at all)."""
-    prompts, length = mask.shape
-    everyone = [torch.arange(prompts, device=mask.device)]
-    if prompts < 2 or prompts * length * length < PREFILL_MASK_ELEMENTS:
-        return everyone
-    lengths = mask.sum(dim=1)
-    distinct = lengths.unique()
-    if len(distinct) == 1:
-        return everyone
-    return [(lengths == value).nonzero().squeeze(1) for value in distinct]
+def _prefill_groups(mask: torch.Tensor) -> list[torch.Tensor]:
+    """The prompts (rows of the left-padded `mask`) to prefill together, longest first: all in one call, unless that
+    call would run more than PREFILL_TOKENS padded tokens, or prompts of different lengths whose attention mask would
+    reach PREFILL_MASK_ELEMENTS (such a group keeps to one length: unpadded, its attention needs no mask)."""
+    prompts = mask.shape[0]
+    lengths = mask.sum(dim=1).tolist()
+    groups: list[list[int]] = []
+    for prompt in sorted(range(prompts), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else []
+        width = lengths[group[0]] if group else lengths[prompt]  # the group's longest: its first
+        ragged = bool(group) and lengths[prompt] != width
+        count = len(group) + 1
+        if group and (count * width > PREFILL_TOKENS or (ragged and count * width * width >= PREFILL_MASK_ELEMENTS)):
+            group = []
+        if not group:
+            groups.append(group)
+        group.append(prompt)
+    if len(groups) == 1:
+        return [torch.arange(prompts, device=mask.device)]
+    return [torch.tensor(sorted(group), device=mask.device) for group in groups]
 
 
 def _prefill(backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor, positions: torch.Tensor,
              visual: VisualBatch, cache, groups: list[torch.Tensor]):
     """The prompts through the backbone: (each prompt's last hidden state [prompts, hidden], its KV cache).
 
-    One padded call, or one unpadded call per group of `groups` whose caches are then merged into one left-padded
-    dynamic cache (a group's layer at a time), the padding zeros, which the decode steps' masks never attend to.
+    One padded call, or one call per group of `groups`, padded to the group's longest prompt, whose caches are then
+    merged into one left-padded dynamic cache (a group's layer at a time); the decode steps' masks never attend to
+    the padding.
     """
     if len(groups) == 1:
         out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
@@ -280,7 +292,7 @@ def _prefill(backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor, 
     last = None
     parts: list[tuple[torch.Tensor, list]] = []  # (prompts, per layer (keys, values))
     for index in groups:
-        n = int(mask[index[0]].sum())
+        n = int(mask[index].sum(dim=1).max())  # the group's longest prompt
         out = backbone(input_ids=ids[index, -n:], attention_mask=mask[index, -n:], mm_token_type_ids=mm[index, -n:],
                        position_ids=positions[:, index, -n:], use_cache=True,
                        **visual.select(index.tolist()).model_inputs())
@@ -322,7 +334,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
     every position (`vlrft.rollout.graph_decode`) and on CUDA are replayed as one CUDA graph; elsewhere
     those fixed-shape steps run eagerly. `cuda_graph=None`: on a CUDA device only. Long prompts of different lengths
-    prefill one length at a time (`_length_groups`), and from SHARED_PROMPT_TOKENS a prompt's KV cache is held once
+    prefill in groups (`_prefill_groups`), and from SHARED_PROMPT_TOKENS a prompt's KV cache is held once
     for its group in the lean steps.
     """
     backbone, head = split_head(model)
@@ -336,14 +348,14 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
     # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
     autocast_on = active_autocast_dtype(device) is not None
-    by_length = _length_groups(mask)
-    # A ragged batch prefilled by length groups fills a dynamic cache (merged from the groups'), not a static one.
-    static_cache = static_cache and not use_lean and not autocast_on and len(by_length) == 1
+    groups = _prefill_groups(mask)
+    # A batch prefilled in groups fills a dynamic cache (merged from the groups'), not a static one.
+    static_cache = static_cache and not use_lean and not autocast_on and len(groups) == 1
     if static_cache:
         from transformers import StaticCache
 
         cache = StaticCache(config=backbone.config, max_cache_len=prompt_len + max_new)
-    last, prefill_cache = _prefill(backbone, ids, mask, mm, positions, visual, cache, by_length)
+    last, prefill_cache = _prefill(backbone, ids, mask, mm, positions, visual, cache, groups)
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
     hidden = last[rows]
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
