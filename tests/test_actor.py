@@ -276,7 +276,9 @@ def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forwa
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
 
 
-def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of_every_weight(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA variant needs a CUDA device and none is visible"))])
+def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of_every_weight(monkeypatch, device):
     """On GPUs the trainer's forwards run under bf16 autocast over float32 weights. torch's autocast keeps the bf16
     copy of each weight it casts until its region ends: at the end of a forward, a copy of the whole model (7 GiB for
     a 3.75 B model; under ZeRO-3 every GPU's copy of every gathered layer). Under gradient checkpointing nothing
@@ -293,11 +295,12 @@ def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of
     spec = TinySpec(arch="qwen2_vl", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                     intermediate_size=1024, vocab_size=512)
     model, actor, tokenizer = _checkpointed_actor(spec)
+    model.to(device)
     copies = 2 * sum(p.numel() for p in split_head(model)[0].language_model.layers.parameters())  # bf16 bytes
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(20, 400, (24,), generator=generator).tolist()
     completions = [torch.randint(20, 400, (8,), generator=generator).tolist() for _ in range(4)]
-    seqs = build_sequences([prompt], VisualBatch.empty(1, 2), completions, [0] * 4, tokenizer.pad_token_id)
+    seqs = build_sequences([prompt], VisualBatch.empty(1, 2), completions, [0] * 4, tokenizer.pad_token_id).to(device)
 
     def forward(autocast, grad: bool):
         model.zero_grad(set_to_none=True)
@@ -310,7 +313,7 @@ def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         return held, out.logprobs.detach(), grads
 
-    device = torch.device("cpu")
+    device = torch.device(device)
     for grad in (True, False):
         held, logprobs, grads = forward(precision.forward_autocast(device, "bfloat16", gradient_checkpointing=True),
                                         grad)
