@@ -143,6 +143,47 @@ def train_flops(model, prompts: int, prompt_tokens: float, patches: float, compl
     return 3 * forward
 
 
+def watch_phase_peaks(trainer):
+    """Watch the peak CUDA memory allocated in each of the trainer's timed phases ("between" for the rest); returns
+    a function that gives them ({phase: bytes}) so far.
+
+    The trainer's `timer(name)` wraps each phase; here it also resets the allocator's peak on entering and leaving
+    a phase, crediting the peak so far to every phase open at that moment (phases nest: the reward inside the
+    generation), or to "between" when none is."""
+    import contextlib
+
+    import torch
+
+    peaks: dict[str, int] = {}
+    open_phases = ["between"]
+    timer = trainer.timer
+
+    def credit() -> None:
+        reached = torch.cuda.max_memory_allocated(trainer.device)
+        for name in open_phases[1:] or open_phases:  # "between" only outside every phase
+            peaks[name] = max(peaks.get(name, 0), reached)
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+
+    @contextlib.contextmanager
+    def measured(name: str):
+        credit()
+        open_phases.append(name)
+        try:
+            with timer(name):
+                yield
+        finally:
+            credit()
+            open_phases.remove(name)
+
+    def so_far() -> dict[str, int]:
+        credit()
+        return dict(peaks)
+
+    torch.cuda.reset_peak_memory_stats(trainer.device)
+    trainer.timer = measured
+    return so_far
+
+
 def worker(config: str, result: str) -> int:
     import resource
 
@@ -162,8 +203,7 @@ def worker(config: str, result: str) -> int:
     patches = (0 if pixels is None else pixels.shape[0]) / len(probe)  # one pixel_values row per patch
     prompts_per_step = cfg.rollout.global_batch_completions // cfg.rollout.n  # all ranks
     trained = sum(p.numel() for p in trainer.actor.parameters() if p.requires_grad)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
+    phase_peaks = watch_phase_peaks(trainer) if cuda else dict
     steps = []
     for i in range(cfg.train.total_steps):
         metrics = trainer.train_step()
@@ -176,8 +216,8 @@ def worker(config: str, result: str) -> int:
     timed = steps[1:] or steps  # the first step warms up kernels and allocators
     gen_s, train_s = sum(s["generate_s"] for s in timed), sum(s["train_s"] for s in timed)
     train_tokens = sum(s["train_tokens"] for s in timed)
-    peak = torch.cuda.max_memory_allocated(trainer.device) if cuda else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    phases = phase_peaks()
+    peak = max(phases.values(), default=0) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = int(trainer.max_reduce(torch.tensor(float(peak))).item())
     flops = peak_flops(trainer.device)
     memory = torch.cuda.get_device_properties(trainer.device).total_memory if cuda else 80 * 2 ** 30
@@ -194,6 +234,9 @@ def worker(config: str, result: str) -> int:
         "peak_memory_bytes": peak, "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process RSS",
         "plan_train_bytes": plan.phase_total("train"), "plan_rollout_bytes": plan.phase_total("rollout"),
         "plan_bytes": plan.total,
+        # per phase of a step (the trainer's timers: time/generate, time/logprobs, time/train, ...; "between": outside
+        # them), this rank's: what to set beside the plan's rollout and train figures
+        "phase_peak_bytes": phases,
     }
     if trainer.strategy.is_main:
         Path(result).write_text(json.dumps(out, indent=2))
@@ -232,6 +275,10 @@ def table(results: list[dict]) -> str:
         lines.append(f"{r['strategy']:<10}{r['world_size']:>6}{r['rollout_tokens_per_s']:>15.0f}"
                      f"{r['train_tokens_per_s']:>13.0f}{r['train_tflops_per_s']:>9.1f}{mfu:>7}{r['peak_memory_bytes'] / gib:>9.1f}Gi"
                      f"{r['plan_train_bytes'] / gib:>10.1f}Gi{r['plan_bytes'] / gib:>9.1f}Gi")
+        if r.get("phase_peak_bytes"):
+            lines.append("    peak by phase: " + ", ".join(f"{name} {size / gib:.1f}Gi" for name, size in
+                                                         sorted(r["phase_peak_bytes"].items()))
+                         + f" (plan: rollout {r['plan_rollout_bytes'] / gib:.1f}Gi, train {r['plan_train_bytes'] / gib:.1f}Gi)")
     return "\n".join(lines)
 
 
