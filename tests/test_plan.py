@@ -190,19 +190,6 @@ def test_without_checkpointing_the_bf16_copies_autocast_keeps_for_the_backward_a
         2 * (n - shape.count("vision"))
 
 
-def test_lora_under_fsdp2_with_the_hf_engine_counts_the_merged_weights_it_decodes_with():
-    """FSDP2 gathers bf16 weights, which the lean step reads in place; a LoRA layer it reads as base weight + delta,
-    a merged bf16 copy of each wrapped text weight per generate call (measured in
-    tests/test_rollout_lean_decode.py). Under DDP that copy is the bf16 cast engine_weights counts already."""
-    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
-    cfg = load_config(CONFIG_7B, ["rollout.engine=hf", "model.lora.rank=64"], validate=False)
-    wrapped = sum(t.numel for t in shape.lora_targets(cfg.model.lora.target_modules) if t.part == "text")
-    assert plan_memory(cfg, shape, Hardware(), StrategyChoice("fsdp2")).component("engine_lora_merged") == 2 * wrapped
-    assert plan_memory(cfg, shape, Hardware(), StrategyChoice("ddp")).component("engine_lora_merged") == 0
-    no_lora = load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
-    assert plan_memory(no_lora, shape, Hardware(), StrategyChoice("fsdp2")).component("engine_lora_merged") == 0
-
-
 def test_with_tools_the_plan_counts_a_whole_trajectory_after_the_prompt():
     """Multi-turn rows hold the prompt plus up to rollout.max_trajectory_tokens: the training activations and the
     engine's longest sequence are counted at that length, not at prompt + max_new_tokens."""

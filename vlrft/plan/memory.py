@@ -486,13 +486,6 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
-        if lean and m.lora.rank > 0 and (strategy.name == "fsdp2" or not strategy.mixed_precision):
-            # the lean step reads a LoRA layer as its base weight plus the adapters' delta: a merged copy per generate
-            # call (elsewhere that copy is the bf16 cast engine_weights counts)
-            wrapped = sum(t.numel for t in shape.lora_targets(m.lora.target_modules, m.freeze_vision_tower)
-                          if t.part == "text")
-            comps.append(Component("engine_lora_merged", hi * wrapped, rollout,
-                                   "hf engine: the LoRA layers' weights with their adapters merged, for each generate call"))
         # the prefill of all the rank's prompts in one call: one layer's activations at a time, of the vision tower's
         # patches or of the text layers' tokens
         t, v = shape.text, shape.vision

@@ -104,6 +104,15 @@ def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, base.bias
 
 
+def _low_rank(linear: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """A LoRA adapter's active adapters as (A.T, B.T, scaling): its delta on `x` is `scaling * (x @ A.T) @ B.T`, as
+    PEFT computes it (dropout is off in decoding). Empty for a plain Linear."""
+    if not _is_lora(linear):
+        return []
+    return [(linear.lora_A[a].weight.t(), linear.lora_B[a].weight.t(), linear.scaling[a])
+            for a in linear.active_adapters if a in linear.lora_A]
+
+
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Qwen RMSNorm: normalised in float32, cast back, then scaled by the weight."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
@@ -131,15 +140,19 @@ class _Projections:
     """
 
     def __init__(self, linears: list[nn.Module], rows: int, pack: bool, cast: torch.dtype | None = None):
-        weights, biases = zip(*(_weight_and_bias(linear) for linear in linears))
-        self.sizes = [weight.shape[0] for weight in weights]
         self.fold_residual = cast is None  # under autocast transformers adds the residual after the matmul
-        if cast == weights[0].dtype:
+        plain = [linear.base_layer if _is_lora(linear) else linear for linear in linears]
+        if cast == plain[0].weight.dtype:
             cast = None  # already in the compute dtype: read in place
-        self.packed, self.bias, self.views = None, None, []
+        self.packed, self.bias, self.views, self.low_rank = None, None, [], []
+        self.sizes = [linear.weight.shape[0] for linear in plain]
         if not pack and cast is None:
-            self.views = [(weight.t(), bias) for weight, bias in zip(weights, biases)]
+            # read in place, LoRA's delta applied through its two small matrices: no merged copy of the weight
+            # (under FSDP2 the gathered weights are bf16 already, and a copy per layer would be 2 B per parameter)
+            self.views = [(linear.weight.t(), linear.bias) for linear in plain]
+            self.low_rank = [_low_rank(linear) for linear in linears]
             return
+        weights, biases = zip(*(_weight_and_bias(linear) for linear in linears))
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         if any(bias is not None for bias in biases):
             self.bias = torch.cat([bias if bias is not None else weight.new_zeros(size)
@@ -155,10 +168,18 @@ class _Projections:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             outs = [out if residual is None else out.add_(residual)]
         elif residual is not None and not self.fold_residual:
-            outs = [residual + _linear(x, weight_t, bias) for weight_t, bias in self.views]
+            outs = [residual + self._delta(x, _linear(x, weight_t, bias), i) for i, (weight_t, bias) in
+                    enumerate(self.views)]
         else:
-            outs = [_linear(x, weight_t, bias, residual) for weight_t, bias in self.views]
+            outs = [self._delta(x, _linear(x, weight_t, bias, residual), i) for i, (weight_t, bias) in
+                    enumerate(self.views)]
         return list(outs[0].split(self.sizes, dim=-1)) if len(outs) < len(self.sizes) else outs
+
+    def _delta(self, x: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
+        """`out` plus projection `index`'s LoRA deltas on `x` (in the views layout; none elsewhere)."""
+        for a_t, b_t, scaling in self.low_rank[index] if self.low_rank else ():
+            out = out + torch.mm(torch.mm(x, a_t), b_t) * scaling
+        return out
 
 
 def packing_applies(weight: torch.Tensor) -> bool:
