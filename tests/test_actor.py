@@ -274,6 +274,14 @@ def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forwa
     assert shared_grads.keys() == full_grads.keys()
     for name in full_grads:
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
+    # under gradient checkpointing (the trainer checkpoints the critic as it does the policy): the same
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    critic.train()
+    checkpointed, checkpointed_grads, _ = run(True)
+    assert torch.allclose(checkpointed, full, atol=1e-5)
+    for name in full_grads:
+        assert torch.allclose(checkpointed_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -653,3 +653,22 @@ def test_lora_weights_read_in_place_are_not_copied_for_decoding(setup):
     wrapped = sum(m.base_layer.weight.numel() for name, m in bf16.named_modules()
                   if hasattr(m, "base_layer") and ".language_model." in name)
     assert wrapped > 0 and made[True] - made[False] < 0.05 * 2 * wrapped, (made, 2 * wrapped)
+
+
+def test_float32_adapters_on_a_bf16_model_decode_in_place_as_peft_does(setup):
+    """PEFT keeps a bf16 model's adapters in float32 (autocast_adapter_dtype): read in place, the delta is computed
+    in the adapters' dtype and added in the output's, as PEFT's forward does; the lean steps sample what PEFT's
+    layers sample through transformers."""
+    import copy
+
+    _, model, _, _ = setup
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    adapted = apply_lora(bf16, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    for name, parameter in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.5)
+    adapted.eval()
+    assert {p.dtype for n, p in adapted.named_parameters() if "lora_" in n} == {torch.float32}
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=0.0)
+    lean = _run(setup, sampling, lean=True, model=adapted)
+    assert lean.completion_ids == _run(setup, sampling, lean=False, model=adapted).completion_ids

@@ -249,6 +249,8 @@ def test_ppo_with_a_critic_lora_and_gradient_checkpointing_train(tmp_path, tiny_
     trainer = Trainer(cfg)
     lora = {n: p.clone() for n, p in trainer.actor.model.named_parameters() if p.requires_grad}
     assert lora and all("lora_" in n for n in lora)  # only the adapters train
+    # the critic, a second whole model, recomputes its activations too (and so its forward caches no weight casts)
+    assert trainer.critic.actor_like.model.is_gradient_checkpointing and trainer.actor.model.is_gradient_checkpointing
     value_head = trainer.critic.value_head.weight.clone()
     history = trainer.fit()
     assert all(math.isfinite(h["critic/value_loss"]) for h in history)

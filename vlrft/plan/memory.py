@@ -450,16 +450,17 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                                         4 if float32_weights else hi, hi), train,
                            f"the micro-batch's prompt tokens' keys and values, every layer's"
                            f"{', and their gradients' if m.gradient_checkpointing else ' gradients'}"))
-    if strategy.name != "fsdp2":  # FSDP2 counts the LM head's gathered weight and gradient in gathered_layers
-        head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights)
-        if head_bytes:
-            comps.append(Component("head_backward", head_bytes, train,
-                                   "the LM head's backward over the logits chunks: its float32 gradient, accumulated "
-                                   "before it reaches .grad" + (", and the head in bf16" if float32_weights else "")))
+    head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights)
+    if head_bytes:  # under FSDP2 too: beside the gathered root's weight and gradient (gathered_layers)
+        comps.append(Component("head_backward", head_bytes, train,
+                               "the LM head's backward over the logits chunks: its float32 gradient, accumulated "
+                               "before it reaches .grad" + (", and the head in bf16" if float32_weights else "")))
     if strategy.mixed_precision and not m.gradient_checkpointing and strategy.name != "fsdp2":
         # float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is kept for the backward (ZeRO-3's
         # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
-        cast = params - (shape.count("vision") if m.freeze_vision_tower else 0)
+        # not the embeddings (a lookup) nor the LM head (the chunked head keeps its float32 weight for the backward)
+        head_and_embeddings = shape.text.vocab_size * shape.text.hidden_size * (1 if shape.tie_word_embeddings else 2)
+        cast = params - head_and_embeddings - (shape.count("vision") if m.freeze_vision_tower else 0)
         comps.append(Component("weight_casts", 2 * cast, train,
                                "bf16 copies of the float32 weights, made by autocast and kept for the backward "
                                "(model.gradient_checkpointing: true keeps one layer's at a time)"))

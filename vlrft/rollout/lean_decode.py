@@ -178,7 +178,8 @@ class _Projections:
     def _delta(self, x: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
         """`out` plus projection `index`'s LoRA deltas on `x` (in the views layout; none elsewhere)."""
         for a_t, b_t, scaling in self.low_rank[index] if self.low_rank else ():
-            out = out + torch.mm(torch.mm(x, a_t), b_t) * scaling
+            # in the adapter's dtype (PEFT keeps float32 adapters on a bf16 model), back in the output's
+            out = out + (torch.mm(torch.mm(x.to(a_t.dtype), a_t), b_t) * scaling).to(out.dtype)
         return out
 
 

@@ -275,6 +275,9 @@ class Trainer:
             return None, None, None
         cfg = self.cfg.model
         model = self.strategy.load_model(self._source(cfg.critic_path or cfg.path, "float32"), trainable=True)
+        if cfg.gradient_checkpointing:  # as the policy: a whole second model's activations would not be recomputed
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
         critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id)
         critic.value_head.to(self.device)
         critic.train()
