@@ -134,8 +134,9 @@ class _Projections:
     Packed (CPU, float32): the weights concatenated and reordered once into oneDNN's layout for
     matmuls of `rows` rows (the op inductor's CPU weight freezing uses), one matmul for all; a copy
     of the weights, rebuilt for every decode call since training changes them. Cast (`cast`, under
-    autocast, weights in another dtype): concatenated and cast once, one matmul. Else the model's
-    own weights as transposed views, one matmul each, nothing copied. Under autocast a residual is
+    autocast, weights in another dtype): concatenated and cast once, one matmul (a LoRA layer's delta
+    merged into the copy). Else the model's own weights as transposed views, one matmul each, nothing
+    copied (a LoRA layer's delta through its adapters' two small matrices). Under autocast a residual is
     added after the matmul, in float32, as transformers does; otherwise it is folded into the matmul.
     """
 
