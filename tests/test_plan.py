@@ -223,12 +223,19 @@ def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
     rows_per_mb = cfg.train.micro_batch_completions_per_rank
     prompts = min(rows_per_mb, -(-rows_per_mb // cfg.rollout.n) + 1)
     full = prompts * cfg.data.max_prompt_length + rows_per_mb * cfg.rollout.max_new_tokens
+    from vlrft.plan.memory import completion_pass_bytes
+
     rows = plan_memory(cfg, shape, hw, fsdp, images_per_prompt=0)
-    per_row_copy = cfg.data.max_prompt_length * shape.text.kv_dim * (4 + 2)  # one layer: checkpointing is on
+    prompt_len, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     rank_rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
-    assert budget(full, 0).component("activations") - rank_rows * per_row_copy == \
-        rows.component("activations") - rows_per_mb * per_row_copy
-    assert budget(4 * seq_len, 0).component("activations") > 1.9 * budget(2 * seq_len, 0).component("activations")
+    assert budget(full, 0).component("activations") - completion_pass_bytes(
+        shape, rank_rows, prompt_len, full, new, True, 2) == rows.component("activations") - completion_pass_bytes(
+        shape, rows_per_mb, prompt_len, rows_per_mb * new, new, True, 2)
+    def by_tokens(tokens):  # the part that grows with the budget (the rows' prompt copies are the rank's rows')
+        return budget(tokens, 0).component("activations") - completion_pass_bytes(
+            shape, rank_rows, prompt_len, tokens, new, True, 2)
+
+    assert by_tokens(4 * seq_len) > 1.9 * by_tokens(2 * seq_len)
     # with images, the budget admits more prompts' images than the rows did (short completions of many prompts)
     assert budget(full).component("activations") >= plan_memory(cfg, shape, hw, fsdp).component("activations")
     # a budget under one row: that row runs alone, so one full row is the least the plan can assume
@@ -618,3 +625,55 @@ def test_a_generate_call_of_the_hf_engine_stays_within_the_plans_rollout_figures
                        StrategyChoice("single", mixed_precision=False), images_per_prompt=0)
     kv, prefill = plan.component("engine_kv_cache"), plan.component("engine_prefill")
     assert kv < live.peak <= kv + prefill, (kv, prefill, live.peak)
+
+
+def test_without_checkpointing_the_completion_passs_repeated_keys_and_values_are_counted_per_row():
+    """Without gradient checkpointing each completion row's pass keeps, in every layer, its copy of the prompt's keys
+    and values and transformers' SDPA path's repeat of them to every query head (a GQA model under a mask), and
+    the attention mask. Measured as the growth of the peak of forward + backward with the rows (a long prompt,
+    short completions): the layer activations and plain copies fall short by far; the completion-pass term covers
+    it. Under checkpointing one layer's worth (the plan stays above the measured growth)."""
+    from _live_bytes import LiveBytes
+
+    from vlrft.batch import build_sequences
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from vlrft.plan.memory import activation_bytes, completion_pass_bytes
+    from vlrft.vision import VisualBatch
+
+    spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
+                    intermediate_size=512, vocab_size=512)
+    tokenizer = build_tokenizer(spec.vocab_size)
+    model = build_tiny_model(spec, tokenizer)
+    model.config.use_cache = False
+    model.train()
+    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    shape = shape_from_config(model.config.to_dict())
+    generator = torch.Generator().manual_seed(0)
+    prompt_len, completion_len = 1024, 4
+    prompt = torch.randint(20, 400, (prompt_len,), generator=generator).tolist()
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peaks = {}
+        for rows in (2, 8):
+            completions = [torch.randint(20, 400, (completion_len,), generator=generator).tolist()
+                           for _ in range(rows)]
+            seqs = build_sequences([prompt], VisualBatch.empty(1, 2), completions, [0] * rows,
+                                   tokenizer.pad_token_id)
+            with LiveBytes().ignore(*model.parameters()) as live:
+                actor.logprobs(seqs).logprobs.sum().backward()
+            peaks[rows] = live.peak
+            model.zero_grad(set_to_none=True)
+
+        def planned(rows, repeated=True):
+            layers = activation_bytes(shape, rows * completion_len, 0, checkpointing, 4)
+            if not repeated:  # the plan before: the plain copies alone
+                return layers + rows * prompt_len * shape.text.kv_dim * 8 * (1 if checkpointing else 4)
+            return layers + completion_pass_bytes(shape, rows, prompt_len, rows * completion_len, completion_len,
+                                                  checkpointing, 4)
+
+        measured = peaks[8] - peaks[2]
+        assert measured <= planned(8) - planned(2), (checkpointing, measured)
+        if not checkpointing:
+            assert measured > 2 * (planned(8, repeated=False) - planned(2, repeated=False))

@@ -181,6 +181,21 @@ def activation_bytes(shape: ModelShape, tokens: int, patches: int, checkpointing
     return text + vision
 
 
+def completion_pass_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_tokens: int,
+                          completion_len: int, checkpointing: bool, compute_bytes: int) -> int:
+    """What the shared-prompt forward's completion pass adds per layer call: the rows' copies of their prompt's keys
+    (float32 under autocast) and values; transformers' SDPA path repeating a GQA model's keys and values to every
+    query head (it does under an attention mask, which this pass always has); and the [rows, C, P + C] mask, bool
+    once and in the compute dtype per layer call. One layer's under gradient checkpointing, every layer's kept for
+    the backward without it (measured: `tests/test_plan.py`)."""
+    t = shape.text
+    repeated = t.num_heads * t.head_dim if t.num_heads > t.num_kv_heads else 0
+    layers = 1 if checkpointing else t.num_layers
+    copies = rows * prompt_len * (t.kv_dim + repeated) * (4 + compute_bytes) * layers
+    mask = completion_tokens * (prompt_len + completion_len) * (1 + compute_bytes * layers)
+    return copies + mask
+
+
 def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, checkpointing: bool, key_bytes: int, value_bytes: int
                     ) -> int:
     """The shared-prompt forward's record of every layer's prompt keys and values, and their gradients.
@@ -437,10 +452,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                 f"{rows} x {r.tokens_after_prompt} after them")
         completion_tokens = rows * r.tokens_after_prompt
         prompt_tokens = prompts * d.max_prompt_length
-    # the rows' copies of their prompt's keys (float32 under autocast) and values, made in each layer's call: one
-    # layer's at a time under gradient checkpointing, every layer's kept for the backward without it
-    copies = rows * d.max_prompt_length * shape.text.kv_dim * (4 + hi) * \
-        (1 if m.gradient_checkpointing else shape.text.num_layers)
+    copies = completion_pass_bytes(shape, rows, d.max_prompt_length, completion_tokens, r.tokens_after_prompt,
+                                   m.gradient_checkpointing, hi)
     acts = activation_bytes(shape, tokens, vision, m.gradient_checkpointing, hi) + copies
     comps.append(Component("activations", acts, train,
                            f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
