@@ -167,16 +167,21 @@ def _tower_activations(tokens: int, layers: int, per_token_layer: int, hidden: i
     return tokens * layers * per_token_layer
 
 
+def _per_token_layer_bytes(shape: ModelShape, compute_bytes: int) -> tuple[int, int]:
+    """(a text layer's, a vision block's) activation bytes per token (`_layer_activation_bytes`)."""
+    t, v = shape.text, shape.vision
+    return (_layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size,
+                                    compute_bytes),
+            _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size, compute_bytes))
+
+
 def activation_bytes(shape: ModelShape, tokens: int, patches: int, checkpointing: bool, compute_bytes: int) -> int:
     """Activations of one micro-batch's forward + backward through the language model (`tokens` positions) and the
     vision tower (`patches` patches)."""
     t, v = shape.text, shape.vision
-    text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size,
-                                         compute_bytes)
+    text_layer, vision_layer = _per_token_layer_bytes(shape, compute_bytes)
     text = _tower_activations(tokens, t.num_layers, text_layer, t.hidden_size, checkpointing)
     text += tokens * t.hidden_size * (12 + 4)  # final norm and the completion states fed to the LM head
-    vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size,
-                                           compute_bytes)
     vision = _tower_activations(patches, v.depth, vision_layer, v.hidden_size, checkpointing)
     return text + vision
 
@@ -468,7 +473,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         comps.append(Component("head_backward", head_bytes, train,
                                "the LM head's backward over the logits chunks: its float32 gradient, accumulated "
                                "before it reaches .grad" + (", and the head in bf16" if float32_weights else "")))
-    if strategy.mixed_precision and not m.gradient_checkpointing and strategy.name != "fsdp2":
+    if float32_weights and not m.gradient_checkpointing:
         # float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is kept for the backward (ZeRO-3's
         # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
         # not the embeddings (a lookup) nor the LM head (the chunked head keeps its float32 weight for the backward)
@@ -500,11 +505,9 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
-        # the prefill of all the rank's prompts in one call: one layer's activations at a time, of the vision tower's
-        # patches or of the text layers' tokens
-        t, v = shape.text, shape.vision
-        text_layer = _layer_activation_bytes(t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.intermediate_size, hi)
-        vision_layer = _layer_activation_bytes(v.hidden_size, v.hidden_size, v.hidden_size, v.intermediate_size, hi)
+        # the prefill of the rank's prompts, PREFILL_TOKENS at a time: one layer's activations at a time, of the vision
+        # tower's patches or of the text layers' tokens
+        text_layer, vision_layer = _per_token_layer_bytes(shape, hi)
         at_once = max(1, min(prompts, PREFILL_TOKENS // max(1, d.max_prompt_length)))  # prompts per prefill call
         prefill = at_once * max(d.max_prompt_length * text_layer, patches * vision_layer)
         comps.append(Component("engine_prefill", prefill, rollout,

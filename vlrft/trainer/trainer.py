@@ -252,13 +252,18 @@ class Trainer:
             else:
                 model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
                                    exclude_vision=cfg.freeze_vision_tower)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        model.train()
+        self._train_mode(model)
         config = model.config
         return ActorVL(model, int(getattr(config, "image_token_id", -1) or -1),
                        int(getattr(config, "video_token_id", -1) or -1))
+
+    def _train_mode(self, model: torch.nn.Module) -> None:
+        """A trained model (the policy, the critic): gradient checkpointing as configured, no KV cache kept by its
+        forwards, training mode."""
+        if self.cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model.train()
 
     def _build_ref(self) -> ActorVL | None:
         if self.cfg.algorithm.kl_coef <= 0:
@@ -275,9 +280,7 @@ class Trainer:
             return None, None, None
         cfg = self.cfg.model
         model = self.strategy.load_model(self._source(cfg.critic_path or cfg.path, "float32"), trainable=True)
-        if cfg.gradient_checkpointing:  # as the policy: a whole second model's activations would not be recomputed
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        self._train_mode(model)  # as the policy: a whole second model's activations recomputed under checkpointing
         critic = CriticVL(model, self.actor.image_token_id, self.actor.video_token_id)
         critic.value_head.to(self.device)
         critic.train()
