@@ -12,12 +12,19 @@ the 151,936-token vocabulary) with narrow widths, so it runs on CPU in seconds; 
 depend on the widths. Each step: 4 prompts of one 448 px image, groups of 4, 64 tokens per completion,
 gradient checkpointing on. Counted with a `TorchDispatchMode` over the second step's `update` (every op
 that reaches the dispatcher: forward, backward, recomputation, optimizer).
+
+    python bench/bench_dispatch.py --decode              # one decode step: the lean step vs transformers' layers
+
+counts the ops of one decode step of the hf engine under bf16 autocast, as GPUs run it (there each op is one
+or more kernels replayed in a CUDA graph). On CPU an RMSNorm dispatches its parts (pow, mean, rsqrt, ...),
+which a GPU runs as one kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -87,12 +94,80 @@ def count(model: Path, folder: Path, micro_batch: int, per_segment: bool) -> tup
     return sum(ops.values()), sdpa
 
 
+def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
+    """Dispatched ops of one decode step of the hf engine under bf16 autocast (the trainer's mixed precision on a
+    GPU: float32 weights, bf16 matmuls): 4 prompts x group 4; a text prompt (its cache copied per row) or a 448 px
+    image prompt (256 image tokens: held once per group, `LeanDecoder(share_prompt=True)`). `lean`: the lean step,
+    else transformers' layers over a dynamic cache."""
+    import torch
+    from PIL import Image
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vlrft.config import DataConfig
+    from vlrft.data import PromptEncoder, Sample
+    from vlrft.models.loading import load_policy, load_processor
+    from vlrft.rollout import decode as decode_module
+    from vlrft.rollout.base import SamplingParams
+    from vlrft.rollout.hf import HFEngine
+    from vlrft.tokens import TokenSpec
+
+    processor = load_processor(model_dir)
+    model = load_policy(model_dir).float().eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    image = model_dir / "image.png"
+    Image.new("RGB", (448, 448), (200, 40, 40)).save(image)
+    samples = [Sample(id=str(i), prompt=("<image>" if long_prompt else "") + f"Which shape is it? ({i})",
+                      images=[str(image)] if long_prompt else []) for i in range(4)]
+    side = 448 * 448
+    batch = PromptEncoder(processor, DataConfig(min_pixels=side, max_pixels=side)).encode(samples).batch
+    ops = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    counted_step = 3  # a step well inside the call (not the first, which may set things up)
+    if lean:
+        step = decode_module.LeanDecoder.step
+
+        def lean_step(self, new, index):
+            with Count() if index == counted_step else contextlib.nullcontext():
+                return step(self, new, index)
+
+        decode_module.LeanDecoder.step = lean_step
+    else:
+        forward = decode_module._TransformersDecoder._eager
+        calls = []
+
+        def transformers_step(self, *args):
+            calls.append(None)
+            with Count() if len(calls) == counted_step + 1 else contextlib.nullcontext():
+                return forward(self, *args)
+
+        decode_module._TransformersDecoder._eager = transformers_step
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=lean,
+                      cuda_graph_decode=False, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    engine.generate(batch, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=8))
+    return sum(ops.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--micro-batch", type=int, default=4, help="completions per micro-batch (4 = one prompt)")
+    p.add_argument("--decode", action="store_true", help="count the ops of one decode step instead")
     p.add_argument("--worker", choices=["per_length", "per_segment"], help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.decode:
+        with tempfile.TemporaryDirectory() as tmp:
+            build_model(Path(tmp) / "model")
+            print("one decode step of 16 rows under bf16 autocast, 24 text layers: dispatched torch ops (per layer)")
+            for long_prompt, layout in ((False, "text prompt, cache per row"), (True, "448 px prompt, shared")):
+                for lean, name in ((False, "transformers' layers"), (True, "lean step (vlrft)")):
+                    n = count_decode(Path(tmp) / "model", lean, long_prompt)
+                    print(f"  {layout:<28} {name:<22} {n:>6} ({n / 24:.1f})")
+        return
     if args.worker:  # one variant per process: the switch is made when the model is wrapped
         folder = Path(args.folder)
         ops, sdpa = count(folder / "model", folder, args.micro_batch, args.worker == "per_segment")

@@ -192,7 +192,8 @@ def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it
 def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fixed_rows_steps):
     """HFEngine(autocast=...) (what the trainer passes: its bf16 autocast on GPUs): lean steps, fixed-shape steps
     and transformers' layers (dynamic cache, or the static one CUDA defaults to, which then decodes on a dynamic one)
-    sample the same greedy ids with logprobs within 1e-4, and differ from float32."""
+    sample the same greedy ids with logprobs within 1e-4 (fixed shapes: within bf16 rounding), and differ from
+    float32."""
     processor, model, tokens, batch = setup
     sampling = SamplingParams(n=2, max_new_tokens=10, temperature=0.0)
 
@@ -205,7 +206,10 @@ def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fi
     assert lean_steps, "the lean step was not used"
     _assert_same(lean, run(lean=False), atol=1e-4)
     _assert_same(lean, run(lean=False, static=True), atol=1e-4)
-    _assert_same(lean, run(lean=True, graph=True), atol=1e-4)
+    # Fixed shapes attend over every preallocated position (those not reached masked): bf16 SDPA on CPU rounds its
+    # output differently for a longer masked row (measured up to 4e-3 in these logprobs on an AVX2 CPU; ids equal).
+    # On CUDA a graph and the eager steps of the same fixed shapes are compared (the CUDA tests below).
+    _assert_same(lean, run(lean=True, graph=True), atol=2e-2)
     assert fixed_rows_steps, "the fixed-row decoder was not used"
     fp32 = run(lean=True, autocast=None)
     gap = max(abs(a - b) for x, y in zip(lean.logprobs, fp32.logprobs) for a, b in zip(x, y))

@@ -24,9 +24,13 @@ stay in float32, and attention is SDPA, as in transformers; the KV cache is kept
 dtype, which is what SDPA under autocast reads.
 
 A LoRA-wrapped projection (PEFT's `lora.Linear`) decodes as its base weight plus the active adapters'
-delta (`get_delta_weight`), made once per decode call: the same function, computed as one matmul
-instead of three (rounding differs from PEFT's unmerged forward by float32 / bf16 rounding, not more).
-Where the step would read the weights in place, a LoRA projection is a copy for the call.
+delta: where the weights are concatenated (packed or cast) the delta (`get_delta_weight`) is merged
+into the copy once per decode call; where they are read in place it goes through the adapters' two
+small matrices, as PEFT computes it (rounding differs from PEFT's forward by float32 / bf16 rounding).
+
+q and k come out of the projections side by side and are normed (Qwen3) and rotated as one tensor;
+under autocast the RMSNorm's scaling writes the next matmul's dtype itself. Kernels per layer matter
+on a GPU, where a decode step is bound by them (`python bench/bench_dispatch.py --decode`).
 
 Only architectures whose layers are known to be exactly this arithmetic are taken
 (`unsupported_reason` says why another is not); anything else (DoRA and other LoRA variants,
@@ -62,6 +66,9 @@ def unsupported_reason(text_model: nn.Module) -> str | None:
         return f"attention implementation {config._attn_implementation} (lean decoding uses SDPA)"
     for layer in text_model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None and q_norm.variance_epsilon != k_norm.variance_epsilon:
+            return "the q and k head norms have different eps (the lean step norms q's and k's heads as one)"
         for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             reason = None if type(linear) is nn.Linear else _lora_reason(linear)
             if reason is not None:
@@ -113,10 +120,16 @@ def _low_rank(linear: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, float
             for a in linear.active_adapters if a in linear.lora_A]
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """transformers' Qwen RMSNorm: normalised in float32, cast back, then scaled by the weight."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+def _rms_norm(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """transformers' Qwen RMSNorm: normalised in float32, cast back, then scaled by the weight (`weight`: the
+    norm's weight laid out for `x`, e.g. per head). `out_dtype`: the result written in that dtype by the scaling's
+    own kernel (what the next matmul under autocast would cast it to; the same rounding, one kernel fewer)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+    weight = norm.weight if weight is None else weight
+    if out_dtype is None or out_dtype in (weight.dtype, normed.dtype):  # (mixed operands: cast by the next matmul)
+        return weight * normed
+    return torch.mul(weight, normed, out=torch.empty(normed.shape, dtype=out_dtype, device=normed.device))
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
@@ -140,13 +153,16 @@ class _Projections:
     added after the matmul, in float32, as transformers does; otherwise it is folded into the matmul.
     """
 
-    def __init__(self, linears: list[nn.Module], rows: int, pack: bool, cast: torch.dtype | None = None):
+    def __init__(self, linears: list[nn.Module], rows: int, pack: bool, cast: torch.dtype | None = None,
+                 joined: int = 1):
         self.fold_residual = cast is None  # under autocast transformers adds the residual after the matmul
         plain = [linear.base_layer if _is_lora(linear) else linear for linear in linears]
         if cast == plain[0].weight.dtype:
             cast = None  # already in the compute dtype: read in place
         self.packed, self.bias, self.views, self.low_rank = None, None, [], []
         self.sizes = [linear.weight.shape[0] for linear in plain]
+        # the first `joined` projections come out side by side as one tensor (q and k, which rotate together)
+        self.joined = joined
         if not pack and cast is None:
             # read in place, LoRA's delta applied through its two small matrices: no merged copy of the weight
             # (under FSDP2 the gathered weights are bf16 already, and a copy per layer would be 2 B per parameter)
@@ -174,7 +190,9 @@ class _Projections:
         else:
             outs = [self._delta(x, _linear(x, weight_t, bias, residual), i) for i, (weight_t, bias) in
                     enumerate(self.views)]
-        return list(outs[0].split(self.sizes, dim=-1)) if len(outs) < len(self.sizes) else outs
+        if len(outs) == len(self.sizes):  # one matmul each: the joined ones concatenated
+            return [torch.cat(outs[:self.joined], dim=-1) if self.joined > 1 else outs[0], *outs[self.joined:]]
+        return list(outs[0].split([sum(self.sizes[:self.joined]), *self.sizes[self.joined:]], dim=-1))
 
     def _delta(self, x: torch.Tensor, out: torch.Tensor, index: int) -> torch.Tensor:
         """`out` plus projection `index`'s LoRA deltas on `x` (in the views layout; none elsewhere)."""
@@ -195,9 +213,10 @@ class _LayerWeights:
     """One decoder layer's weights as the step uses them."""
 
     norm1: nn.Module
-    qkv: _Projections
-    q_norm: nn.Module | None  # Qwen3: RMSNorm over each head before the rotary
-    k_norm: nn.Module | None
+    qkv: _Projections  # -> (q and k side by side, v)
+    # Qwen3: RMSNorm over each head before the rotary, q's and k's in one: (q_norm, the weights per head [q + k heads,
+    # head_dim]: q_norm's for q's heads, k_norm's for k's; the norms share their eps)
+    qk_norm: tuple[nn.Module, torch.Tensor] | None
     o: _Projections
     norm2: nn.Module
     gate_up: _Projections
@@ -207,12 +226,17 @@ class _LayerWeights:
     def of(cls, layer: nn.Module, rows: int, pack: bool, cast: torch.dtype | None) -> "_LayerWeights":
         attn, mlp = layer.self_attn, layer.mlp
 
-        def projections(*linears: nn.Linear) -> _Projections:
-            return _Projections(list(linears), rows, pack, cast)
+        def projections(*linears: nn.Linear, joined: int = 1) -> _Projections:
+            return _Projections(list(linears), rows, pack, cast, joined)
 
-        return cls(layer.input_layernorm, projections(attn.q_proj, attn.k_proj, attn.v_proj),
-                   getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), projections(attn.o_proj),
-                   layer.post_attention_layernorm, projections(mlp.gate_proj, mlp.up_proj), projections(mlp.down_proj))
+        qk_norm = None
+        if getattr(attn, "q_norm", None) is not None:
+            heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+            per_head = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+            qk_norm = (attn.q_norm, per_head)
+        return cls(layer.input_layernorm, projections(attn.q_proj, attn.k_proj, attn.v_proj, joined=2), qk_norm,
+                   projections(attn.o_proj), layer.post_attention_layernorm, projections(mlp.gate_proj, mlp.up_proj),
+                   projections(mlp.down_proj))
 
 
 @dataclass
@@ -293,7 +317,7 @@ class _SharedPrompt:
         grouped = q.view(rows, kv_heads, per_kv, dim)
         prompt_scores = torch.baddbmm(self.bias, by_prompt(self._to_places(grouped)), prompt_keys.transpose(1, 2),
                                       alpha=scaling)
-        own_scores = torch.baddbmm(bias, grouped.view(rows * kv_heads, per_kv, dim), keys.transpose(1, 2),
+        own_scores = torch.baddbmm(bias, grouped.reshape(rows * kv_heads, per_kv, dim), keys.transpose(1, 2),
                                    alpha=scaling)
         scores = torch.cat([by_row(prompt_scores).reshape(rows * kv_heads, per_kv, prompt_len),
                             own_scores.to(prompt_scores.dtype)], dim=-1)
@@ -422,14 +446,15 @@ class LeanDecoder:
         bias = self.mask_bias.view(rows * kv_heads, 1, -1)[..., :length]
         hidden = F.embedding(tokens, self.embed)  # [rows, hidden]
         for index, (weights, k_cache, v_cache) in enumerate(zip(self.layers, self.keys, self.values)):
-            x = _rms_norm(hidden, weights.norm1)
-            q, k, v = weights.qkv(x)
-            q, k, v = q.view(rows, -1, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim)
-            if weights.q_norm is not None:
-                q, k = _rms_norm(q, weights.q_norm), _rms_norm(k, weights.k_norm)
-            k_cache.index_copy_(2, self.slot, self._rotate(k, cos, sin).to(k_cache.dtype).unsqueeze(2))
+            x = _rms_norm(hidden, weights.norm1, out_dtype=self.compute_dtype)
+            qk, v = weights.qkv(x)
+            qk, v = qk.view(rows, -1, dim), v.view(rows, kv_heads, dim)  # q's heads then k's: normed, rotated as one
+            if weights.qk_norm is not None:
+                qk = _rms_norm(qk, *weights.qk_norm)
+            qk = self._rotate(qk, cos, sin)
+            q, k = qk[:, :-kv_heads], qk[:, -kv_heads:]
+            k_cache.index_copy_(2, self.slot, k.to(k_cache.dtype).unsqueeze(2))
             v_cache.index_copy_(2, self.slot, v.to(v_cache.dtype).unsqueeze(2))
-            q = self._rotate(q, cos, sin)
             if self.shared:
                 attended = self.shared.attend(index, q, k_cache.view(rows * kv_heads, -1, dim)[:, :length],
                                               v_cache.view(rows * kv_heads, -1, dim)[:, :length], bias, self.scaling)
@@ -438,11 +463,11 @@ class LeanDecoder:
             else:
                 keys = k_cache.view(rows * kv_heads, -1, dim)[:, :length]
                 values = v_cache.view(rows * kv_heads, -1, dim)[:, :length]
-                grouped = q.view(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
+                grouped = q.reshape(rows * kv_heads, -1, dim)  # a KV head's query heads as rows
                 scores = torch.baddbmm(bias, grouped, keys.transpose(1, 2), alpha=self.scaling)
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
                 attended = torch.bmm(probs, values).view(rows, -1)
             [hidden] = weights.o(attended, residual=hidden)
-            gate, up = weights.gate_up(_rms_norm(hidden, weights.norm2))
+            gate, up = weights.gate_up(_rms_norm(hidden, weights.norm2, out_dtype=self.compute_dtype))
             [hidden] = weights.down(F.silu(gate) * up, residual=hidden)
         return _rms_norm(hidden, self.model.norm)
