@@ -379,6 +379,17 @@ def test_plan_command_exit_status_and_json(vlrft):
     assert bad.returncode == 2 and "--gpu-memory" in bad.stderr
 
 
+def test_plan_command_refuses_an_engine_group_that_would_span_nodes(vlrft, monkeypatch):
+    """The plan checks rollout.tensor_parallel_size against the GPUs per node it is given, as torchrun will (not
+    against the whole job, which a plan run outside torchrun would otherwise take for one node)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one_node = vlrft("plan", CONFIG_7B, "rollout.tensor_parallel_size=4", "--gpus", "4", "--nodes", "2")
+    assert one_node.returncode == 0, one_node.stdout + one_node.stderr
+    spanning = vlrft("plan", CONFIG_7B, "rollout.tensor_parallel_size=4", "--gpus", "2", "--nodes", "2")
+    assert spanning.returncode != 0
+    assert "rollout.tensor_parallel_size=4" in spanning.stderr and "processes per node (2)" in spanning.stderr
+
+
 def test_plan_command_checks_the_nodes_host_memory_when_given(vlrft):
     roomy = vlrft("plan", CONFIG_7B, "--gpus", "8", "--host-memory", "2TiB")
     assert roomy.returncode == 0, roomy.stdout

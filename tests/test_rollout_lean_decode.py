@@ -283,6 +283,54 @@ def fixed_rows_steps(monkeypatch):
     return calls
 
 
+def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_rows_steps):
+    """rollout.compile_decode: the lean step is torch.compile'd (the fixed-shape one, which CUDA graphs replay; the
+    dynamic-length one takes minutes to compile on CPU) and samples the same ids, logprobs within 1e-5."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=3, max_new_tokens=6)
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=True,
+                          compile_decode=compiled, cuda_graph_decode=True)
+        return engine.generate(batch, sampling)
+
+    eager = run(compiled=False)
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compile warns and decodes eagerly: not here
+        compiled = run(compiled=True)
+    assert counters["stats"]["unique_graphs"] > graphs, "nothing was compiled"
+    assert fixed_rows_steps
+    _assert_same(eager, compiled)
+
+
+def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monkeypatch):
+    processor, model, tokens, batch = setup
+    sampling = SamplingParams(n=2, max_new_tokens=5)
+
+    def no_compiler(fn, **kwargs):
+        def fails(*args):
+            raise RuntimeError("no C++ compiler")
+        return fails
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=True,
+                          compile_decode=compiled)
+        return engine.generate(batch, sampling)
+
+    eager = run(compiled=False)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with pytest.warns(RuntimeWarning, match="compile_decode: torch.compile failed .*no C\\+\\+ compiler"):
+        fallen_back = run(compiled=True)
+    _assert_same(eager, fallen_back)
+
+
 def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_rows_steps):
     """rollout.cuda_graph_decode's steps (every row, every position; eager off CUDA) sample what the lean steps
     that drop stopped rows sample: same ids, logprobs within 1e-5."""

@@ -145,13 +145,15 @@ class RolloutConfig:
     stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
     stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
                                        factory=list)
-    compile_decode: bool = option(False, "hf engine: torch.compile the group decoder's per-token step (on CPU it "
-                                  "measured slower than eager and compiling takes minutes; not yet measured on "
-                                  "GPU); falls back to eager with a warning if compiling fails")
+    compile_decode: bool = option(False, "hf engine: torch.compile the per-token decode step: the lean step "
+                                  "(inductor fuses its elementwise kernels; on CUDA the compiled step is what the "
+                                  "CUDA graph replays), else transformers' step. Compiling takes seconds to minutes "
+                                  "per new shape; not yet measured on a GPU, on CPU no faster than eager. Falls "
+                                  "back to eager with a warning if compiling fails")
     lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL decode steps run the layers' arithmetic directly "
                                "(weights read in place, preallocated KV cache) instead of through transformers' "
-                               "modules (LoRA adapters as base weight + delta); other models, DoRA and compile_decode "
-                               "decode through transformers")
+                               "modules (LoRA adapters as base weight + delta); other models and DoRA decode through "
+                               "transformers")
     cuda_graph_decode: bool | None = option(None, "hf engine, lean decoding: record the decode step once per "
                                             "generate call as a CUDA graph and replay it per token (every row "
                                             "computed until all stop, attention over all max_new_tokens positions). "
@@ -508,8 +510,11 @@ class Config:
     def prompts_per_step(self) -> int:
         return self.rollout.global_batch_completions // self.rollout.n
 
-    def validate(self, world_size: int | None = None) -> "Config":
-        """Check values against each other and resolve plug-in names; raises `ConfigError` naming the first problem."""
+    def validate(self, world_size: int | None = None, per_node: int | None = None) -> "Config":
+        """Check values against each other and resolve plug-in names; raises `ConfigError` naming the first problem.
+
+        `world_size` and `per_node` (processes per node): as torchrun sets them (WORLD_SIZE, LOCAL_WORLD_SIZE) when
+        not given; `per_node` defaults to the whole world when neither is known (one node)."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         validate_numbers(self)
         r, t, a = self.rollout, self.train, self.algorithm
@@ -541,7 +546,8 @@ class Config:
             if world % r.tensor_parallel_size:
                 _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
                       f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this node
+            if per_node is None:
+                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this node
             if per_node % r.tensor_parallel_size:
                 _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
                       f"a divisor of the processes per node ({per_node}): an engine's group of ranks must stay on "

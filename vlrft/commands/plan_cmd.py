@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if strategy.name == "single" and hardware.world_size > 1:
         raise UserError(f"plan: strategy 'single' runs one process, not {hardware.world_size}; pass --strategy ddp, "
                         "fsdp2 or deepspeed, or --gpus 1")
-    cfg.validate(hardware.world_size)
+    cfg.validate(hardware.world_size, per_node=hardware.gpus_per_node)
     node_memory = parse_size(args.host_memory, "--host-memory") if args.host_memory is not None else None
     plan = plan_for_config(cfg, hardware, strategy, args.model_config, args.images_per_prompt,
                            args.videos_per_prompt)

@@ -328,10 +328,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     With `static_cache` the KV cache, attention mask, token history and outputs are allocated once
     for prompt + max_new_tokens positions and written in place each step (rows that stop are
     dropped by one index_select once at most half of the rows still run: `HalvingRowsDecoder`);
-    `compile_step` compiles the per-token backbone call. With
-    `lean_step` (and no compiling), Qwen-family text decoders take their decode steps through
+    With `lean_step`, Qwen-family text decoders take their decode steps through
     `vlrft.rollout.lean_decode` (same arithmetic, about half the dispatched ops and none of the modules'
-    Python); other models through transformers. With `cuda_graph` too, the lean steps keep every row and
+    Python); other models through transformers. `compile_step` compiles the per-token step (the lean one, or
+    the backbone call). With `cuda_graph` too, the lean steps keep every row and
     every position (`vlrft.rollout.graph_decode`) and on CUDA are replayed as one CUDA graph; elsewhere
     those fixed-shape steps run eagerly. `cuda_graph=None`: on a CUDA device only. Long prompts of different lengths
     prefill in groups (`_prefill_groups`), and from SHARED_PROMPT_TOKENS a prompt's KV cache is held once
@@ -343,7 +343,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     prompt_len, max_new = ids.shape[1], sampling.max_new_tokens
     mm = mm_token_type_ids(ids, image_token_id, video_token_id)
     positions = prompt_positions(backbone, ids, mask, mm, visual.model_inputs())
-    use_lean = lean_step and not compile_step and _lean_applies(backbone, positions[:, :, -1])
+    use_lean = lean_step and _lean_applies(backbone, positions[:, :, -1])
     cache = None
     # transformers' StaticCache allocates values in the keys' dtype, which under autocast differ (float32 rotated
     # keys, bf16 values) and the first write fails: under autocast the transformers layers decode on a dynamic cache.
@@ -370,7 +370,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
             torch.clear_autocast_cache()
         share = sampling.n > 1 and prompt_len >= SHARED_PROMPT_TOKENS
         decoder = LeanDecoder(backbone.language_model, prefill_cache, rows, mask[rows], position[0], max_new,
-                              fixed_shapes=fixed, share_prompt=share)
+                              fixed_shapes=fixed, share_prompt=share, compiled=compile_step)
         if fixed:
             decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
     else:

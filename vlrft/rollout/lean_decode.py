@@ -345,12 +345,13 @@ class LeanDecoder:
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
                  last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False,
-                 share_prompt: bool = False):
+                 share_prompt: bool = False, compiled: bool = False):
         self.model = text_model
         self.fixed_shapes = fixed_shapes
         # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
         self.compute_dtype = active_autocast_dtype(text_model.embed_tokens.weight.device)
-        pack = self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
+        # `compiled`: the step will be torch.compile'd, and inductor takes no oneDNN-packed weights as inputs
+        pack = not compiled and self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
         self.layers = [_LayerWeights.of(layer, len(rows), pack, self.compute_dtype) for layer in text_model.layers]
         first = text_model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
@@ -394,6 +395,10 @@ class LeanDecoder:
         # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]]: the sign folded into the table
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [positions, head_dim]
         self.embed = text_model.embed_tokens.weight
+        # `compiled` (rollout.compile_decode): inductor fuses the step's elementwise work (norms, rotary, SiLU gate,
+        # casts, residual adds, a shared prompt's layout copies) into a few kernels around the matmuls; fixed shapes
+        # compile once per call's shapes, else the attended length is dynamic. Eager again if compiling fails.
+        self._step = torch.compile(self._eager_step, dynamic=not fixed_shapes) if compiled else self._eager_step
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
@@ -436,6 +441,19 @@ class LeanDecoder:
         every step attends over all preallocated positions (those not reached are masked) and `step`
         is not read: the same kernels on the same shapes each time, which a CUDA graph can replay.
         """
+        if self._step == self._eager_step:
+            return self._eager_step(tokens, step)
+        try:
+            return self._step(tokens, step)
+        except Exception as error:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower, ...
+            import warnings
+
+            warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: "
+                          f"{str(error)[:200]}); decoding eagerly", RuntimeWarning, stacklevel=2)
+            self._step = self._eager_step
+            return self._eager_step(tokens, step)
+
+    def _eager_step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         rows, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
         length = self.mask_bias.shape[-1] if self.fixed_shapes else self.offset + step + 1
         self.slot += 1
