@@ -396,9 +396,13 @@ class LeanDecoder:
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [positions, head_dim]
         self.embed = text_model.embed_tokens.weight
         # `compiled` (rollout.compile_decode): inductor fuses the step's elementwise work (norms, rotary, SiLU gate,
-        # casts, residual adds, a shared prompt's layout copies) into a few kernels around the matmuls; fixed shapes
-        # compile once per call's shapes, else the attended length is dynamic. Eager again if compiling fails.
-        self._step = torch.compile(self._eager_step, dynamic=not fixed_shapes) if compiled else self._eager_step
+        # casts, residual adds, a shared prompt's layout copies) into a few kernels around the matmuls. Compiled with
+        # dynamic sizes (rows, prompt length, attended length) once, for every later call too (the compiled code is
+        # kept per code object, not per decoder): static sizes would compile again for each training step's
+        # prompts until the sizes that change were found. Eager if compiling fails.
+        self._step = self._eager_step
+        if compiled:
+            self._step = torch.compile(self._eager_step, dynamic=True)
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
