@@ -142,18 +142,20 @@ def test_with_tools_the_engines_take_a_whole_trajectory_after_the_prompt():
     assert sglang_engine_kwargs(cfg, layout, gpu_id=0)["context_length"] == 5000
 
 
-def test_sglang_engines_of_a_job_get_ports_of_their_own_below_the_ephemeral_range():
+def test_sglang_engines_of_a_node_get_ports_of_their_own_below_the_ephemeral_range():
     """Left to SGLang, each engine draws its tensor-parallel store port at random (22000-29999): 8 engines on a
-    node then collide about once in 300 starts. Every engine of a 64-rank job gets its own server and store port."""
+    node then collide about once in 300 starts. Every engine of a node gets its own server and store port, on a
+    job of any size (64 nodes of 8 GPUs here) below Linux's ephemeral ports (32768 up: a connection could take
+    ours), which a port per engine of the whole job passed from 277 engines on."""
     cfg = Config()
-    ports = []
-    for group in range(64):
-        kwargs = sglang_engine_kwargs(cfg, RankLayout(group, 64, 1), gpu_id=group % 8)
-        ports += [kwargs["port"], kwargs["nccl_port"]]
-    assert len(set(ports)) == len(ports) == 128
-    assert max(ports) < 32768  # Linux hands out ephemeral ports from 32768 up: a connection cannot take ours
-    tp8 = [sglang_engine_kwargs(cfg, RankLayout(rank, 16, 8), gpu_id=rank % 8)["nccl_port"] for rank in (0, 8)]
-    assert tp8[0] != tp8[1]
+    for tp in (1, 2, 8):
+        by_node: dict[int, list[int]] = {}
+        for leader in range(0, 512, tp):
+            kwargs = sglang_engine_kwargs(cfg, RankLayout(leader, 512, tp), gpu_id=leader % 8)
+            by_node.setdefault(leader // 8, []).extend([kwargs["port"], kwargs["nccl_port"]])
+        for ports in by_node.values():
+            assert len(set(ports)) == len(ports) == 2 * 8 // tp
+            assert max(ports) < 32768
 
 
 # ---------------------------------------------------------------------------------------------- requests

@@ -108,10 +108,12 @@ def sglang_engine_kwargs(cfg, layout: RankLayout, gpu_id: int,
         context_length=r.engine_max_len(cfg.data.max_prompt_length) + (0 if r.max_model_len else 1),
         enable_memory_saver=r.sleep_between_steps,
         random_seed=layout.seed(cfg.train.seed),
-        port=30000 + 10 * layout.group,  # engines of one node must not share ports
+        # Engines of one node must not share ports; those of different nodes may. By the leader's GPU on its node
+        # (the job's engine index would pass 32768, Linux's ephemeral range, from 277 engines on).
+        port=30000 + 10 * gpu_id,
         # left unset, SGLang draws its TP group's store port at random from 22000-29999 in each engine: eight
         # engines on a node collide about once in 300 starts (the second one's store fails to bind)
-        nccl_port=30000 + 10 * layout.group + 1,
+        nccl_port=30000 + 10 * gpu_id + 1,
         log_level="error",
     )
     if pixels:
