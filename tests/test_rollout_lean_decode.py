@@ -1,6 +1,7 @@
 """The lean decode step (vlrft.rollout.lean_decode) computes what transformers' layers compute, per architecture."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -209,11 +210,13 @@ def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fi
     # Fixed shapes attend over every preallocated position (those not reached masked): bf16 SDPA on CPU rounds its
     # output differently for a longer masked row (measured up to 4e-3 in these logprobs on an AVX2 CPU; ids equal).
     # On CUDA a graph and the eager steps of the same fixed shapes are compared (the CUDA tests below).
-    _assert_same(lean, run(lean=True, graph=True), atol=2e-2)
+    _assert_same(lean, fixed := run(lean=True, graph=True), atol=2e-2)
     assert fixed_rows_steps, "the fixed-row decoder was not used"
-    fp32 = run(lean=True, autocast=None)
-    gap = max(abs(a - b) for x, y in zip(lean.logprobs, fp32.logprobs) for a, b in zip(x, y))
-    assert gap > 1e-4, "the engine sampled in float32: the autocast it was given was not applied"
+    def gap(a, b) -> float:
+        return max(abs(x - y) for r, q in zip(a.logprobs, b.logprobs) for x, y in zip(r, q))
+
+    assert gap(lean, run(lean=True, autocast=None)) > 1e-4, "the lean steps sampled in float32: autocast not applied"
+    assert gap(fixed, run(lean=True, graph=True, autocast=None)) > 1e-4, "the fixed-shape steps ignored autocast"
 
 
 def _adapted(model, **kwargs):
@@ -283,12 +286,28 @@ def fixed_rows_steps(monkeypatch):
     return calls
 
 
+def test_qwen3_head_norms_apply_to_their_own_heads(setup):
+    """Qwen3's q and k head norms (normed as one tensor by the lean step, a weight table of q's heads then k's) with
+    weights of their own: ids and logprobs equal transformers' layers (a tiny model's norm weights are all ones)."""
+    import copy
+
+    processor, model, tokens, batch = setup
+    if model.config.model_type != "qwen3_vl":
+        pytest.skip("no head norms")
+    varied = copy.deepcopy(model)
+    torch.manual_seed(1)
+    for layer in varied.model.language_model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data.uniform_(0.2, 2.0)
+    sampling = SamplingParams(n=2, max_new_tokens=8)
+    setup_varied = (processor, varied, tokens, batch)
+    _assert_same(_run(setup_varied, sampling, lean=True), _run(setup_varied, sampling, lean=False))
+
+
 def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_rows_steps):
     """rollout.compile_decode: the lean step is torch.compile'd (here the fixed-shape one, which CUDA graphs replay)
     and samples the same ids, logprobs within 1e-5. It compiles once: calls of other sizes (every training step's
     prompts) reuse it."""
-    import warnings
-
     from torch._dynamo.utils import counters
 
     processor, model, tokens, batch = setup
@@ -315,11 +334,19 @@ def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_ro
 
 
 def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monkeypatch):
+    """A compile that fails (here after the step had already advanced its state, as a failure at run time would)
+    warns once, and the step runs eagerly from where it was: the same samples; later calls do not try again."""
+    from vlrft.rollout import lean_decode
+
     processor, model, tokens, batch = setup
     sampling = SamplingParams(n=2, max_new_tokens=5)
+    attempts = []
 
     def no_compiler(fn, **kwargs):
+        attempts.append(fn)
+
         def fails(*args):
+            fn(*args)  # slot, positions and mask advanced
             raise RuntimeError("no C++ compiler")
         return fails
 
@@ -331,9 +358,14 @@ def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monk
 
     eager = run(compiled=False)
     monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(lean_decode, "_compile_failed", False)
     with pytest.warns(RuntimeWarning, match="compile_decode: torch.compile failed .*no C\\+\\+ compiler"):
         fallen_back = run(compiled=True)
     _assert_same(eager, fallen_back)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _assert_same(eager, run(compiled=True))
+    assert len(attempts) == 1, "a later decode call tried to compile again"
 
 
 def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_rows_steps):
@@ -620,6 +652,32 @@ def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(on_gpu):
     short = SamplingParams(n=3, max_new_tokens=2, temperature=0.0)  # no room for the capture's warm-up steps
     _assert_same(*(HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
                             cuda_graph_decode=graph).generate(batch, short) for graph in (True, False)), atol=1e-4)
+
+
+@needs_cuda
+def test_on_cuda_a_compiled_lean_step_is_what_the_graph_replays(on_gpu):
+    """rollout.compile_decode on a GPU under bf16 autocast: the step compiled in the warm-up (one graph: the capture,
+    with autocast's cast cache off, compiles nothing more) is captured and samples what the eager graph samples
+    (greedy: same ids, logprobs within 2e-2: inductor keeps some intermediates in float32)."""
+    from torch._dynamo.utils import counters
+
+    processor, gpu_model, tokens, batch, captures = on_gpu
+    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0)
+
+    def run(compiled: bool):
+        engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
+                          cuda_graph_decode=True, compile_decode=compiled,
+                          autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+        return engine.generate(batch, sampling)
+
+    eager = run(compiled=False)
+    graphs = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        compiled = run(compiled=True)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert len(captures) == 2
+    _assert_same(eager, compiled, atol=2e-2)
 
 
 @needs_cuda

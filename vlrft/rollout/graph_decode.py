@@ -55,20 +55,25 @@ class CudaGraphDecoder(FixedRowsDecoder):
     def __init__(self, decoder: LeanDecoder):
         super().__init__(decoder)
         state = decoder.state()
+        # Under autocast no cast may be cached inside the capture (the weights' casts are the decoder's own copies).
+        # The warm-up steps run in the same autocast state: a compiled step (rollout.compile_decode) is guarded on
+        # it, and would compile again inside the capture.
+        dtype = decoder.compute_dtype
+
+        def uncached():
+            return (contextlib.nullcontext() if dtype is None
+                    else torch.autocast("cuda", dtype=dtype, cache_enabled=False))
+
         side = torch.cuda.Stream(device=self.tokens.device)
         side.wait_stream(torch.cuda.current_stream(self.tokens.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), uncached():
             for _ in range(WARMUP_STEPS):
                 decoder.step(self.tokens, 0)
         torch.cuda.current_stream(self.tokens.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # Under autocast no cast may be cached inside the capture (the weights' casts are the decoder's own copies).
-        dtype = decoder.compute_dtype
-        uncached = (contextlib.nullcontext() if dtype is None
-                    else torch.autocast("cuda", dtype=dtype, cache_enabled=False))
         # thread_local: only this thread's CUDA calls are barred during the capture, not a reward thread's (a reward
         # model scoring in another thread, or one left running after its timeout) that happens to run meanwhile.
-        with uncached, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with uncached(), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.hidden = decoder.step(self.tokens, 0)  # recorded, not run: the output lives in the graph's pool
         decoder.restore(state)  # undo the warm-up steps (slot, positions, mask); their KV entries are masked again
 

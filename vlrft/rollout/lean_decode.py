@@ -11,8 +11,9 @@ kept as one buffer, and the rotary cos/sin taken from a table the model's own ro
 computed once (decoded tokens are text, whose M-RoPE positions are equal on all three axes, so the
 table is indexed by one position per row).
 
-On CPU in float32 the projections sharing an input (q/k/v, gate/up) are concatenated and reordered
-once per decode call into oneDNN's blocked layout, which is what a matmul of a few rows needs: MKL
+On CPU in float32 (unless the step is compiled: `rollout.compile_decode`, `LeanDecoder(compiled=True)`)
+the projections sharing an input (q/k/v, gate/up) are concatenated and reordered once per decode call into
+oneDNN's blocked layout, which is what a matmul of a few rows needs: MKL
 repacks a plain weight on every call, and the weights do not stay in cache from one step to the
 next (bench/bench_decode.py: see docs/design.md). Elsewhere they are read in place.
 
@@ -50,6 +51,8 @@ from vlrft.models.precision import active_autocast_dtype
 # Text decoders whose layer is: RMSNorm -> q/k/v (optional bias; Qwen3: RMSNorm on each head) -> rotary ->
 # attention -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual; final RMSNorm.
 SUPPORTED_TEXT_MODELS = ("Qwen2VLTextModel", "Qwen2_5_VLTextModel", "Qwen3VLTextModel")
+
+_compile_failed = False  # rollout.compile_decode failed once in this process: later decoders step eagerly
 
 
 def unsupported_reason(text_model: nn.Module) -> str | None:
@@ -401,7 +404,7 @@ class LeanDecoder:
         # kept per code object, not per decoder): static sizes would compile again for each training step's
         # prompts until the sizes that change were found. Eager if compiling fails.
         self._step = self._eager_step
-        if compiled:
+        if compiled and not _compile_failed:
             self._step = torch.compile(self._eager_step, dynamic=True)
 
     def keep(self, index: torch.Tensor) -> None:
@@ -445,16 +448,22 @@ class LeanDecoder:
         every step attends over all preallocated positions (those not reached are masked) and `step`
         is not read: the same kernels on the same shapes each time, which a CUDA graph can replay.
         """
-        if self._step == self._eager_step:
-            return self._eager_step(tokens, step)
+        if self._step == self._eager_step or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return self._step(tokens, step)  # (a CUDA graph records the step compiled in its warm-up: no fallback)
+        state = self.state()
         try:
             return self._step(tokens, step)
+        except torch.OutOfMemoryError:
+            raise  # the eager step would need the memory too
         except Exception as error:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower, ...
             import warnings
 
+            global _compile_failed
+            _compile_failed = True  # later decoders do not try again (each generate call builds one)
             warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: "
                           f"{str(error)[:200]}); decoding eagerly", RuntimeWarning, stacklevel=2)
             self._step = self._eager_step
+            self.restore(state)  # whatever the failed call advanced (its KV writes are masked again)
             return self._eager_step(tokens, step)
 
     def _eager_step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
