@@ -3,6 +3,7 @@
 import pytest
 import torch
 import transformers
+from _tiny_actor import training_actor
 
 from vlrft.config import DataConfig
 from vlrft.data import PromptEncoder, Sample
@@ -205,18 +206,6 @@ def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
     assert torch.allclose(values, expected, atol=1e-5)
 
 
-def _checkpointed_actor(spec):
-    """(a random model of `spec` in training mode under gradient checkpointing, its ActorVL, its tokenizer)."""
-    from vlrft.models.tiny import build_tiny_model, build_tokenizer
-
-    tokenizer = build_tokenizer(spec.vocab_size)
-    model = build_tiny_model(spec, tokenizer)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model.train()
-    return model, ActorVL(model, model.config.image_token_id, model.config.video_token_id), tokenizer
-
-
 def test_under_gradient_checkpointing_the_rows_copies_of_a_shared_prompt_live_one_layer_at_a_time():
     """Each completion row attends to its prompt's keys/values through a per-row copy. Made inside each layer's call
     (under gradient checkpointing, made again by its replay), the copies of all layers are not held through the whole
@@ -230,7 +219,7 @@ def test_under_gradient_checkpointing_the_rows_copies_of_a_shared_prompt_live_on
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
                     vocab_size=512)
-    model, actor, tokenizer = _checkpointed_actor(spec)
+    model, actor, tokenizer = training_actor(spec)
     prompt_length, head_dim = 1024, 64 // 4
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(20, 400, (prompt_length,), generator=generator).tolist()
@@ -302,7 +291,7 @@ def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of
     monkeypatch.setenv(precision.CPU_MIXED_PRECISION_ENV, "1")
     spec = TinySpec(arch="qwen2_vl", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                     intermediate_size=1024, vocab_size=512)
-    model, actor, tokenizer = _checkpointed_actor(spec)
+    model, actor, tokenizer = training_actor(spec)
     model.to(device)
     copies = 2 * sum(p.numel() for p in split_head(model)[0].language_model.layers.parameters())  # bf16 bytes
     generator = torch.Generator().manual_seed(0)

@@ -580,19 +580,15 @@ def test_the_shared_prompt_forwards_keys_values_and_their_gradients_are_counted_
     from _live_bytes import LiveBytes
 
     from vlrft.batch import build_sequences
-    from vlrft.models.actor import ActorVL
-    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from _tiny_actor import training_actor
+
+    from vlrft.models.tiny import TinySpec
     from vlrft.plan.memory import activation_bytes, prompt_kv_bytes
     from vlrft.vision import VisualBatch
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=12, num_heads=8, num_kv_heads=8,
                     intermediate_size=512, vocab_size=512)
-    tokenizer = build_tokenizer(spec.vocab_size)
-    model = build_tiny_model(spec, tokenizer)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model.train()
-    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    model, actor, tokenizer = training_actor(spec)
     shape = shape_from_config(model.config.to_dict())
     generator = torch.Generator().manual_seed(0)
     peaks = {}
@@ -647,18 +643,15 @@ def test_without_checkpointing_the_completion_passs_repeated_keys_and_values_are
     from _live_bytes import LiveBytes
 
     from vlrft.batch import build_sequences
-    from vlrft.models.actor import ActorVL
-    from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
+    from _tiny_actor import training_actor
+
+    from vlrft.models.tiny import TinySpec
     from vlrft.plan.memory import activation_bytes, completion_pass_bytes
     from vlrft.vision import VisualBatch
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
                     intermediate_size=512, vocab_size=512)
-    tokenizer = build_tokenizer(spec.vocab_size)
-    model = build_tiny_model(spec, tokenizer)
-    model.config.use_cache = False
-    model.train()
-    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    model, actor, tokenizer = training_actor(spec, checkpointing=False)
     shape = shape_from_config(model.config.to_dict())
     generator = torch.Generator().manual_seed(0)
     prompt_len, completion_len = 1024, 4
