@@ -148,7 +148,13 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
         decode_module._TransformersDecoder._eager = transformers_step
     engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=lean,
                       cuda_graph_decode=False, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    engine.generate(batch, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=8))
+    try:
+        engine.generate(batch, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=8))
+    finally:  # the next count wraps the step afresh
+        if lean:
+            decode_module.LeanDecoder.step = step
+        else:
+            decode_module._TransformersDecoder._eager = forward
     return sum(ops.values())
 
 
