@@ -316,11 +316,14 @@ class _SharedPrompt:
 
         # The products read the cache as it is (under autocast: bf16 operands and results, as transformers' eager
         # attention computes them); the softmax is float32, and the two halves of the output are added in float32
-        # and rounded once. No float32 copy of any cache is made: the steps stay bound by reading it once.
-        grouped = q.view(rows, kv_heads, per_kv, dim)
+        # and rounded once (a bf16 add computes in float32). No float32 copy of any cache is made: the steps stay
+        # bound by reading it once. The queries are laid out per row in the cache's dtype once, by one copy (the
+        # cast the products' autocast would make twice).
+        grouped = torch.empty((rows, kv_heads, per_kv, dim), dtype=keys.dtype, device=q.device)
+        grouped.copy_(q.view(rows, kv_heads, per_kv, dim))
         prompt_scores = torch.baddbmm(self.bias, by_prompt(self._to_places(grouped)), prompt_keys.transpose(1, 2),
                                       alpha=scaling)
-        own_scores = torch.baddbmm(bias, grouped.reshape(rows * kv_heads, per_kv, dim), keys.transpose(1, 2),
+        own_scores = torch.baddbmm(bias, grouped.view(rows * kv_heads, per_kv, dim), keys.transpose(1, 2),
                                    alpha=scaling)
         scores = torch.cat([by_row(prompt_scores).reshape(rows * kv_heads, per_kv, prompt_len),
                             own_scores.to(prompt_scores.dtype)], dim=-1)
@@ -329,8 +332,7 @@ class _SharedPrompt:
         prompt_probs = self._to_places(prompt_probs.reshape(rows, kv_heads, per_kv, prompt_len))
         from_prompt = by_row(torch.bmm(by_prompt(prompt_probs), prompt_values))  # [rows, kv, per_kv, dim]
         own = torch.bmm(own_probs, values)
-        attended = from_prompt.reshape(rows * kv_heads, per_kv, dim).float() + own.float()
-        return attended.view(rows, -1).to(keys.dtype)
+        return (from_prompt.reshape(rows * kv_heads, per_kv, dim) + own).view(rows, -1)
 
 
 class LeanDecoder:
