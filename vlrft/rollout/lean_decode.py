@@ -422,8 +422,12 @@ class LeanDecoder:
             self.shared.keep(index)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]."""
-        return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
+        """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]. Under autocast the sum is
+        written in the compute dtype by its own kernel: the cast the attention (and the cache) would make."""
+        rotated, turned = x * cos, torch.roll(x, self.head_dim // 2, dims=-1) * sin
+        if self.compute_dtype is None or self.compute_dtype == rotated.dtype:
+            return rotated + turned
+        return torch.add(rotated, turned, out=torch.empty(x.shape, dtype=self.compute_dtype, device=x.device))
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one query per row as transformers' SDPA layers call it for one new token: a KV head's query
