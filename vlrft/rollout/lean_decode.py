@@ -205,6 +205,16 @@ class _Projections:
         return out
 
 
+def _compile_fell_back(error: Exception) -> None:
+    """Say once that compiling the step failed; later decoders step eagerly (each generate call builds one)."""
+    import warnings
+
+    global _compile_failed
+    _compile_failed = True
+    warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+                  "decoding eagerly", RuntimeWarning, stacklevel=3)
+
+
 def packing_applies(weight: torch.Tensor) -> bool:
     """Whether decode steps pack the projections (`_Projections`): float32 on a CPU with oneDNN."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -407,7 +417,10 @@ class LeanDecoder:
         # prompts until the sizes that change were found. Eager if compiling fails.
         self._step = self._eager_step
         if compiled and not _compile_failed:
-            self._step = torch.compile(self._eager_step, dynamic=True)
+            try:
+                self._step = torch.compile(self._eager_step, dynamic=True)
+            except Exception as error:  # noqa: BLE001 - an unsupported platform or Python
+                _compile_fell_back(error)
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
@@ -462,12 +475,7 @@ class LeanDecoder:
         except torch.OutOfMemoryError:
             raise  # the eager step would need the memory too
         except Exception as error:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower, ...
-            import warnings
-
-            global _compile_failed
-            _compile_failed = True  # later decoders do not try again (each generate call builds one)
-            warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: "
-                          f"{str(error)[:200]}); decoding eagerly", RuntimeWarning, stacklevel=2)
+            _compile_fell_back(error)
             self._step = self._eager_step
             self.restore(state)  # whatever the failed call advanced (its KV writes are masked again)
             return self._eager_step(tokens, step)
