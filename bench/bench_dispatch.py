@@ -52,10 +52,21 @@ def build_model(out: Path) -> None:
     processor.save_pretrained(out)
 
 
+def _counting(ops: collections.Counter):
+    """A dispatch mode that counts into `ops` each torch op reaching the dispatcher, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count
+
+
 def count(model: Path, folder: Path, micro_batch: int, per_segment: bool) -> tuple[int, int]:
     """(dispatched ops, SDPA forward calls) of one training phase."""
     import vlrft.models.actor as actor_module
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     if per_segment:
         actor_module.use_segment_attention = lambda vision: False
@@ -76,11 +87,7 @@ def count(model: Path, folder: Path, micro_batch: int, per_segment: bool) -> tup
     trainer = Trainer(cfg)
     trainer.train_step()
     ops = collections.Counter()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+    Count = _counting(ops)
 
     update = trainer_module.update
 
@@ -101,7 +108,6 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
     else transformers' layers over a dynamic cache."""
     import torch
     from PIL import Image
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from vlrft.config import DataConfig
     from vlrft.data import PromptEncoder, Sample
@@ -121,11 +127,7 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
     side = 448 * 448
     batch = PromptEncoder(processor, DataConfig(min_pixels=side, max_pixels=side)).encode(samples).batch
     ops = collections.Counter()
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+    Count = _counting(ops)
 
     counted_step = 3  # a step well inside the call (not the first, which may set things up)
     if lean:

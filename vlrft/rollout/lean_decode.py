@@ -129,10 +129,16 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module, weight: torch.Tensor | None = No
     norm's weight laid out for `x`, e.g. per head). `out_dtype`: the result written in that dtype by the scaling's
     own kernel (what the next matmul under autocast would cast it to; the same rounding, one kernel fewer)."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
-    weight = norm.weight if weight is None else weight
-    if out_dtype is None or out_dtype in (weight.dtype, normed.dtype):  # (mixed operands: cast by the next matmul)
-        return weight * normed
-    return torch.mul(weight, normed, out=torch.empty(normed.shape, dtype=out_dtype, device=normed.device))
+    return _written_in(out_dtype, torch.mul, norm.weight if weight is None else weight, normed)
+
+
+def _written_in(dtype: torch.dtype | None, op, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`op(a, b)` (a broadcasting mul or add), its result written in `dtype` by the op's own kernel where both
+    operands are in another dtype: the same rounding as casting the result, one kernel fewer. Else as it is (mixed
+    operands: cast by whatever reads it)."""
+    if dtype is None or dtype in (a.dtype, b.dtype):
+        return op(a, b)
+    return op(a, b, out=torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=dtype, device=b.device))
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
@@ -437,10 +443,7 @@ class LeanDecoder:
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """transformers' apply_rotary_pos_emb for one tensor [rows, heads, head_dim]. Under autocast the sum is
         written in the compute dtype by its own kernel: the cast the attention (and the cache) would make."""
-        rotated, turned = x * cos, torch.roll(x, self.head_dim // 2, dims=-1) * sin
-        if self.compute_dtype is None or self.compute_dtype == rotated.dtype:
-            return rotated + turned
-        return torch.add(rotated, turned, out=torch.empty(x.shape, dtype=self.compute_dtype, device=x.device))
+        return _written_in(self.compute_dtype, torch.add, x * cos, torch.roll(x, self.head_dim // 2, dims=-1) * sin)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one query per row as transformers' SDPA layers call it for one new token: a KV head's query
