@@ -170,3 +170,98 @@ def test_an_engines_tensor_parallel_group_must_stay_on_one_node(monkeypatch):
         load_config(None, [*common, f"rollout.tensor_parallel_size={tp}"], world_size=24)
     with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=3 .*processes per node \(8\)"):
         load_config(None, [*common, "rollout.tensor_parallel_size=3"], world_size=24)
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `train:` block silently replaced the first (another
+    output folder, another lr)."""
+    path = write(tmp_path, "train:\n  lr: 1.0e-6\n  output_dir: runs/a\nmodel:\n  path: x\ntrain:\n  lr: 1.0\n")
+    with pytest.raises(ConfigError, match=r"cfg.yaml': key 'train' is given twice in one mapping \(lines 1 and 6\)"):
+        load_config(path)
+    nested = write(tmp_path, "reward:\n  functions:\n  - {name: accuracy, weight: 1, weight: 2}\n", name="n.yaml")
+    with pytest.raises(ConfigError, match=r"key 'weight' is given twice in one mapping \(lines 3 and 3\)"):
+        load_config(nested)
+    merged = write(tmp_path, "base: &b {lr: 1.0e-6, seed: 3}\ntrain:\n  <<: *b\n  lr: 2.0e-6\n", name="m.yaml")
+    data = yaml.safe_load(merged.read_text())  # a merge key's values overridden below it: not a duplicate
+    del data["base"]
+    cfg = load_config(write(tmp_path, yaml.safe_dump(data), name="m2.yaml"))
+    assert cfg.train.lr == pytest.approx(2e-6) and cfg.train.seed == 3
+    from vlrft.config import _read_yaml
+
+    assert _read_yaml(merged, "m.yaml")["train"] == {"lr": 2e-6, "seed": 3}
+
+
+def test_unreadable_config_files_are_one_line(tmp_path):
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"train:\n  output_dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"latin.yaml' is not UTF-8 text \(byte 0xe9 at line 2\)"):
+        load_config(latin)
+    for text in ("a: &x [1, *x]\n", "train: &t\n  inner: *t\n"):
+        with pytest.raises(ConfigError, match=r"refers to a value that contains it \(a YAML anchor"):
+            load_config(write(tmp_path, text, name="loop.yaml"))
+    with pytest.raises(ConfigError, match=r"interpolation"):
+        load_config(None, ["train.output_dir=${train.output_dir}"])
+
+
+def test_overrides_index_into_lists(tmp_path):
+    path = write(tmp_path, """
+        data: {train_files: [a.jsonl, b.jsonl]}
+        reward: {functions: [{name: accuracy}, {name: format, weight: 0.5}]}
+    """)
+    cfg = load_config(path, ["reward.functions.1.weight=2", "data.train_files.0=x.jsonl", "reward.functions[0].alias=acc"])
+    assert [(f.name, f.weight, f.alias) for f in cfg.reward.functions] == [("accuracy", 1.0, "acc"), ("format", 2.0, None)]
+    assert cfg.data.train_files == ["x.jsonl", "b.jsonl"]
+    for override, message in (
+        ("reward.functions.2.weight=2", "'reward.functions' has 2 entries (0 to 1), so there is no entry 2; give the "
+                                        "whole list (reward.functions=[...])"),
+        ("reward.functions.first.weight=2", "'reward.functions' is a list; index it by number "
+                                            "(reward.functions.0.first.weight=...) or give the whole list"),
+        ("data.train_files.0.x=1", "'data.train_files.0' is 'a.jsonl', not a mapping or list"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"config: override '{override}': {message}")):
+            load_config(path, [override])
+    with pytest.raises(ConfigError, match=r"'data.train_files' has 0 entries"):
+        load_config(None, ["data.train_files.0=x"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.eval_batch_prompts=0", "train.eval_batch_prompts=0 is not allowed; expected a positive integer"),
+    ("train.eval_batch_prompts=-1", "train.eval_batch_prompts=-1 is not allowed; expected a positive integer"),
+    ("train.total_steps=-1", "train.total_steps=-1 is not allowed; expected an integer >= 0"),
+    ("train.eval_every=-2", "train.eval_every=-2 is not allowed; expected an integer >= 0"),
+    ("logging.log_every=-1", "logging.log_every=-1 is not allowed; expected a positive integer"),
+    ("logging.log_every=0", "logging.log_every=0 is not allowed; expected a positive integer"),
+    ("train.deepspeed.zero_stage=1", "train.deepspeed.zero_stage=1 is not allowed; expected an integer in [2, 3]"),
+    ("train.seed=-1", "train.seed=-1 is not allowed; expected an integer in [0, 2147483647]"),
+    ("rollout.stop_token_ids=[3,-1]", "rollout.stop_token_ids[1]=-1 is not allowed; expected an integer >= 0"),
+    ("data.max_train_samples=0", "data.max_train_samples=0 is not allowed; expected a positive integer"),
+])
+def test_integer_options_are_checked_against_their_declared_range(override, message):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {message}")):
+        load_config(None, [override])
+
+
+def test_every_integer_option_declares_its_range():
+    """Every int field (int, int | None, list[int]) is declared with `minimum` (and maybe `maximum`), and the range
+    shows in docs/config.md's type column."""
+    import dataclasses
+    import typing
+
+    from vlrft.config_help import iter_keys
+
+    def ints(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            if dataclasses.is_dataclass(tp):
+                yield from ints(tp, key)
+            elif int in (tp, *typing.get_args(tp)) and bool not in (tp, *typing.get_args(tp)):
+                yield key, f
+
+    found = dict(ints(Config))
+    assert len(found) >= 40
+    assert [key for key, f in found.items() if "range" not in f.metadata] == []
+    types = {k.key: k.type_name for k in iter_keys()}
+    assert types["train.eval_batch_prompts"] == "a positive integer"
+    assert types["train.global_mini_batch_completions"] == "a positive integer or null"
+    assert types["rollout.top_k"] == "an integer >= -1"

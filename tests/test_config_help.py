@@ -32,7 +32,7 @@ def test_explain_on_the_command_line_with_type_default_and_value(capsys, tmp_pat
     config.write_text("rollout: {n: 4, global_batch_completions: 16}\n")
     assert main(["config", str(config), "--explain", "rollout.n"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("rollout.n  (an integer; default 8); here: 4\n") and "group size" in out
+    assert out.startswith("rollout.n  (a positive integer; default 8); here: 4\n") and "group size" in out
     assert main(["config", "--explain", "train.micro_batch_size"]) == 0  # an old name points to the new one
     out = capsys.readouterr().out
     assert "deprecated name of 'train.micro_batch_completions_per_rank'" in out and "on each rank" in out

@@ -30,14 +30,20 @@ SECRET = {"secret": True}  # field metadata: never written to the saved config
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Callable[[], Any] | None = None,
-           secret: bool = False) -> Any:
+           secret: bool = False, minimum: int | None = None, maximum: int | None = None) -> Any:
     """A dataclass field with its help text, which `vlrft config --explain` and docs/config.md show.
 
     `factory` builds a mutable default (a list or dict); `secret` keeps the value out of saved configs.
+    `minimum` / `maximum`: the range of an integer option (of each item of a list of integers; null stays
+    allowed where the type allows it), checked at load (`validate_numbers`) and shown in docs/config.md.
+    Every integer option states one (a test checks), so `eval_batch_prompts=0` fails at load, not at the
+    first evaluation.
     """
     metadata: dict[str, Any] = {"help": help}
     if secret:
         metadata.update(SECRET)
+    if minimum is not None or maximum is not None:
+        metadata["range"] = (minimum, maximum)
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -47,8 +53,8 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Calla
 class LoraConfig:
     """LoRA through PEFT; rank 0 means full fine-tuning."""
 
-    rank: int = option(0, "LoRA rank; 0 = full fine-tuning (every parameter trains)")
-    alpha: int = option(16, "LoRA scaling numerator (the update is scaled by alpha / rank)")
+    rank: int = option(0, "LoRA rank; 0 = full fine-tuning (every parameter trains)", minimum=0)
+    alpha: int = option(16, "LoRA scaling numerator (the update is scaled by alpha / rank)", minimum=1)
     dropout: float = option(0.0, "dropout on the LoRA adapters' input")
     target_modules: list[str] = option(help="modules that get adapters: ['all-linear'] or module names such as "
                                        "['q_proj', 'v_proj']", factory=lambda: ["all-linear"])
@@ -94,24 +100,24 @@ class DataConfig:
     prompt_suffix: str | None = option(None, "text appended to every user prompt, e.g. an answer-format "
                                        "instruction")
     max_prompt_length: int = option(1024, "tokens, vision tokens included; a longer prompt is an error or a skip "
-                                    "(data.on_bad_sample)")
+                                    "(data.on_bad_sample)", minimum=1)
     min_pixels: int = option(28 * 28 * 4, "images smaller than this (width*height) are scaled up to it before "
-                             "patching (fewer vision tokens: lower it)")
+                             "patching (fewer vision tokens: lower it)", minimum=1)
     max_pixels: int = option(28 * 28 * 1024, "images larger than this (width*height) are scaled down to it; the "
-                             "main knob for vision tokens per image")
+                             "main knob for vision tokens per image", minimum=1)
     video_fps: float = option(2.0, "frames sampled per second of video")
-    video_max_frames: int = option(32, "at most this many frames per video")
+    video_max_frames: int = option(32, "at most this many frames per video", minimum=1)
     on_bad_sample: Literal["error", "skip"] = option(
         "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
     validate_media: bool = option(True, "before training, check every prompt, decode every image once and open "
                                   "every video file (cached by file fingerprint; each rank checks its share); bad "
                                   "ones are errors or skips per data.on_bad_sample")
     max_source_pixels: int = option(89_478_485, "images larger than this (width*height) are refused before "
-                                    "decoding (decompression bombs)")
+                                    "decoding (decompression bombs)", minimum=1)
     max_aspect_ratio: float = option(200.0, "images longer than this ratio are refused (Qwen-VL cannot patch them)")
     shuffle: bool = option(True, "shuffle the training prompts each epoch (seeded by train.seed)")
-    max_train_samples: int | None = option(None, "use only the first N training samples; null = all")
-    max_eval_samples: int | None = option(None, "use only the first N evaluation samples; null = all")
+    max_train_samples: int | None = option(None, "use only the first N training samples; null = all", minimum=1)
+    max_eval_samples: int | None = option(None, "use only the first N evaluation samples; null = all", minimum=1)
 
 
 @dataclass
@@ -132,19 +138,19 @@ class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = option(
         "hf", "'hf': transformers on the policy itself (no extra memory); 'vllm' / 'sglang': a colocated engine on "
         "the GPU (much faster sampling)")
-    n: int = option(8, "completions per prompt (the group size of GRPO/RLOO)")
+    n: int = option(8, "completions per prompt (the group size of GRPO/RLOO)", minimum=1)
     global_batch_completions: int = option(64, "completions per step over all ranks (= prompts per step * "
-                                           "rollout.n); was rollout.batch_size")
-    max_new_tokens: int = option(512, "longest completion in tokens; longer ones are cut and flagged as truncated")
-    min_new_tokens: int = option(0, "stop tokens are not sampled before this many tokens")
+                                           "rollout.n); was rollout.batch_size", minimum=1)
+    max_new_tokens: int = option(512, "longest completion in tokens; longer ones are cut and flagged as truncated", minimum=1)
+    min_new_tokens: int = option(0, "stop tokens are not sampled before this many tokens", minimum=0)
     temperature: float = option(1.0, "sampling temperature; 0 = greedy. The trainer's logprobs use the same one")
     top_p: float = option(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off")
-    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off")
+    top_k: int = option(0, "sample only among the k most likely tokens; 0 = off", minimum=-1)
     min_p: float = option(0.0, "drop tokens less likely than min_p times the most likely one; 0 = off")
     repetition_penalty: float = option(1.0, "divide the logits of tokens already in the sequence by this; 1 = off")
     stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
     stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
-                                       factory=list)
+                                       factory=list, minimum=0)
     compile_decode: bool = option(False, "hf engine: torch.compile the per-token decode step: the lean step "
                                   "(inductor fuses its elementwise kernels; on CUDA the compiled step is what the "
                                   "CUDA graph replays), else transformers' step. It compiles once, with dynamic "
@@ -165,31 +171,31 @@ class RolloutConfig:
     gpu_memory_utilization: float = option(0.5, "vLLM/SGLang: fraction of the GPU the engine may take (vLLM) / "
                                            "its static memory (SGLang)")
     tensor_parallel_size: int = option(1, "vLLM/SGLang: ranks sharing one engine (within a node); must divide the "
-                                       "number of processes")
+                                       "number of processes", minimum=1)
     sleep_between_steps: bool = option(True, "vLLM/SGLang: release engine weights and KV cache while the trainer "
                                        "runs")
     max_model_len: int | None = option(None, "vLLM/SGLang: longest sequence; default: data.max_prompt_length + "
-                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens; SGLang + 1)")
+                                       "rollout.max_new_tokens (with tools: + rollout.max_trajectory_tokens; SGLang + 1)", minimum=1)
     weight_sync_bucket_mb: int = option(512, "vLLM/SGLang: weights are sent to the engine in buckets of about "
-                                        "this many MB")
+                                        "this many MB", minimum=1)
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
                                            factory=dict)
     # Multi-turn rollouts with tools (docs/multiturn.md); off while `tools` is empty
     tools: list[ToolConfig] = option(help="tools the model may call (list of {name, alias, description, "
                                      "parameters, kwargs}); non-empty turns on multi-turn rollouts", factory=list)
     max_turns: int = option(4, "multi-turn: most model turns per trajectory (tools answer at most max_turns - 1 "
-                            "calls)")
+                            "calls)", minimum=1)
     max_trajectory_tokens: int = option(2048, "multi-turn: most tokens after the prompt per trajectory (model "
-                                        "turns, tool outputs and their images); past it the trajectory is truncated")
+                                        "turns, tool outputs and their images); past it the trajectory is truncated", minimum=1)
     tool_timeout_s: float = option(30.0, "multi-turn: seconds one tool call may take; then the model reads a "
                                    "timeout error and the call is counted in tools/timeouts")
-    tool_max_concurrency: int = option(16, "multi-turn: tool calls running at once (across the batch)")
+    tool_max_concurrency: int = option(16, "multi-turn: tool calls running at once (across the batch)", minimum=1)
     tool_parser: str = option("qwen", "multi-turn: how a turn's tool call is found: 'qwen' (<tool_call>{\"name\": ..., "
                               "\"arguments\": {...}}</tool_call>) or 'module:function' / 'path.py:function' mapping "
                               "the turn's text to a vlrft.tools.ToolCall, MalformedCall or None (no call)")
     tool_image_max_pixels: int = option(0, "multi-turn: most pixels of an image a tool returns (a zoomed crop can be "
                                         "shown sharper than the prompt's image); 0: data.max_pixels; capped by the "
-                                        "processor's own max_pixels")
+                                        "processor's own max_pixels", minimum=0)
     describe_tools: bool = option(True, "multi-turn: describe the tools (their JSON schemas) in every prompt, through "
                                   "the chat template's tools; false when the data's prompts already say how to call "
                                   "them (the schemas cost hundreds of prompt tokens)")
@@ -265,14 +271,14 @@ class RewardConfig:
     on_error: Literal["raise", "none"] = option(
         "raise", "a reward function that raises or times out: 'raise' stops the run naming it, 'none' counts the "
         "reward as not applicable")
-    max_concurrency: int = option(16, "reward function calls running at once")
+    max_concurrency: int = option(16, "reward function calls running at once", minimum=1)
     remote_url: str | None = option(None, "default URL of the 'remote' reward function (vlrft reward-server)")
     remote_api_key: str | None = option(None, "API key of the 'remote' reward; else the VLRFT_REWARD_API_KEY "
                                         "variable (never saved)", secret=True)
     # Math answers are graded (math-verify/sympy) in worker processes that are killed when they overrun:
-    grader_processes: int = option(0, "math grader processes per rank; 0 = min(4, CPU cores / local ranks)")
+    grader_processes: int = option(0, "math grader processes per rank; 0 = min(4, CPU cores / local ranks)", minimum=0)
     grader_timeout_s: float = option(5.0, "seconds to grade one math answer; an answer that takes longer scores 0")
-    grader_memory_mb: int = option(2048, "address-space limit of each math grader process, in MB")
+    grader_memory_mb: int = option(2048, "address-space limit of each math grader process, in MB", minimum=1)
 
     def validate(self) -> None:
         """Timeouts and limits, and that every reward function name resolves (at load time, not mid-run)."""
@@ -328,7 +334,7 @@ class AlgorithmConfig:
     kl_controller: Literal["fixed", "adaptive"] = option(
         "fixed", "'fixed' keeps kl_coef; 'adaptive' steers the measured KL to kl_target (Ziegler et al. 2019)")
     kl_target: float = option(0.1, "adaptive KL controller: the KL it steers to")
-    kl_horizon: int = option(10000, "adaptive KL controller: horizon in completions (larger = slower changes)")
+    kl_horizon: int = option(10000, "adaptive KL controller: horizon in completions (larger = slower changes)", minimum=1)
     entropy_coef: float = option(0.0, "entropy bonus: the loss subtracts this times the mean token entropy")
     high_entropy_token_frac: float | None = option(
         None, "train only on this top fraction of tokens by entropy (the 80/20 rule paper: 0.2); null = all")
@@ -341,7 +347,7 @@ class AlgorithmConfig:
                                "loss takes over")
     value_coef: float = option(0.5, "weight of the critic's loss")
     overlong_buffer: int = option(0, "DAPO overlong penalty: it ramps up over the last this-many tokens before "
-                                  "max_new_tokens; 0 = off")
+                                  "max_new_tokens; 0 = off", minimum=0)
     overlong_penalty: float = option(1.0, "DAPO overlong penalty at and beyond max_new_tokens")
     reward_clip: float | None = option(None, "clip rewards to [-x, x] before advantages; null = off")
     normalize_rewards: bool = option(False, "normalise rewards by their running mean and std (checkpointed)")
@@ -349,7 +355,7 @@ class AlgorithmConfig:
                                   "in their group's statistics)")
     dynamic_sampling: bool = option(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and "
                                     "refill with new prompts")
-    max_refill_rounds: int = option(4, "dynamic sampling: at most this many extra rollout rounds per step")
+    max_refill_rounds: int = option(4, "dynamic sampling: at most this many extra rollout rounds per step", minimum=0)
     adv_eps: float = option(1e-6, "added to every std an advantage is divided by (GRPO, batch scale, whitening)")
     gae_whiten: bool = option(True, "whiten GAE advantages once over the whole batch (all ranks), as PPO does")
     # GSPO clips the length-normalised sequence ratio, which moves far less than token ratios (paper: 3e-4 / 4e-4)
@@ -393,7 +399,7 @@ class FSDPConfig:
 class DeepSpeedConfig:
     """train.strategy=deepspeed: DeepSpeed ZeRO (needs the `deepspeed` extra)."""
 
-    zero_stage: int = option(3, "2: shard gradients and optimizer state; 3: shard the weights too")
+    zero_stage: int = option(3, "2: shard gradients and optimizer state; 3: shard the weights too", minimum=2, maximum=3)
     offload_optimizer: bool = option(False, "keep optimizer state (and its step) in host memory")
     offload_param: bool = option(False, "ZeRO-3 only: keep the weight shards in host memory between uses")
 
@@ -403,27 +409,28 @@ class TrainConfig:
     """Optimisation, batching, checkpoints and evaluation."""
 
     output_dir: str = option("runs/vlrft", "folder for checkpoints, metrics, completions and the saved config")
-    total_steps: int = option(100, "training steps (one rollout batch and its updates each)")
-    seed: int = option(42, "seed of data order, sampling and initialisation")
+    total_steps: int = option(100, "training steps (one rollout batch and its updates each); 0 = none (only the "
+                              "evaluation before training, if any)", minimum=0)
+    seed: int = option(42, "seed of data order, sampling and initialisation", minimum=0, maximum=2**31 - 1)
     lr: float = option(1e-6, "AdamW learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay")
     adam_betas: list[float] = option(help="AdamW betas", factory=lambda: [0.9, 0.999])
     lr_scheduler: Literal["constant", "cosine", "linear"] = option(
         "constant", "learning-rate schedule after warm-up (cosine and linear decay to 0 at total_steps)")
-    warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up")
+    warmup_steps: int = option(0, "optimizer steps of linear learning-rate warm-up", minimum=0)
     max_grad_norm: float = option(1.0, "clip the global gradient norm to this")
-    ppo_epochs: int = option(1, "passes over each rollout batch")
+    ppo_epochs: int = option(1, "passes over each rollout batch", minimum=1)
     global_mini_batch_completions: int | None = option(
         None, "completions per optimizer step over all ranks; default: the whole rollout batch (one update per "
-        "epoch); was train.mini_batch_size")
+        "epoch); was train.mini_batch_size", minimum=1)
     micro_batch_completions_per_rank: int = option(
         4, "completions per forward/backward pass on each rank (gradients accumulate up to the mini-batch); "
-        "was train.micro_batch_size")
+        "was train.micro_batch_size", minimum=1)
     max_tokens_per_micro_batch: int = option(
         0, "> 0: form each rank's micro-batches by this token budget instead of a row count, for natural-length "
         "completions: a forward processes at most this many token positions (each distinct prompt once + its "
         "completions, padded per class of similar length; a single longer row runs alone) and a prompt's rows stay "
-        "together (docs/design.md); 0 = off, use micro_batch_completions_per_rank")
+        "together (docs/design.md); 0 = off, use micro_batch_completions_per_rank", minimum=0)
     skip_zero_advantage_rows: bool = option(
         True, "leave out of the policy's forward/backward the rows whose loss is exactly 0: advantage 0 at every "
         "token (a group whose rewards are all equal, under GRPO/RLOO) when nothing else trains on them (no KL in "
@@ -440,9 +447,9 @@ class TrainConfig:
     fsdp: FSDPConfig = option(help="options of train.strategy=fsdp2", factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = option(help="options of train.strategy=deepspeed (ZeRO-2/3)", factory=DeepSpeedConfig)
     save_every: int = option(20, "save a checkpoint every this many steps; 0 = only at the end (a crash then "
-                             "loses every step)")
+                             "loses every step)", minimum=0)
     keep_last: int = option(2, "keep this many newest checkpoints of this run (0 = keep all); older ones of the "
-                            "same run are deleted (never another run's)")
+                            "same run are deleted (never another run's)", minimum=0)
     save_hf_model: Literal["every", "last"] = option(
         "every", "which checkpoints get model/ (the policy in Hugging Face format): 'every', or only the 'last' one "
         "(the end of training). FSDP2 and DeepSpeed resume from their own files; rank 0 writes model/ alone, in "
@@ -458,11 +465,11 @@ class TrainConfig:
     save_on_interrupt: bool = option(True, "Ctrl-C or SIGTERM (a scheduler's preemption notice; torchrun forwards "
                                      "it to every worker) finishes the current step, saves a checkpoint, then "
                                      "stops; a second signal stops at once")
-    eval_every: int = option(0, "evaluate every this many steps; 0 = no periodic evaluation")
+    eval_every: int = option(0, "evaluate every this many steps; 0 = no periodic evaluation", minimum=0)
     eval_before_training: bool = option(True, "evaluate once before the first step")
-    eval_n: int = option(1, "samples per eval prompt (pass@k uses them)")
+    eval_n: int = option(1, "samples per eval prompt (pass@k uses them)", minimum=1)
     eval_temperature: float = option(0.0, "eval sampling temperature; 0 = greedy")
-    eval_batch_prompts: int = option(32, "prompts per evaluation generate call; was train.eval_batch_size")
+    eval_batch_prompts: int = option(32, "prompts per evaluation generate call; was train.eval_batch_size", minimum=1)
     eval_accuracy_reward: str | None = option(None, "reward function whose value > 0.5 means correct; default: "
                                               "the first")
 
@@ -490,9 +497,9 @@ class LoggingConfig:
     wandb_run_name: str | None = option(None, "W&B run name; default: W&B's")
     wandb_api_key: str | None = option(None, "W&B API key; prefer the WANDB_API_KEY variable (never saved)",
                                        secret=True)
-    log_every: int = option(1, "log metrics every this many steps")
-    completions_every: int = option(10, "steps between completion tables; 0 = never")
-    completions_rows: int = option(8, "completions shown per table")
+    log_every: int = option(1, "log metrics every this many steps", minimum=1)
+    completions_every: int = option(10, "steps between completion tables; 0 = never", minimum=0)
+    completions_rows: int = option(8, "completions shown per table", minimum=1)
     progress: bool = option(True, "show a progress bar on the terminal")
 
 
@@ -629,16 +636,12 @@ _NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
     ("train.weight_decay", lambda v: v >= 0, "a number >= 0"),
     ("train.max_grad_norm", lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"),
     ("train.eval_temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    ("train.save_every", lambda v: v >= 0, "a number of steps >= 0 (0 = only at the end)"),
-    ("train.keep_last", lambda v: v >= 0, "a number of checkpoints >= 0 (0 = keep all)"),
     ("train.dist_timeout_minutes", lambda v: v > 0, "a number of minutes > 0, e.g. 30"),
     ("rollout.temperature", lambda v: v >= 0,
      "a number >= 0 (0 = greedy, which makes every completion of a group the same)"),
     ("rollout.top_p", lambda v: 0 < v <= 1, "a fraction in (0, 1] (1 = off)"),
-    ("rollout.top_k", lambda v: v >= -1, "an integer >= 1, or 0 / -1 for off"),
     ("rollout.min_p", lambda v: 0 <= v <= 1, "a fraction in [0, 1] (0 = off)"),
     ("rollout.repetition_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
-    ("rollout.min_new_tokens", lambda v: v >= 0, "an integer >= 0"),
     ("model.lora.dropout", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
     ("algorithm.entropy_coef", lambda v: v >= 0, "a number >= 0"),
     ("algorithm.value_coef", lambda v: v >= 0, "a number >= 0"),
@@ -666,10 +669,40 @@ def _non_finite_numbers(obj: Any, prefix: str) -> typing.Iterator[tuple[str, flo
         yield prefix, obj
 
 
+def range_text(bounds: tuple[int | None, int | None]) -> str:
+    """An integer range in words: 'a positive integer', 'an integer >= 0', 'an integer in [2, 3]'."""
+    lo, hi = bounds
+    if hi is not None:
+        return f"an integer in [{lo}, {hi}]" if lo is not None else f"an integer <= {hi}"
+    return "a positive integer" if lo == 1 else f"an integer >= {lo}"
+
+
+def declared_ranges(obj: Any, prefix: str = "") -> typing.Iterator[tuple[str, Any, tuple[int | None, int | None]]]:
+    """(key, value, (minimum, maximum)) of every option declared with a range in a dataclass tree (list items each)."""
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from declared_ranges(value, key)
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                yield from declared_ranges(item, f"{key}[{i}]")
+        elif "range" in f.metadata:
+            if isinstance(value, list):
+                for i, item in enumerate(value):
+                    yield f"{key}[{i}]", item, f.metadata["range"]
+            elif value is not None:
+                yield key, value, f.metadata["range"]
+
+
 def validate_numbers(cfg: "Config") -> None:
-    """Every float finite (a NaN learning rate or temperature trains garbage silently) and key ranges respected."""
+    """Every float finite (a NaN learning rate or temperature trains garbage silently), every integer in its
+    declared range, and the other ranges respected."""
     for key, value in _non_finite_numbers(cfg, ""):
         _fail(key, value, "a finite number (not nan or inf)")
+    for key, value, (lo, hi) in declared_ranges(cfg):
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            _fail(key, value, range_text((lo, hi)))
     for key, ok, allowed in _NUMBER_RANGES:
         section, *rest = key.split(".")
         value = getattr(cfg, section)
@@ -870,48 +903,204 @@ def to_dict(obj: Any, redact_secrets: bool = False) -> Any:
 # loading and saving
 
 
-def _parse_overrides(overrides: list[str]):
+def _strict_loader():
+    """A YAML SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently: a second
+    `train:` block would replace the first whole), naming both lines."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[tuple[str, str], int] = {}
+                for key_node, _ in node.value:  # before `<<: *anchor` merges (keys written after one override it)
+                    if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key, line = (key_node.tag, key_node.value), key_node.start_mark.line + 1
+                    if key in seen:
+                        raise _DuplicateKey(key_node.value, seen[key], line)
+                    seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, first: int, second: int):
+        super().__init__(key, first, second)
+        self.key, self.first, self.second = key, first, second
+
+
+def _read_yaml(path: Path, shown: str) -> Any:
+    """The YAML file's contents; every way it can be unreadable is one `ConfigError` naming the file and where."""
+    import yaml
+
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file '{shown}' is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at line {line}); "
+                          "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{shown}' cannot be read: {exc.strerror or exc}") from None
+    try:
+        raw = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as dup:
+        raise ConfigError(f"config file '{shown}': key '{dup.key}' is given twice in one mapping (lines {dup.first} "
+                          f"and {dup.second}); the second would silently replace the first. Merge them into one") \
+            from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file '{shown}' is not valid YAML{where}: {problem}; fix the file") from None
+    except RecursionError:
+        raise ConfigError(f"config file '{shown}' is nested too deeply to read; fix the file") from None
+    cycle = _cycle_in(raw, "")
+    if cycle is not None:
+        raise ConfigError(f"config file '{shown}': '{cycle}' refers to a value that contains it (a YAML anchor used "
+                          "inside its own value, e.g. `a: &x [*x]`); write the value out instead") from None
+    return raw
+
+
+def _cycle_in(value: Any, key: str, path: tuple[int, ...] = (), clean: set[int] | None = None) -> str | None:
+    """The key of the first mapping or list that contains itself (a self-referencing YAML anchor), or None.
+
+    `clean`: containers already walked without finding one (an anchor used many times is walked once)."""
+    clean = set() if clean is None else clean
+    if not isinstance(value, (dict, list)) or id(value) in clean:
+        return None
+    if id(value) in path:
+        return key
+    path = (*path, id(value))
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for k, item in items:
+        found = _cycle_in(item, f"{key}.{k}" if key else str(k), path, clean)
+        if found is not None:
+            return found
+    clean.add(id(value))
+    return None
+
+
+def _parse_value(item: str) -> Any:
+    """The value of one `key=value` override, read as OmegaConf reads a dotlist value (YAML: numbers, lists, ...)."""
     from omegaconf import OmegaConf
 
+    _, _, text = item.partition("=")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={text}"]), resolve=False)["v"]
+    except Exception as exc:
+        raise ConfigError(f"config: could not parse override '{item}': {' '.join(str(exc).split())[:200]}") from None
+
+
+def _override_key(key: str) -> list[str]:
+    """The parts of an override's dotted key, a deprecated `section.key` renamed (so an old-name override still
+    overrides the file's new-name key); `a[0].b` is taken as `a.0.b`."""
+    parts = [p for p in key.replace("[", ".").replace("]", "").split(".")]
+    if any(not p for p in parts):
+        raise ConfigError(f"config: override key '{key}' has an empty part; write it as section.key=value")
+    head = ".".join(parts[:2])
+    if head in DEPRECATED_KEYS:
+        rename_deprecated({parts[0]: {parts[1]: None}})  # the warning, once
+        parts[:2] = DEPRECATED_KEYS[head].split(".")
+    return parts
+
+
+def _merged(old: Any, new: Any) -> Any:
+    """A mapping given as an override merges into the one there (as OmegaConf.merge does); anything else replaces."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = dict(old)
+        for k, v in new.items():
+            out[k] = _merged(out.get(k), v)
+        return out
+    return new
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`data` with each `section.key=value` applied; a number indexes a list (`reward.functions.0.weight=2`,
+    `data.train_files.0=x`). Each problem is one `ConfigError` naming the override."""
+    import copy
+
+    given = {item.partition("=")[0].strip() for item in overrides}
+    for old, new in DEPRECATED_KEYS.items():
+        if old in given and new in given:
+            raise ConfigError(f"config: both '{old}' and '{new}' are set; keep only '{new}' ('{old}' is its "
+                              "deprecated name)")
+    out = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"config: override '{item}' is not of the form section.key=value (e.g. train.lr=1e-6)")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except Exception as exc:
-        raise ConfigError(f"config: could not parse overrides {overrides}: {exc}") from None
+        key = item.partition("=")[0].strip()
+        parts, value = _override_key(key), _parse_value(item)
+        node: Any = out
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            where = ".".join(parts[:depth]) or "the top level"
+            if isinstance(node, list):
+                if not part.lstrip("-").isdigit():
+                    raise ConfigError(f"config: override '{item}': '{where}' is a list; index it by number "
+                                      f"({where}.0.{'.'.join(parts[depth:])}=...) or give the whole list "
+                                      f"({where}=[...])")
+                index = int(part)
+                if not 0 <= index < len(node):
+                    raise ConfigError(f"config: override '{item}': '{where}' has {len(node)} entries (0 to "
+                                      f"{len(node) - 1}), so there is no entry {index}; give the whole list "
+                                      f"({where}=[...]) to add entries")
+                if last:
+                    node[index] = _merged(node[index], value)
+                else:
+                    if node[index] is None:
+                        node[index] = {}
+                    node = node[index]
+                continue
+            if not isinstance(node, dict):
+                raise ConfigError(f"config: override '{item}': '{where}' is {node!r}, not a mapping or list, so "
+                                  f"'{part}' cannot be set inside it")
+            if last:
+                node[part] = _merged(node.get(part), value)
+            else:
+                if node.get(part) is None:  # not in the file: a list's default is what an index points into
+                    default = _default_at(parts[:depth + 1])
+                    node[part] = copy.deepcopy(default) if isinstance(default, list) else {}
+                node = node[part]
+    return out
+
+
+def _default_at(parts: list[str]) -> Any:
+    """The default value at a dotted key of Config (None where there is none, e.g. inside a list or a mapping)."""
+    value: Any = to_dict(Config())
+    for part in parts:
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), world_size: int | None = None,
                 validate: bool = True) -> Config:
     """Load a YAML config (or defaults when `path` is None), apply `section.key=value` overrides, validate."""
-    import yaml
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.create({})
+    raw: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{path}' not found; pass the path of a YAML file such as configs/demo.yaml")
-        try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"config file '{path}' is not valid YAML{where}: {problem}; fix the file") from None
+        raw = _read_yaml(p, str(path))
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...), not {type(raw).__name__}")
-        merged = OmegaConf.create(rename_deprecated(raw))
-    if overrides:  # renamed on their own, so an old-name override still overrides the file's new-name key
-        parsed = OmegaConf.to_container(_parse_overrides(list(overrides)), resolve=False)
-        merged = OmegaConf.merge(merged, OmegaConf.create(rename_deprecated(parsed)))
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections (model:, data:, ...), not "
+                              f"{type(raw).__name__}")
+        raw = rename_deprecated(raw)
+    if overrides:
+        raw = apply_overrides(raw, list(overrides))
     try:
-        data = OmegaConf.to_container(merged, resolve=True)
+        data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+    except RecursionError:
+        raise ConfigError("config: an interpolation ${...} refers to itself; fix it") from None
     except Exception as exc:
-        raise ConfigError(f"config: could not resolve interpolations: {exc}") from None
+        text = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"config: could not resolve interpolations: {text}") from None
     cfg = build_dataclass(Config, data)
     return cfg.validate(world_size) if validate else cfg
 

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from vlrft.config import DEPRECATED_KEYS, Config, _type_name
+from vlrft.config import DEPRECATED_KEYS, Config, _type_name, range_text
 from vlrft.errors import ConfigError
 
 
@@ -48,8 +48,10 @@ def iter_keys(cls: type = Config, prefix: str = "") -> list[KeyHelp]:
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         nested = dataclasses.is_dataclass(tp)
-        out.append(KeyHelp(key, "section" if nested else _type_name(tp), _default_text(f),
-                           f.metadata.get("help", ""), section=nested))
+        type_name = "section" if nested else _type_name(tp)
+        if "range" in f.metadata:  # an integer option's declared range, checked at load
+            type_name = type_name.replace("an integer", range_text(f.metadata["range"]), 1)
+        out.append(KeyHelp(key, type_name, _default_text(f), f.metadata.get("help", ""), section=nested))
         if nested:
             out.extend(iter_keys(tp, key))
         elif typing.get_origin(tp) in (list, dict) and dataclasses.is_dataclass(typing.get_args(tp)[-1]):
