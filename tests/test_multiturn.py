@@ -360,3 +360,55 @@ def test_a_rank_whose_trajectories_ended_keeps_calling_the_engine_while_another_
         assert out.turns == [1, 1, 1, 1]  # this rank's trajectories all ended after their first turn
         assert len(recorder.calls) == expected_calls and asked[0] is False
         assert all(len(b) == 0 and len(o) == 0 for b, o in recorder.calls[1:])  # the lockstep calls: empty
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_text_tool_rows_in_mixed_width_classes_equal_a_plain_forward_of_each_conversation(arch, tiny_vlm_dir):
+    """Rows whose tools answered with text only: no tool images, so the shared forward splits the completions into
+    width classes. A row's width is its last sampled position, not its count of sampled tokens (the observation holes
+    in the middle count too): logprobs, entropies and gradients equal a plain transformers forward of each whole
+    conversation."""
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(processor, model.config)
+    batch = PromptEncoder(processor, DataConfig()).encode([Sample(id="t", prompt="Count the apples")]).batch
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(10, 200, (n,), generator=gen).tolist()  # noqa: E731  ordinary text tokens
+    # 40 sampled + 20 observation + 40 sampled tokens; a 3-token answer; 5 + 30 observation + 2
+    masks = [[1] * 40 + [0] * 20 + [1] * 40, [1] * 3, [1] * 5 + [0] * 30 + [1] * 2]
+    out = Trajectories(n=3, completion_ids=[ids(len(m)) for m in masks], finish_reasons=["stop"] * 3,
+                       sampled_mask=masks, observation_visual=[None] * 3, observation_images=[[]] * 3,
+                       turns=[2, 1, 2], tool_rewards=[0.0] * 3, tool_stats=[None] * 3)
+    seqs = out.sequences(batch, [0, 1, 2], tokens.pad_id)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    classes = actor._width_classes(seqs)
+    assert classes is not None and len(classes) > 1  # the path under test: several completion calls
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.rand(seqs.completion_mask.shape, generator=gen)
+
+    result = actor.logprobs(seqs)
+    got_grads = torch.autograd.grad(((result.logprobs + 0.1 * result.entropy) * weights).sum(), params,
+                                    allow_unused=True)
+
+    prompt = batch.prompt_ids[0]
+    ref_lp, ref_ent, ref_loss = torch.zeros_like(weights), torch.zeros_like(weights), 0.0
+    for i, completion in enumerate(out.completion_ids):
+        full = torch.tensor([prompt + completion])
+        logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits[0].float()
+        log_p = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        lp = log_p.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+        ent = -(log_p.exp() * log_p).sum(-1)
+        mask = torch.tensor(masks[i], dtype=torch.float32)
+        ref_lp[i, :len(completion)], ref_ent[i, :len(completion)] = lp * mask, ent * mask
+        ref_loss = ref_loss + ((lp + 0.1 * ent) * mask * weights[i, :len(completion)]).sum()
+    ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
+
+    sampled = seqs.completion_mask.bool()
+    assert (result.logprobs.detach() - ref_lp)[sampled].abs().max() < 1e-5
+    assert (result.entropy.detach() - ref_ent)[sampled].abs().max() < 1e-5
+    for got, ref in zip(got_grads, ref_grads):
+        if ref is None:
+            assert got is None or not got.any()
+            continue
+        assert got is not None and (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())

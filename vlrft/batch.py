@@ -88,6 +88,16 @@ def build_sequences(prompt_ids: Sequence[Sequence[int]], visual: VisualBatch, co
                          tuple(distinct[row_prompt[r]] for r in rows), visual.select(list(distinct)))
 
 
+def last_positions(mask: torch.Tensor) -> list[int]:
+    """Per row of `mask` [B, C]: one past its last nonzero position (0 for an empty row).
+
+    A row's extent, not its count of ones: a multi-turn completion mask has holes at the tool
+    observations, so `mask.sum(1)` would end the row before its last sampled tokens.
+    """
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.ne(0).long() * positions).amax(dim=1).tolist() if mask.shape[1] else [0] * mask.shape[0]
+
+
 # A completion call's fixed cost, counted in token positions, when `width_classes` weighs another call
 # against padding (kernel launches, per-layer overhead; a few dozen tokens' worth on CPU and GPU alike).
 CALL_TOKENS = 32

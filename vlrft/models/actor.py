@@ -17,7 +17,7 @@ from torch import nn
 
 from vlrft.errors import MissingDependencyError
 from vlrft.models.logprobs import token_logprobs
-from vlrft.batch import SequenceBatch, width_classes
+from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_attention import use_segment_attention
@@ -268,7 +268,8 @@ class ActorVL(nn.Module):
         (`agree_on_visual_kinds` set), where every rank must call the sharded blocks equally often."""
         if not self.split_completion_widths or batch.has_completion_images or self.agree_on_visual_kinds is not None:
             return None
-        lengths = [max(1, n) for n in batch.completion_mask.sum(dim=1).long().tolist()]
+        # a row's last sampled position, not its count of sampled tokens: multi-turn rows have observation holes
+        lengths = [max(1, n) for n in last_positions(batch.completion_mask)]
         classes = width_classes(lengths)
         if len(classes) == 1:
             return None
