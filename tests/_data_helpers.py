@@ -53,6 +53,20 @@ def write_png_bomb(path: Path, width: int, height: int) -> Path:
     return path
 
 
+def png_with_huge_icc_profile(inflated: int = 64 << 20) -> bytes:
+    """A small valid PNG (28x28 grey) with an iCCP chunk that inflates to `inflated` bytes, past Pillow's limit for
+    a text/profile chunk (ImageFile.SAFEBLOCK, 1 MB): Pillow raises ValueError('Decompressed data too large')
+    while reading the header. 64 MB of zeros compress to about 64 KB."""
+    import io
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (28, 28), (90, 90, 90)).save(buffer, format="PNG")
+    data = buffer.getvalue()
+    body = b"icc\x00\x00" + zlib.compress(bytes(inflated), 9)  # profile name, NUL, compression method 0
+    chunk = struct.pack(">I", len(body)) + b"iCCP" + body + struct.pack(">I", zlib.crc32(b"iCCP" + body))
+    return data[:33] + chunk + data[33:]  # right after IHDR (8-byte signature + 25-byte IHDR chunk)
+
+
 def mixed_prompts(folder: Path) -> Path:
     """`folder/mixed.jsonl`: image prompts (from `folder/data/train.jsonl`) and text-only prompts in the order
     I I T T  I T T I. With 4 prompts per step over 2 ranks (contiguous shares, no shuffling):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from _data_helpers import noise_image, write_mp4, write_png, write_png_bomb
+from _data_helpers import noise_image, png_with_huge_icc_profile, write_mp4, write_png, write_png_bomb
 from vlrft.data.media import (MediaError, MediaLimits, PixelBounds, fit_image, frame_indices, load_image,
                               load_video)
 
@@ -74,6 +74,27 @@ def test_corrupt_bytes_and_urls_are_refused(tmp_path):
     truncated.write_bytes(io.BytesIO(write_png(tmp_path / "full.png", noise_image(64, 64)).read_bytes()).read()[:200])
     with pytest.raises(MediaError, match="truncated or corrupt"):
         load_image(str(truncated))
+
+
+def test_every_error_pillow_raises_on_a_file_is_a_media_error(tmp_path, monkeypatch):
+    """Pillow raises more than OSError on hostile files: a PNG whose ICC profile inflates past its limit gives
+    ValueError('Decompressed data too large') while the header is read; decoders raise struct.error, IndexError,
+    SyntaxError... Each becomes a MediaError naming the file (its callers add sample and field)."""
+    icc = tmp_path / "icc.png"
+    icc.write_bytes(png_with_huge_icc_profile())
+    assert icc.stat().st_size < 100_000
+    with pytest.raises(MediaError, match=r"cannot read image: ValueError: Decompressed [Dd]ata [Tt]oo [Ll]arge"):
+        load_image(str(icc))
+    with pytest.raises(MediaError, match=r"ValueError: Decompressed"):
+        load_image(icc.read_bytes())
+    good = write_png(tmp_path / "good.png", noise_image(32, 32))
+
+    def hostile_decoder(self, *args, **kwargs):  # a mock: a decoder error of a kind Pillow does not document
+        raise IndexError("tile index out of range")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", hostile_decoder)
+    with pytest.raises(MediaError, match=r"good.png cannot be decoded: IndexError: tile index out of range"):
+        load_image(str(good))
 
 
 def test_concurrent_checks_cannot_swap_each_others_warning_filters(tmp_path, monkeypatch):

@@ -46,7 +46,10 @@ def _image_bytes(ref: Any) -> tuple[bytes, str]:
     if isinstance(ref, (bytes, bytearray, memoryview)):
         raw = bytes(ref)
     elif isinstance(ref, str) and ref.startswith("data:"):
-        raw = base64.b64decode(ref.partition(",")[2])
+        try:
+            raw = base64.b64decode(ref.partition(",")[2], validate=True)
+        except ValueError as exc:  # binascii.Error
+            raise MediaError(f"the data URI is not valid base64 ({exc})") from None
     elif isinstance(ref, (str, Path)) and not str(ref).startswith(("http://", "https://")):
         path = local_path(str(ref))
         if path.is_file():
@@ -58,9 +61,13 @@ def _image_bytes(ref: Any) -> tuple[bytes, str]:
             raise MediaError(f"the image ({len(raw)} bytes) is not an image PIL can read") from None
         return raw, (fmt or "png").lower().replace("jpeg", "jpg")
     image = open_image_source(ref)  # PIL image, numpy array, or raises MediaError (missing file, URL, ...)
-    if image.mode not in ("RGB", "RGBA", "L", "LA", "P"):
-        image = to_rgb(image)
-    return encode_image_bytes(image, "PNG"), "png"
+    try:
+        if image.mode not in ("RGB", "RGBA", "L", "LA", "P"):
+            image = to_rgb(image)
+        return encode_image_bytes(image, "PNG"), "png"
+    except Exception as exc:  # noqa: BLE001 - Pillow decoding the pixels of a corrupt or hostile image
+        raise MediaError(f"the image cannot be decoded: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}") \
+            from None
 
 
 def _json_default(value: Any) -> Any:

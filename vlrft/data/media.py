@@ -124,6 +124,15 @@ def _pil_open(source: Any, unreadable: str) -> Image.Image:
         raise MediaError(unreadable) from None
     except OSError as exc:
         raise MediaError(f"cannot read image: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - any decoder error on a hostile file is this file's problem
+        raise MediaError(_decoder_error("cannot read image", exc)) from None
+
+
+def _decoder_error(what: str, exc: BaseException) -> str:
+    """One line for an error a decoder raised on a file, e.g. Pillow's ValueError for a PNG whose ICC profile
+    inflates past its limit ('Decompressed data too large'), a struct.error, or an IndexError on a hostile header."""
+    text = " ".join(str(exc).split())[:200]
+    return f"{what}: {type(exc).__name__}: {text}" if text else f"{what}: {type(exc).__name__}"
 
 
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
@@ -184,7 +193,10 @@ def _check_size(ref: Any, width: int, height: int, limits: MediaLimits) -> None:
 
 
 def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
-    """Decode an image reference to an RGB PIL image; raises `MediaError` saying why it cannot."""
+    """Decode an image reference to an RGB PIL image; raises `MediaError` saying why it cannot.
+
+    Every error Pillow raises on the file (opening, decoding, reading its EXIF, converting) becomes a `MediaError`:
+    its callers name the sample and field and turn it into one line, never a traceback."""
     source = open_image_source(ref)
     width, height = source.size
     _check_size(ref, width, height, limits)
@@ -195,11 +207,16 @@ def load_image(ref: Any, limits: MediaLimits = MediaLimits()) -> Image.Image:
         raise MediaError(f"image {_describe(ref)} was refused as a decompression bomb ({exc})") from None
     except OSError as exc:
         raise MediaError(f"image {_describe(ref)} is truncated or corrupt ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - a decoder error on a hostile file is this file's problem
+        raise MediaError(_decoder_error(f"image {_describe(ref)} cannot be decoded", exc)) from None
     if source.size != (width, height):  # formats whose size can change on load
         _check_size(ref, *source.size, limits)
-    if source.getexif().get(_EXIF_ORIENTATION, 1) != 1:
-        source = ImageOps.exif_transpose(source)
-    return to_rgb(source)
+    try:
+        if source.getexif().get(_EXIF_ORIENTATION, 1) != 1:
+            source = ImageOps.exif_transpose(source)
+        return to_rgb(source)
+    except Exception as exc:  # noqa: BLE001 - a malformed EXIF block or an unconvertible mode
+        raise MediaError(_decoder_error(f"image {_describe(ref)} cannot be converted to RGB", exc)) from None
 
 
 def target_size(width: int, height: int, bounds: PixelBounds) -> tuple[int, int]:
@@ -212,10 +229,15 @@ def target_size(width: int, height: int, bounds: PixelBounds) -> tuple[int, int]
 
 
 def fit_image(image: Image.Image, bounds: PixelBounds | None) -> Image.Image:
-    """Resize (bicubic) to `bounds`; returns `image` itself when it already fits."""
+    """Resize (bicubic) to `bounds`; returns `image` itself when it already fits. A size the resize rule refuses
+    (Qwen-VL's smart_resize raises ValueError) is a `MediaError`."""
     if bounds is None:
         return image
-    size = target_size(*image.size, bounds)
+    try:
+        size = target_size(*image.size, bounds)
+    except ValueError as exc:
+        raise MediaError(_decoder_error(f"image of size {image.size[0]}x{image.size[1]} cannot be resized", exc)) \
+            from None
     return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
 
 
