@@ -281,6 +281,40 @@ def test_tensor_and_numpy_results_are_accepted():
     assert values(result.total) == [0.75, 0.75]
 
 
+def test_a_number_no_float_holds_is_a_counted_reward_error():
+    """10**400 (a Python int) overflowed float(): a traceback even with on_error=none."""
+    with pytest.raises(RewardError, match=r"'test_returns' returned a number too large for a float \(about 10\^400\) "
+                                          r"for sample 1"):
+        make_set([F("test_returns", kwargs={"value": 10**400})]).score(["a", "b", "c"])
+    result = make_set([F("test_returns", kwargs={"value": -10**5000})], on_error="none").score(["a", "b", "c"])
+    assert values(result.total) == [0.0, None, 0.0]
+    assert result.stats["test_returns"].errors == 1
+
+
+def test_numpy_and_tensor_scalars_count_as_the_numbers_they_hold():
+    """One rule: a value is the Python number it holds. np.bool_ was refused ("returned a bool_") while Python bools
+    and numpy bool arrays (whose tolist() gives Python bools) were accepted."""
+    import numpy as np
+
+    for value, expected in ((np.bool_(True), 1.0), (np.float32(0.5), 0.5), (np.int64(3), 3.0), (True, 1.0),
+                            (torch.tensor(0.25), 0.25)):
+        result = make_set([F("test_returns", kwargs={"value": value})]).score(["a", "b"])
+        assert values(result.total) == [0.0, expected], value
+
+    @reward("test_numpy_bools")
+    def numpy_bools(completions):
+        return [np.bool_(len(c) > 1) for c in completions]
+
+    @reward("test_numpy_bool_array")
+    def numpy_bool_array(completions):
+        return np.array([len(c) > 1 for c in completions])
+
+    result = make_set([F("test_numpy_bools"), F("test_numpy_bool_array")]).score(["a", "bb"])
+    assert values(result.total) == [0.0, 2.0]
+    with pytest.raises(RewardError, match=r"returned a ndarray"):  # an array per sample is still not a number
+        make_set([F("test_returns", kwargs={"value": np.array([1.0, 2.0])})]).score(["a", "b"])
+
+
 def test_missing_column_is_named_and_dataset_column_is_passed():
     rs = make_set([F("test_needs_difficulty")])
     with pytest.raises(RewardError, match=r"needs argument\(s\) \['difficulty'\].*dataset columns \(source\)"):

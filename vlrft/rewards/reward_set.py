@@ -382,10 +382,18 @@ class RewardSet:
                 out.values.append(math.nan)
                 continue
             problem = None
+            if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # a numpy scalar (np.bool_ too) or 0-d tensor
+                v = v.item()  # one rule: a value counts as the Python number it holds, as an array's tolist() gives
             if isinstance(v, (bool, numbers.Real)):
-                v = float(v)
-                if not math.isfinite(v):
-                    problem = f"returned {v} for sample {idx[j]}; return None for 'not applicable' or fix the function"
+                try:
+                    v = float(v)
+                except OverflowError:  # e.g. 10**400: an int no float holds
+                    size = f" (about 10^{int(math.log10(abs(v)))})" if isinstance(v, int) else ""
+                    problem = f"returned a number too large for a float{size} for sample {idx[j]}; return a float or None"
+                else:
+                    if not math.isfinite(v):
+                        problem = (f"returned {v} for sample {idx[j]}; return None for 'not applicable' or fix the "
+                                   "function")
             else:
                 problem = f"returned a {type(v).__name__} ({str(v)[:40]!r}) for sample {idx[j]}; expected a float or None"
             if problem is None:
