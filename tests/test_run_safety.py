@@ -219,6 +219,59 @@ def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path
     assert ckpt.list_checkpoints(out) == []
 
 
+def test_a_finite_divergence_stops_the_run_and_leaves_the_last_good_checkpoint(tmp_path, tiny_vlm_dir, shapes):
+    """train.lr=1e30: step 1 moved the weights to ~1e30, all finite, so they were saved; step 2's logits were NaN and
+    sampling died in an IndexError (index 512 out of bounds, rollout/decode.py). A step that changes the norm of the
+    trained weights by more than half of it is divergence: stopped before the save, the last good checkpoint stays
+    the one train.resume=auto takes."""
+    from vlrft.errors import DivergedError
+    from vlrft.trainer.update import MAX_NORM_CHANGE, weights_norm_sq
+
+    assert MAX_NORM_CHANGE == 0.5
+    assert float(weights_norm_sq([torch.full((4,), 2.0), torch.ones(0)])) == 16.0
+    assert not math.isfinite(float(weights_norm_sq([torch.full((4,), 1e30)])))  # float32 norm overflows: diverged
+    fresh = tmp_path / "fresh"
+    with pytest.raises(DivergedError, match=r"step 1: the optimizer step changed the norm of the trained weights "
+                                            r"from [\d.e+]+ to a norm float32 cannot hold \(weights past ~1e19; at most 1.5 "
+                                            r"times is allowed in one step\): training diverged.*train.lr \(now "
+                                            r"1e\+30\)"):
+        fit(config(fresh, tiny_vlm_dir(), shapes, "train.lr=1e30"))
+    assert ckpt.list_checkpoints(fresh) == []
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=1"))  # step 1, at a sane lr: the good checkpoint
+    resumed = Trainer(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
+    for group in resumed.optimizer.param_groups:  # step 2's learning rate explodes
+        group["lr"] = 1e30
+    with pytest.raises(DivergedError, match=r"step 2: the optimizer step changed the norm"):
+        resumed.fit()
+    assert [c.name for c in ckpt.list_checkpoints(out)] == ["step_1"]
+    assert ckpt.resolve_resume("auto", out).name == "step_1"
+    # a sane lr keeps every step well inside the bound (the tests' lr=1e-3 on tiny models)
+    fit(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
+    assert [c.name for c in ckpt.list_checkpoints(out)] == ["step_1", "step_2"]
+
+
+def test_sampling_from_diverged_weights_is_refused_before_any_out_of_range_id_is_used(tiny_vlm_dir):
+    """NaN logits make the inverse-CDF sampler answer the vocabulary size; that id must never reach an index
+    operation (the gather of its logprob, the history, the next step's embedding)."""
+    from vlrft.errors import DivergedError
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.base import SamplingParams
+    from vlrft.rollout.decode import decode_groups
+    from vlrft.vision import VisualBatch
+
+    model = load_policy(tiny_vlm_dir()).eval()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("inf"))  # inf * 0 somewhere: NaN logits
+    sampling = SamplingParams(n=2, max_new_tokens=3, temperature=1.0)
+    for greedy in (False, True):
+        params = SamplingParams(n=2, max_new_tokens=3, temperature=0.0) if greedy else sampling
+        with pytest.raises(DivergedError, match=r"sampling: the policy's next-token distribution is not finite"):
+            with torch.no_grad():
+                decode_groups(model, [[1, 2, 3]], VisualBatch.empty(1, 2), params, pad_id=0, stop_ids={5},
+                              image_token_id=-1, video_token_id=-1)
+
+
 def test_a_kill_during_the_last_prune_leaves_nothing_behind_after_resume(tmp_path, tiny_vlm_dir, shapes):
     """Pruning renames a checkpoint to `.deleting-*` before removing it; a kill in between, with no later
     save to finish the job (the run had reached its last step), must not leave that folder forever."""

@@ -13,6 +13,12 @@ class ConfigError(UserError):
     """A config file or override that cannot be loaded or does not validate."""
 
 
+class DivergedError(UserError):
+    """Training diverged (weights or logits exploded): the run stops before saving; the message names the way out.
+
+    A UserError because its cause is a setting (a learning rate too high): one line, exit 2, not a traceback."""
+
+
 class MissingDependencyError(UserError):
     """An optional package is needed for the requested feature; the message names the extra."""
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.data.processor import left_pad
+from vlrft.errors import DivergedError
 from vlrft.models.actor import split_head
 from vlrft.models.positions import prompt_positions
 from vlrft.models.precision import active_autocast_dtype
@@ -397,6 +398,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     stop_tensor = torch.tensor(sorted(stop_ids), device=device)
 
     alive = torch.arange(total, device=device)  # original row of each running row
+    vocab = head.weight.shape[0]
+    # Whether some step's distribution was not a distribution (NaN/inf logits: diverged weights), kept on the device
+    # and read once after the loop: a read per step would make the host wait for every step.
+    broken = torch.zeros((), dtype=torch.bool, device=device)
     for step in range(max_new):
         seen = history[:, :prompt_len + step]
         scores = head(hidden).float()
@@ -408,7 +413,12 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
             tokens = scores.argmax(dim=-1)
         else:
             tokens = sample_tokens(torch.softmax(scores, dim=-1))
+        # NaN probabilities make the inverse CDF answer `vocab` (out of range): such an id never reaches an index
+        # operation (clamped here, the call refused below); a NaN row's argmax is in range but its logprob is NaN.
+        broken |= (tokens >= vocab).any()
+        tokens = tokens.clamp(max=vocab - 1)
         token_logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        broken |= token_logprobs.isnan().any()
         history[:, prompt_len + step] = tokens
         out_ids[alive, step] = tokens
         out_logprobs[alive, step] = token_logprobs
@@ -428,6 +438,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
             alive, tokens, history = alive[index], tokens[index], history[index]
             decoder.keep(index)
         hidden = decoder.step(tokens, step)
+    if bool(broken):
+        raise DivergedError("sampling: the policy's next-token distribution is not finite (NaN or inf logits): its "
+                            "weights have diverged. Lower train.lr or train.max_grad_norm and resume from the last "
+                            "checkpoint saved before it (train.resume=auto, or train.resume=<checkpoint>)")
     ids_out, lp_out = out_ids.tolist(), out_logprobs.tolist()
     lengths_out, stopped_out = lengths.tolist(), stopped.tolist()
     return DecodedRows([row[:k] for row, k in zip(ids_out, lengths_out)],

@@ -9,6 +9,7 @@ gradients are dropped, never applied.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss, zero_advantage_rows_add_nothing
 from vlrft.config import AlgorithmConfig
 from vlrft.dist.strategy import Strategy, TrainedModel
-from vlrft.errors import UserError
+from vlrft.errors import DivergedError
 from vlrft.trainer.experience import Batching, Experience, plan_micro_batches, sequences_for
 from vlrft.trainer.out_of_memory import explain_out_of_memory
 
@@ -177,22 +178,56 @@ def _all_finite(norms: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
-def _stop_if_weights_diverged(deps: UpdateDeps) -> None:
-    """A finite gradient can still step the weights to inf/NaN (e.g. a huge learning rate): stop, never save them."""
+# One optimizer step may change the norm of the trained weights by at most this fraction of it. Adam moves each
+# weight by about lr per step, so a step changes the norm by about lr / (the weights' typical size): 1e-6 / 0.02 =
+# 5e-5 for a usual fine-tuning rate, 0.05 for the tests' lr=1e-3 on tiny models. A step past half the norm is not
+# learning but divergence (train.lr=1e30 moved the weights to 1e30 in one step, all finite, and the next step's
+# logits were NaN); it is stopped before it is saved, so the last checkpoint stays the one to resume from.
+MAX_NORM_CHANGE = 0.5
+
+
+def weights_norm_sq(params) -> torch.Tensor:
+    """Sum of squares of this rank's values of `params` (its shards), in float64 on their device; not read here.
+
+    Non-finite where a value is non-finite or the float32 norm of a tensor overflows (|x| > ~1e19): both are
+    divergence."""
+    values = [_local_values(p).detach() for p in params]
+    values = [v for v in values if v.numel()]
+    if not values:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(values, 2.0)
+    return torch.stack([n.double().to(norms[0].device) for n in norms]).pow(2).sum()
+
+
+def _stop_if_weights_diverged(deps: UpdateDeps, before_sq: torch.Tensor) -> None:
+    """A finite gradient can still step the weights to inf/NaN, or to finite but absurd values (e.g. a huge learning
+    rate): stop, never save them. `before_sq`: `weights_norm_sq` of the weights before the step."""
     bad = torch.tensor([float(not parameters_finite(deps.watched_params))])
     if deps.strategy.all_reduce(bad, "max").item() > 0:
-        raise UserError(f"step {deps.step}: the optimizer step made the weights non-finite (NaN/inf); "
-                        f"nothing was saved from it. Lower train.lr (now {deps.lr:g}) or "
-                        "train.max_grad_norm and resume from the last checkpoint (train.resume=auto)")
+        raise DivergedError(f"step {deps.step}: the optimizer step made the weights non-finite (NaN/inf); "
+                            f"nothing was saved from it. Lower train.lr (now {deps.lr:g}) or "
+                            "train.max_grad_norm and resume from the last checkpoint (train.resume=auto)")
+    after_sq = weights_norm_sq(deps.watched_params)
+    sums = deps.strategy.all_reduce(torch.stack([before_sq.cpu(), after_sq.cpu()]), "sum").tolist()
+    before, after = (math.sqrt(v) if math.isfinite(v) else math.inf for v in sums)
+    if before > 0 and (not math.isfinite(after) or abs(after - before) > MAX_NORM_CHANGE * before):
+        shown = f"{after:.4g} ({after / before:.3g} times" if math.isfinite(after) else \
+            "a norm float32 cannot hold (weights past ~1e19"
+        raise DivergedError(f"step {deps.step}: the optimizer step changed the norm of the trained weights from "
+                            f"{before:.4g} to {shown}; at most {1 + MAX_NORM_CHANGE:g} times is allowed in one step): "
+                            "training diverged, and nothing was saved from this step. Lower train.lr "
+                            f"(now {deps.lr:g}) or train.max_grad_norm and resume from the last checkpoint "
+                            "(train.resume=auto)")
 
 
 def _optimizer_step(deps: UpdateDeps, nonfinite: bool, stats: Stats) -> int:
     """Clip, agree across ranks, then step or skip (the strategy decides for all); returns 1 when skipped."""
+    before_sq = weights_norm_sq(deps.watched_params)  # not read until after the step: no extra wait
     result = deps.strategy.clip_and_step(deps.trained_parts, deps.max_grad_norm, nonfinite)
     if result.skipped:
         deps.message(f"step {deps.step}: non-finite loss or gradient on some rank; "
                      "this optimizer step is skipped on every rank (gradients dropped)")
     else:
         stats.add("actor/grad_norm", torch.tensor(result.grad_norms[0]))
-        _stop_if_weights_diverged(deps)
+        _stop_if_weights_diverged(deps, before_sq)
     return int(result.skipped)
