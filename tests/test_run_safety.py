@@ -272,6 +272,44 @@ def test_sampling_from_diverged_weights_is_refused_before_any_out_of_range_id_is
                               image_token_id=-1, video_token_id=-1)
 
 
+def test_a_full_disk_during_a_save_says_so_naming_the_folder_and_the_size(tmp_path, tiny_vlm_dir, shapes,
+                                                                           monkeypatch):
+    """torch.save on a full disk fails with "[enforce fail at inline_container.cc] . unexpected pos N vs M" (its
+    stream writer drops the errno). The run stops with one line: the disk is full, which folder, how much a
+    checkpoint needs and how much is free; the half-written step is removed, the previous checkpoint kept."""
+    import collections
+    import shutil
+
+    out = tmp_path / "run"
+    fit(config(out, tiny_vlm_dir(), shapes, "train.total_steps=1"))
+    size = sum(p.stat().st_size for p in (out / "checkpoints" / "step_1").rglob("*") if p.is_file())
+    real_save = torch.save
+
+    def save_on_a_full_disk(obj, path, *args, **kwargs):  # a mock: a full disk cannot be made here
+        if str(path).endswith("optimizer.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4480 vs 4374")
+        return real_save(obj, path, *args, **kwargs)
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(torch, "save", save_on_a_full_disk)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))  # a mock: full
+    with pytest.raises(UserError) as err:
+        fit(config(out, tiny_vlm_dir(), shapes, "train.resume=auto"))
+    message = str(err.value)
+    assert message.startswith(f"checkpoint step 2: the disk is full while writing into '{out / 'checkpoints'}' "
+                              "([enforce fail at inline_container.cc:626] . unexpected pos 4480 vs 4374); the "
+                              "checkpoint needs about "), message
+    assert f"needs about {size / 1e6:.1f} MB (the size of step_1)" in message, (size, message)
+    assert "the size of step_1), 0.0 MB free there" in message and "train.resume=auto" in message
+    assert "\n" not in message
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_1"]  # no half-written .tmp-step_2
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", shutil.disk_usage)
+    monkeypatch.setattr(torch, "save", real_save)
+    enospc = OSError(28, "No space left on device")
+    assert ckpt.write_failure(enospc) and ckpt.write_failure(RuntimeError("unexpected pos 1 vs 2"))
+    assert not ckpt.write_failure(RuntimeError("CUDA error")) and not ckpt.write_failure(OSError(2, "missing"))
+
+
 def test_a_kill_during_the_last_prune_leaves_nothing_behind_after_resume(tmp_path, tiny_vlm_dir, shapes):
     """Pruning renames a checkpoint to `.deleting-*` before removing it; a kill in between, with no later
     save to finish the job (the run had reached its last step), must not leave that folder forever."""

@@ -17,6 +17,8 @@ mid-prune) is cleared after every save and when a run resumes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -118,19 +120,23 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
     root = checkpoint_root(output_dir)
     final = root / f"{PREFIX}{step}"
     tmp = root / f".tmp-{PREFIX}{step}"
-    if strategy.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    strategy.barrier()
-    torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
-    strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf, hf_dtype=hf_dtype)
-    strategy.barrier()
-    if strategy.is_main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        state = {"step": step, **trainer_state, "saved_at": time.time()}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-        _fsync_tree(tmp)
-    strategy.barrier()
+    writing = _WriteGuard(strategy, step, tmp, lambda: _needed_bytes(output_dir, strategy, parts, hf_model))
+    with writing:
+        if strategy.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+    writing.agree()
+    with writing:
+        torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
+        strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf, hf_dtype=hf_dtype)
+    writing.agree()
+    with writing:
+        if strategy.is_main:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            state = {"step": step, **trainer_state, "saved_at": time.time()}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            _fsync_tree(tmp)
+    writing.agree()
     if strategy.is_main:
         if final.exists():  # the same step saved again (a resumed run): replace it
             old = root / f".old-{PREFIX}{step}"
@@ -145,6 +151,97 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
         clear_crash_leftovers(output_dir)
     strategy.barrier()
     return final
+
+
+# What a full disk looks like from the writers: OSError ENOSPC / EDQUOT (Python's own writes), torch.save's
+# "[enforce fail at inline_container.cc] . unexpected pos N vs M" or "file write failed" (its C++ stream writer, which
+# drops the errno), safetensors' "IoError(Os { code: 28, kind: StorageFull ... })".
+_WRITE_FAILED = ("unexpected pos", "file write failed", "No space left", "StorageFull", "Disk quota exceeded")
+
+
+def write_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a failed file write (a full disk, a quota, an I/O error), not a bug."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG)
+    return any(text in str(exc) for text in _WRITE_FAILED)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.1f} MB"
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _needed_bytes(output_dir: str | Path, strategy, parts: dict, hf_model) -> tuple[int, str]:
+    """(bytes a checkpoint takes, how that was found): the last complete one's size, else an estimate from the
+    weights (the exported model plus each trained part's weights and optimizer state on every rank)."""
+    done = list_checkpoints(output_dir)
+    if done:
+        with contextlib.suppress(OSError):
+            return _tree_bytes(done[-1]), f"the size of {done[-1].name}"
+
+    def tensor_bytes(tree) -> int:
+        if isinstance(tree, torch.Tensor):
+            return tree.numel() * tree.element_size()
+        if isinstance(tree, dict):
+            return sum(tensor_bytes(v) for v in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return sum(tensor_bytes(v) for v in tree)
+        return 0
+
+    total = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    for part in parts.values():
+        local = sum(p.numel() * p.element_size() for p in part.module.parameters() if p.requires_grad)
+        local += tensor_bytes(getattr(part.optimizer, "state", {}))
+        total += local * (strategy.world_size if strategy.reshards_checkpoints else 1)
+    return total, "estimated from the weights and optimizer state"
+
+
+class _WriteGuard:
+    """Turns a failed write of checkpoint `step` (a full disk above all) into one `UserError` on every rank.
+
+    A rank whose write failed records it; `agree()` (a collective, where a barrier stood) tells every rank, so no
+    rank waits for one that stopped. The half-written `.tmp-step_k` is removed (its space back); the previous
+    checkpoint stays the one to resume from."""
+
+    def __init__(self, strategy, step: int, tmp: Path, needed):
+        self.strategy, self.step, self.tmp, self.needed = strategy, step, tmp, needed
+        self.failure: BaseException | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, Exception) or not write_failure(exc):
+            return False
+        self.failure = exc
+        return True
+
+    def agree(self) -> None:
+        failed = self.strategy.all_reduce(torch.tensor([float(self.failure is not None)]), "max").item() > 0
+        if not failed:
+            return
+        folder = self.tmp.parent  # <output_dir>/checkpoints
+        needed, how = self.needed()
+        if self.strategy.is_main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+        except OSError:
+            free = None
+        full = self.failure is None or (isinstance(self.failure, OSError) and self.failure.errno in
+                                        (errno.ENOSPC, errno.EDQUOT)) or "No space" in str(self.failure) \
+            or "StorageFull" in str(self.failure) or (free is not None and free < needed)
+        cause = ("another rank could not write its part" if self.failure is None
+                 else " ".join(str(self.failure).split())[:160])
+        space = f"{_gb(free)} free there" if free is not None else "free space unknown"
+        what = "the disk is full" if full else "a write failed"
+        raise UserError(f"checkpoint step {self.step}: {what} while writing into '{folder}' ({cause}); the checkpoint "
+                        f"needs about {_gb(needed)} ({how}), {space}. Nothing of step {self.step} was kept; free "
+                        "space there (or move train.output_dir, or lower train.keep_last) and continue with "
+                        "train.resume=auto from the last checkpoint")
 
 
 def clear_crash_leftovers(output_dir: str | Path) -> None:
