@@ -290,7 +290,8 @@ def test_host_memory_of_the_first_node_follows_the_strategy():
     assert ddp.host_total("load") == 8 * 4 * n  # every rank loads the policy in float32
     zero = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=3, offload_optimizer=True),
                        suggest=False)
-    assert zero.host_total("train") == int(12 * n / 4) and zero.host_total("load") == 2 * n + int(12 * n / 4)
+    # float32 master weights, gradients and AdamW moments (DeepSpeed keeps the gradient partitions with them)
+    assert zero.host_total("train") == int(16 * n / 4) and zero.host_total("load") == 2 * n + int(16 * n / 4)
     with_reference = plan_memory(replace(cfg, algorithm=replace(cfg.algorithm, kl_coef=0.04)), shape, hw,
                                  StrategyChoice("fsdp2"), suggest=False)
     assert with_reference.host_total("rollout") == int((4 * n + 8 * n + 2 * n) / 4)  # its bf16 shards go too
@@ -681,3 +682,65 @@ def test_without_checkpointing_the_completion_passs_repeated_keys_and_values_are
         assert measured <= planned(8) - planned(2), (checkpointing, measured)
         if not checkpointing:
             assert measured > 2 * (planned(8, repeated=False) - planned(2, repeated=False))
+
+
+CONFIG_32B = REPO / "configs" / "qwen2_5_vl_32b_grpo_geometry3k.yaml"
+
+
+def test_zero3_keeps_its_gradient_partition_and_one_bucket_while_the_engine_samples(vlrft):
+    """DeepSpeed ZeRO-3 allocates its flat float32 gradient partition and one reduce bucket of 5e8 elements when the
+    engine is built and never frees them (stage3.py), so the rollout phase holds them beside vLLM: the 32B config
+    under ZeRO-3 on 2 x 8 x 80 GiB is then 82.8 GiB in rollout, which does not fit."""
+    cfg = load_config(CONFIG_32B, validate=False)
+    shape, hw = load_model_shape(cfg.model.path), Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * GiB)
+    n, world = shape.num_parameters, 16
+    plan = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=3))
+    # by hand: float32 parameter, gradient and master partitions, AdamW moments, one float32 bucket, the engine's
+    # gpu_memory_utilization of the GPU and the CUDA reserve
+    by_hand = 4 * n // world + 4 * n // world + (4 + 8) * n // world + 4 * 5 * 10 ** 8 \
+        + int(cfg.rollout.gpu_memory_utilization * 80 * GiB) + 2 * GiB
+    assert plan.phase_total("rollout") == pytest.approx(by_hand, abs=16)
+    assert 82.7 * GiB < plan.phase_total("rollout") < 82.9 * GiB and not plan.fits
+    ran = vlrft("plan", CONFIG_32B, "--gpus", "8", "--nodes", "2", "--strategy", "deepspeed", "--zero-stage", "3")
+    assert ran.returncode == 1 and "DOES NOT FIT: peak 82.8 GiB (rollout)" in ran.stdout
+    # ZeRO-2 frees its gradient partition after each step: training only
+    zero2 = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=2))
+    assert "rollout" not in next(c for c in zero2.components if c.name == "gradients").phases
+
+
+def test_model_dtype_changes_the_plan(vlrft):
+    """model.dtype=float32: no autocast, a float32 reference, and the engine given float32 weights (4 B each)."""
+    shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
+    n, hw = shape.num_parameters, Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    from vlrft.plan import plan_for_config
+
+    plans = {dtype: plan_for_config(load_config(CONFIG_7B, [f"model.dtype={dtype}", "algorithm.kl_coef=0.1"],
+                                                validate=False), hw) for dtype in ("bfloat16", "float32")}
+    low, full = plans["bfloat16"], plans["float32"]
+    assert low.component("engine_weights") == 2 * n and full.component("engine_weights") == 4 * n
+    assert low.component("reference") == 2 * n // 8 and full.component("reference") == 4 * n // 8
+    assert full.component("activations") > low.component("activations")
+    assert full.phase_total("train") > low.phase_total("train") + 5 * GiB
+    # overrides after the options, as after the config
+    after = vlrft("plan", CONFIG_7B, "--gpus", "8", "model.dtype=float32", "algorithm.kl_coef=0.1", "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout)["per_gpu_bytes"]["engine_weights"] == 4 * n
+    with pytest.raises(SystemExit) as refused:  # an unknown option is still argparse's error
+        vlrft("plan", CONFIG_7B, "--gpus", "8", "--no-such-option")
+    assert refused.value.code == 2
+
+
+def test_deepspeed_reference_is_sharded_and_offload_takes_the_gradients_off_the_gpu():
+    """The reference is an inference ZeRO-3 engine under either stage (`DeepSpeedStrategy.ds_config`); with
+    offload_optimizer DeepSpeed keeps the float32 gradient partitions on the CPU with the master weights and moments."""
+    cfg = load_config(CONFIG_7B, ["algorithm.kl_coef=0.1"], validate=False)
+    shape = load_model_shape(cfg.model.path)
+    n, hw = shape.num_parameters, Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    for stage in (2, 3):
+        plan = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=stage))
+        assert plan.component("reference") == 2 * n // 8, stage  # bf16, 1/8 (was 2 n, replicated, at stage 2)
+        assert plan.component("gradients") == 4 * n // 8
+        off = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=stage, offload_optimizer=True))
+        assert off.component("gradients") == 0 and off.component("optimizer") == 0, stage
+        host = next(c for c in off.host if c.name == "offloaded_state")
+        assert host.bytes == (4 + 4 + 8) * n  # the node's 8 ranks: float32 master, gradients, AdamW moments

@@ -65,10 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; dotted overrides may also follow the options (`vlrft plan CFG --gpus 8 a.b=1`):
+    argparse fills a `nargs="*"` positional only where it stands, so the words left over join the overrides."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(w.startswith("-") for w in extra):
+        args.overrides = [*args.overrides, *extra]
+        return args
+    return parser.parse_args(argv) if extra else args  # anything else left over: argparse's own error
+
+
 def _run_command(argv: list[str] | None) -> int:
     _quiet_libraries()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

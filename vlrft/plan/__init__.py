@@ -23,10 +23,12 @@ SKIP_ENV = "VLRFT_SKIP_MEMORY_PLAN"
 
 
 def strategy_from_config(cfg, name: str | None = None, zero_stage: int | None = None,
-                         offload: bool | None = None, mixed_precision: bool = True) -> StrategyChoice:
+                         offload: bool | None = None, mixed_precision: bool | None = None) -> StrategyChoice:
     """The strategy of `cfg.train` (options read leniently: `train.deepspeed.*`, `train.fsdp.cpu_offload`),
-    with command-line overrides."""
+    with command-line overrides. `mixed_precision` None: low-precision compute unless model.dtype is float32."""
     t = cfg.train
+    if mixed_precision is None:
+        mixed_precision = getattr(getattr(cfg, "model", None), "dtype", "bfloat16") != "float32"
     name = name or t.strategy
     ds, fsdp = getattr(t, "deepspeed", None), getattr(t, "fsdp", None)
     stage = zero_stage if zero_stage is not None else int(getattr(ds, "zero_stage", 3) or 3)

@@ -246,6 +246,7 @@ class _ModelState:
     buffers: int  # DDP gradient buckets / DeepSpeed communication buckets (resident)
     gathered: int  # transient: bf16 layers gathered for compute (sharded strategies), train phase
     notes: dict
+    resident_gradients: bool = False  # allocated once and never freed (ZeRO-3), not only while training
 
 
 def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> _ModelState:
@@ -276,17 +277,30 @@ def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoi
         master = 4
         opt = 0 if s.offload_optimizer else (8 + master) * trainable // world
         param_bytes = 4 * params if s.zero_stage < 3 else (0 if s.offload_params else 4 * params // world)
-        grads = 4 * trainable // world
-        buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 4 if world > 1 else 0
-        gathered = 4 * shape.blocks()["root"] + 2 * 4 * shape.largest_layer() if s.zero_stage >= 3 else 0
-        place = "replicated" if s.zero_stage < 3 else f"sharded (1/{world})" + (" on the CPU" if s.offload_params else "")
+        # With offload_optimizer the float32 gradient partitions live in host memory beside the master weights
+        # (ZeRO-2 and ZeRO-3 alike: `host_memory`); the GPU keeps only the reduce bucket they pass through.
+        grads = 0 if s.offload_optimizer else 4 * trainable // world
+        zero3 = s.zero_stage >= 3
+        # ZeRO-3 allocates one float32 reduce bucket of 5e8 elements and its flat gradient partition when the engine
+        # is built and never frees either (stage3.py: ipg bucket buffers, grad_partitions_flat_buffer); ZeRO-2
+        # reduces through a bucket and all-gathers through another (counted resident: on the safe side).
+        if zero3:
+            buckets = DEEPSPEED_BUCKET_ELEMENTS * 4
+        else:
+            buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 4 if world > 1 else 0
+        gathered = 4 * shape.blocks()["root"] + 2 * 4 * shape.largest_layer() if zero3 else 0
+        place = "replicated" if not zero3 else f"sharded (1/{world})" + (" on the CPU" if s.offload_params else "")
         return _ModelState(param_bytes, grads, opt, buckets, gathered, {
             "parameters": f"float32, {place}",
-            "gradients": f"float32, sharded (1/{world})",
+            "gradients": (f"float32, sharded (1/{world})" + ("; ZeRO-3 allocates them once, so also while the engine "
+                                                             "samples" if zero3 else "")
+                          if not s.offload_optimizer else "on the CPU with the optimizer (offload_optimizer)"),
             "optimizer": ("on the CPU" if s.offload_optimizer else
                           f"AdamW moments{' + float32 master' if master else ''}, sharded (1/{world})"),
-            "buffers": "ZeRO reduce and all-gather buckets (5e8 float32 elements each)",
-            "gathered": "ZeRO-3: parameters gathered for the layers being computed"})
+            "buffers": ("ZeRO-3 reduce bucket (5e8 float32 elements)" if zero3 else
+                        "ZeRO reduce and all-gather buckets (5e8 float32 elements each)"),
+            "gathered": "ZeRO-3: parameters gathered for the layers being computed"},
+            resident_gradients=zero3)
     raise ValueError(f"unknown strategy {s.name!r}; expected one of {', '.join(STRATEGIES)}")
 
 
@@ -350,12 +364,12 @@ def host_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                ("rollout",), "train.fsdp.offload_during_rollout: the node's shards and AdamW moments "
                                "(and reference / critic shards) while the engine samples"))
     if strategy.name == "deepspeed":
-        offloaded = (12 * trainable if strategy.offload_optimizer else 0) + \
+        offloaded = (16 * trainable if strategy.offload_optimizer else 0) + \
             (4 * params if strategy.offload_params and strategy.zero_stage >= 3 else 0)
         if offloaded:  # DeepSpeed allocates them when the engine is built
             comps.append(Component("offloaded_state", int(offloaded * share), ("load", "rollout", "train"),
-                                   "ZeRO offload: the node's partitions of the float32 master weights and AdamW "
-                                   "moments" + (" and of the parameters" if strategy.offload_params else "")))
+                                   "ZeRO offload: the node's partitions of the float32 master weights, gradients "
+                                   "and AdamW moments" + (" and of the parameters" if strategy.offload_params else "")))
     return comps
 
 
@@ -415,7 +429,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     resident = train if _offloaded_during_rollout(cfg, strategy) else both
     comps = [
         Component("parameters", policy.parameters, resident, policy.notes["parameters"]),
-        Component("gradients", policy.gradients, train, policy.notes["gradients"]),
+        Component("gradients", policy.gradients, resident if policy.resident_gradients else train,
+                  policy.notes["gradients"]),
         Component("optimizer", policy.optimizer, resident, policy.notes["optimizer"]),
     ]
     if policy.buffers:
@@ -423,16 +438,19 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if policy.gathered:
         comps.append(Component("gathered_layers", policy.gathered, train, policy.notes["gathered"]))
     if a.kl_coef > 0:
-        sharded = strategy.name == "fsdp2" or (strategy.name == "deepspeed" and strategy.zero_stage >= 3)
+        # DeepSpeed builds the reference as an inference ZeRO-3 engine whatever the policy's stage
+        # (`vlrft.dist.deepspeed`: `ds_config(trainable=False)`)
+        sharded = strategy.name in ("fsdp2", "deepspeed")
         ref = hi * params // (world if sharded else 1)
-        comps.append(Component("reference", ref, resident, f"{'bfloat16' if hi == 2 else 'float32'} reference policy, "
+        comps.append(Component("reference", ref, resident, f"{m.dtype if hi == 2 else 'float32'} reference policy, "
                                + (f"sharded (1/{world})" if sharded else "replicated")))
     if a.advantage == "gae":
         critic_params = params + shape.text.hidden_size + 1  # the backbone with a scalar value head
         critic = _model_state(critic_params, critic_params, shape, strategy, world)
         comps.append(Component("critic", critic.parameters + critic.optimizer + critic.buffers, resident,
                                "value model: parameters + optimizer state (as the policy)"))
-        comps.append(Component("critic_gradients", critic.gradients, train, "value model gradients"))
+        comps.append(Component("critic_gradients", critic.gradients, resident if critic.resident_gradients else train,
+                               "value model gradients"))
     seq_len = d.max_prompt_length + r.tokens_after_prompt  # a trajectory with tools
     patches = prompt_patches(cfg, shape, images_per_prompt, videos_per_prompt)
     media = f"{images_per_prompt} image(s)" + (f" and {videos_per_prompt} video(s)" if videos_per_prompt else "")
@@ -515,12 +533,13 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                f"(rollout prefills {PREFILL_TOKENS} tokens at a time), a layer at a time"))
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
-        weights = 2 * params // r.tensor_parallel_size
+        engine_bytes = 4 if m.dtype == "float32" else 2  # the engine is given model.dtype (weights and KV cache)
+        weights = engine_bytes * params // r.tensor_parallel_size
         kv_avail = budget - weights - 1 * GiB  # vLLM keeps about 1 GiB for its own activations
         max_len = r.engine_max_len(d.max_prompt_length)
-        kv_needed = max_len * kv_bytes_per_token(shape, 2) // r.tensor_parallel_size
+        kv_needed = max_len * kv_bytes_per_token(shape, engine_bytes) // r.tensor_parallel_size
         comps.append(Component("engine_weights", weights, rollout,
-                               f"{r.engine}: bfloat16 weights / tensor_parallel_size {r.tensor_parallel_size}"))
+                               f"{r.engine}: {m.dtype} weights / tensor_parallel_size {r.tensor_parallel_size}"))
         comps.append(Component("engine_kv_cache", budget - weights, rollout,
                                f"{r.engine}: the rest of gpu_memory_utilization={r.gpu_memory_utilization} "
                                "(KV cache and engine activations)"))
