@@ -18,7 +18,8 @@ from torch import nn
 from vlrft.errors import MissingDependencyError
 from vlrft.models.logprobs import token_logprobs
 from vlrft.batch import SequenceBatch, last_positions, width_classes
-from vlrft.models.positions import has_rope_index, positions_after, prompt_positions
+from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
+                                    prompt_positions)
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
@@ -141,6 +142,7 @@ class ActorVL(nn.Module):
         self.chunk_tokens = chunk_tokens
         # One SDPA call per segment length in the vision tower, not one per window/frame (vlrft.models.vision_attention)
         use_segment_attention(vision_module(model))
+        follow_released_rope_rule(model)  # text after a long video where the checkpoints (and vLLM) place it
         self.suppressed_ids = tuple(suppressed_ids)  # never sampled by the engines (vision placeholders)
         self._vision = VisionInputs(model)
         self.share_prompts = supports_prompt_sharing(model)
