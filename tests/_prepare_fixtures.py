@@ -73,7 +73,8 @@ def clevr(root: Path) -> Path:
 
 
 def mathvista(root: Path) -> Path:
-    """MathVista GitHub layout: data/testmini.json (pid -> row) + data/images/. Expect testmini 2 rows
+    """MathVista GitHub layout: data/testmini.json (pid -> row) + data/images/, and beside them the clone's
+    data/query.json and data/source.json (pid -> text, not rows). Expect testmini 2 rows
     (1 multiple_choice answered 'B', 1 free_form '5'); skipped: answer not among the choices 1,
     missing image 1, duplicate id 1; test: no answer 1."""
     src = root / "MathVista"
@@ -96,6 +97,9 @@ def mathvista(root: Path) -> Path:
     }
     _json(src / "data" / "testmini.json", testmini)
     _json(src / "data" / "test.json", {"6": row("6", image="images/5.png")})  # unanswered test split
+    _json(src / "data" / "query.json", {pid: f"Hint: answer the question.\nQuestion: {r['question']}"
+                                        for pid, r in testmini.items()})
+    _json(src / "data" / "source.json", {pid: "FigureQA" for pid in testmini})
     return src
 
 
@@ -187,11 +191,15 @@ def chartqa(root: Path) -> Path:
 
 
 def videoqa(root: Path) -> Path:
-    """Video-R1 layout: one annotation JSON with relative media paths. Expect train 3 rows (a multiple-choice
-    video 'B', a numerical video '3', an image free-form 'cat'); skipped: missing video 1, duplicate id 1."""
+    """Video-R1 layout: Video-R1-260k.json with relative media paths, and beside it Video-R1-COT-165k.json (the
+    same questions with reasoning, for SFT). Expect train 4 rows (a multiple-choice video 'B', a numerical video
+    '3', an image free-form 'cat', a numerical '$\\frac{3}{2}$' labelled math); skipped: missing video 1,
+    duplicate id 1, unreadable video 2 (an empty and a garbage mp4), the chain-of-thought file 1."""
     src = root / "Video-R1-data"
     write_mp4(src / "clips" / "a.mp4", num_frames=4, fps=2, size=32)
     write_png(src / "frames" / "b.png", noise_image(28, 28))
+    (src / "clips" / "empty.mp4").write_bytes(b"")
+    (src / "clips" / "garbage.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4)
     rows = [
         {"problem_id": 1, "problem": "What happens first?", "data_type": "video", "problem_type": "multiple choice",
          "options": ["A. it falls", "B. it rises", "C. nothing"], "solution": "<answer>B</answer>",
@@ -204,8 +212,16 @@ def videoqa(root: Path) -> Path:
          "solution": "<answer>park</answer>", "path": "./clips/missing.mp4", "data_source": "demo"},
         {"problem_id": 2, "problem": "Repeated id", "data_type": "video", "problem_type": "numerical", "options": [],
          "solution": "<answer>1</answer>", "path": "./clips/a.mp4", "data_source": "demo"},
+        {"problem_id": 5, "problem": "What is the ratio of the two speeds?", "data_type": "video",
+         "problem_type": "numerical", "options": [], "solution": "<answer>$\\frac{3}{2}$</answer>",
+         "path": "./clips/a.mp4", "data_source": "demo"},
+        {"problem_id": 6, "problem": "How many frames?", "data_type": "video", "problem_type": "numerical",
+         "options": [], "solution": "<answer>4</answer>", "path": "./clips/empty.mp4", "data_source": "demo"},
+        {"problem_id": 7, "problem": "What moves?", "data_type": "video", "problem_type": "free-form",
+         "options": [], "solution": "<answer>ball</answer>", "path": "./clips/garbage.mp4", "data_source": "demo"},
     ]
-    _json(src / "Video-R1-train.json", rows)
+    _json(src / "Video-R1-260k.json", rows)
+    _json(src / "Video-R1-COT-165k.json", [{**r, "process": "<think>Let me look.</think>"} for r in rows[:3]])
     return src
 
 
@@ -213,13 +229,20 @@ BUILDERS = {"geometry3k": geometry3k, "clevr": clevr, "mathvista": mathvista, "r
             "chartqa": chartqa, "videoqa": videoqa}
 
 
-def superclevr(root: Path) -> Path:
-    """SuperCLEVR layout: superCLEVR_questions_30k.json at the top + images/. Expect train 1 row (no split field)."""
+def superclevr(root: Path, images: int = 1) -> Path:
+    """SuperCLEVR layout: superCLEVR_questions_30k.json at the top + images/; every question has split "new",
+    counts are JSON numbers and yes/no answers JSON booleans. Per image: a count (2), a true and a false question,
+    an attribute ('red'). Expect new: `images` rows (counting only), 4 x `images` with --all-questions."""
     src = root / "super-CLEVR"
-    write_png(src / "images" / "superCLEVR_new_000000.png", noise_image(24, 32))
-    _json(src / "superCLEVR_questions_30k.json", {"info": {}, "questions": [
-        {"question_index": 0, "image_index": 0, "image_filename": "superCLEVR_new_000000.png",
-         "question": "How many cars are there?", "answer": 2}]})
+    questions = []
+    for i in range(images):
+        name = f"superCLEVR_new_{i:06d}.png"
+        write_png(src / "images" / name, noise_image(24, 32, seed=i))
+        for k, (question, answer) in enumerate((("How many cars are there?", 2), ("Is there a red bus?", True),
+                                                ("Is there a green bike?", False), ("What color is the car?", "red"))):
+            questions.append({"question_index": 4 * i + k, "image_index": i, "image_filename": name,
+                              "split": "new", "question": question, "answer": answer})
+    _json(src / "superCLEVR_questions_30k.json", {"info": {}, "questions": questions})
     return src
 
 

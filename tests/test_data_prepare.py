@@ -42,8 +42,9 @@ EXPECTED = {
                 {"duplicate id": 1, "image size differs from the annotation": 1, "box outside the image or empty": 1,
                  "missing image": 1}, {"grounding": 4}),
     "chartqa": ({"train": 3, "val": 1}, {"missing image": 1, "duplicate id": 1}, {"numeric": 3, "text": 1}),
-    "videoqa": ({"train": 3}, {"missing video": 1, "duplicate id": 1},
-                {"free_form": 1, "multiple_choice": 1, "numeric": 1}),
+    "videoqa": ({"train": 4}, {"missing video": 1, "duplicate id": 1, "unreadable video": 2,
+                               "chain-of-thought file left out": 1},
+                {"free_form": 1, "math": 1, "multiple_choice": 1, "numeric": 1}),
 }
 
 
@@ -111,8 +112,8 @@ def test_mathvision_parquet_images_stored_as_bytes_become_files(tmp_path):
 
 def test_superclevr_and_msrvtt_qa_layouts(tmp_path):
     summary = prepare("clevr", fixtures.superclevr(tmp_path / "raw"), tmp_path / "clevr")
-    assert summary.rows == {"train": 1}
-    assert read_samples(tmp_path / "clevr" / "train.jsonl")[0].answer == "2"  # numbers become text
+    assert summary.rows == {"new": 1}  # the release's one split
+    assert read_samples(tmp_path / "clevr" / "new.jsonl")[0].answer == "2"  # numbers become text
     summary = prepare("videoqa", fixtures.msrvtt_qa(tmp_path / "raw"), tmp_path / "msrvtt")
     assert summary.rows == {"train": 1, "test": 1} and summary.skipped == {"missing video": 1}
     sample = read_samples(tmp_path / "msrvtt" / "test.jsonl")[0]
@@ -294,3 +295,90 @@ def test_each_recipe_trains_two_steps_on_its_prepared_data(task, prepared, tiny_
     Trainer(cfg).fit()
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics if "reward/mean" in m] == [1, 2]
+
+
+# --- release quirks: booleans, dict choices, one-split releases, corrupt media, re-runs ------------------------
+
+def test_superclevr_booleans_become_yes_no_rows_the_recipe_scores_and_one_split_becomes_train_and_val(tmp_path):
+    source = fixtures.superclevr(tmp_path / "raw", images=12)
+    options = Options(all_questions=True, val_fraction=0.25)
+    summary = prepare("clevr", source, tmp_path / "out", options=options)
+    assert set(summary.rows) == {"train", "val"} and sum(summary.rows.values()) == 48
+    assert summary.labels == {"attribute": 12, "count": 12, "yes_no": 24}
+    samples = {split: read_samples(tmp_path / "out" / f"{split}.jsonl") for split in ("train", "val")}
+    rows = samples["train"] + samples["val"]
+    assert sorted({s.answer for s in rows if s.label == "yes_no"}) == ["no", "yes"]  # not "True" / "False"
+    by_image = {split: {s.images[0] for s in split_samples} for split, split_samples in samples.items()}
+    assert not by_image["train"] & by_image["val"]  # an image's questions stay on one side
+    again = prepare("clevr", source, tmp_path / "again", options=Options(all_questions=True, val_fraction=0.25))
+    assert again.rows == summary.rows  # the same split on every run
+    rewards = RewardSet.from_config(load_config(RECIPES["clevr"], world_size=8).reward)
+    for sample in rows:
+        wrong = {"yes": "no", "no": "yes"}.get(sample.answer, "blue" if sample.label == "attribute" else "9")
+        result = rewards.score([_completion("clevr", sample.answer), _completion("clevr", wrong)],
+                               references=[sample.answer] * 2, labels=[sample.label] * 2, extras=[sample.extra] * 2)
+        assert [float(t) for t in result.total] == pytest.approx([1.0, 0.1]), (sample.label, sample.answer)
+    with pytest.raises(UserError, match="--val-fraction is for a release with one split"):
+        prepare("clevr", fixtures.clevr(tmp_path / "raw2"), tmp_path / "out2", options=Options(val_fraction=0.1))
+
+
+def test_choices_given_as_a_dict_keyed_by_letters(tmp_path):
+    """Geometry3K, MathVista and Video-R1 rows whose choices are {"A": ..., "B": ...}: the values, in letter order."""
+    geo = fixtures.geometry3k(tmp_path / "raw")
+    data = json.loads((geo / "train" / "0" / "data.json").read_text())
+    (geo / "train" / "0" / "data.json").write_text(json.dumps({**data, "choices": {"B": "4", "A": "3", "C": "5"}}))
+    summary = prepare("geometry3k", geo, tmp_path / "geo")
+    sample = read_samples(tmp_path / "geo" / "train.jsonl")[0]
+    assert sample.answer == "4" and sample.extra["choices"] == ["3", "4", "5"] and sample.extra["answer_option"] == "B"
+    vista = fixtures.mathvista(tmp_path / "raw")
+    rows = json.loads((vista / "data" / "testmini.json").read_text())
+    rows["1"].update(choices={"A": "120°", "B": "145°", "C": "160°"}, answer="B")
+    (vista / "data" / "testmini.json").write_text(json.dumps(rows))
+    prepare("mathvista", vista, tmp_path / "vista")
+    sample = next(s for s in read_samples(tmp_path / "vista" / "testmini.jsonl") if s.id == "1")
+    assert sample.answer == "B" and sample.extra["choices"] == ["120°", "145°", "160°"] and "B. 145°" in sample.prompt
+    video = fixtures.videoqa(tmp_path / "raw")
+    rows = json.loads((video / "Video-R1-260k.json").read_text())
+    rows[0]["options"] = {"A": "it falls", "B": "it rises", "C": "nothing"}
+    rows[2]["options"] = {"x": "y"}  # a free-form row with a form the choices cannot take: left out, named
+    (video / "Video-R1-260k.json").write_text(json.dumps(rows))
+    summary = prepare("videoqa", video, tmp_path / "video")
+    sample = next(s for s in read_samples(tmp_path / "video" / "train.jsonl") if s.id == "1")
+    assert sample.extra["choices"] == ["it falls", "it rises", "nothing"] and "B. it rises" in sample.prompt
+    assert summary.skipped["choices in an unknown form"] == 1
+
+
+def test_video_r1_numerical_latex_answers_are_scored_by_value(prepared):
+    """`$\\frac{3}{2}$` is labelled math: the recipe's default accuracy (math-verify) takes "1.5" as right."""
+    out = prepared["videoqa"][1]
+    sample = next(s for s in read_samples(out / "train.jsonl") if s.id == "5")
+    assert sample.label == "math" and sample.answer == "$\\frac{3}{2}$"
+    rewards = RewardSet.from_config(load_config(RECIPES["videoqa"], world_size=8).reward)
+    result = rewards.score([_completion("videoqa", "1.5"), _completion("videoqa", "2")], references=[sample.answer] * 2,
+                           labels=[sample.label] * 2, extras=[sample.extra] * 2)
+    assert [float(t) for t in result.total] == pytest.approx([1.0, 0.1])
+    assert not (out / "Video-R1-260k.jsonl").exists() and not (out / "Video-R1-COT-165k.jsonl").exists()
+
+
+def test_a_rerun_into_the_same_folder_removes_the_splits_it_no_longer_writes(tmp_path):
+    source = fixtures.superclevr(tmp_path / "raw", images=8)
+    out = tmp_path / "out"
+    prepare("clevr", source, out, options=Options(val_fraction=0.5))
+    assert (out / "train.jsonl").is_file() and (out / "val.jsonl").is_file()
+    (out / "notes.jsonl").write_text("{}\n")  # not a file prepare wrote: left alone
+    summary = prepare("clevr", source, out)
+    assert sorted(p.name for p in out.glob("*.jsonl")) == ["new.jsonl", "notes.jsonl"] and summary.rows == {"new": 8}
+
+
+def test_the_layout_error_points_to_help_that_describes_every_tasks_layout(tmp_path, capsys):
+    (tmp_path / "unanswered").mkdir()
+    (tmp_path / "unanswered" / "CLEVR_test_questions.json").write_text(json.dumps({"questions": [
+        {"question_index": 0, "image_filename": "CLEVR_test_000000.png", "question": "How many?"}]}))
+    with pytest.raises(UserError, match=r"no usable rows .* the clevr layout described by `vlrft data prepare --help`"):
+        prepare("clevr", tmp_path / "unanswered", tmp_path / "out")
+    with pytest.raises(SystemExit):
+        main(["data", "prepare", "--help"])
+    text = capsys.readouterr().out
+    for task, raw_file in (("geometry3k", "data.json"), ("mathvista", "testmini.json"), ("clevr", "_questions.json"),
+                           ("refcoco", "refs(unc).p"), ("chartqa", "train_human.json"), ("videoqa", "Video-R1-260k")):
+        assert f"  {task}  " in text and raw_file in text, task

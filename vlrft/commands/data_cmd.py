@@ -18,6 +18,22 @@ from __future__ import annotations
 
 import argparse
 
+# What --source must hold per task (docs/prepare.md has the details; each task module's docstring the schema).
+PREPARE_LAYOUTS = """layouts --source must hold (docs/prepare.md):
+  geometry3k  train/<id>/data.json (problem_text, choices, answer letter) + train/<id>/img_diagram.png;
+              val/, test/ alike (the Inter-GPS geometry3k.zip)
+  mathvista   MathVista's GitHub clone: data/testmini.json (pid -> row) + data/images/ (query.json and
+              source.json there are not rows); the Hub's data/testmini-*.parquet; MathVision's
+              data/test-*.parquet or test.jsonl
+  clevr       CLEVR / CoGenT: questions/CLEVR_<split>_questions.json + images/<split>/;
+              SuperCLEVR: superCLEVR_questions_*.json + images/ (one split: add --val-fraction)
+  refcoco     refs(unc).p (or refs(umd).p, refs(google).p) + instances.json; COCO train2014/ beside it
+              or --image-dir
+  chartqa     train/train_human.json, train/train_augmented.json, train/png/; val/, test/ alike
+  videoqa     Video-R1: Video-R1-260k.json (-> train) with the media its `path`s name, relative to
+              --source (Video-R1-COT-*.json, the same questions for SFT, is left out); MSRVTT-QA:
+              train_qa.json / val_qa.json / test_qa.json + videos/video<id>.mp4"""
+
 FORMATS = ("auto", "native", "easyr1", "verl", "trl", "openrlhf")
 
 
@@ -46,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     convert.add_argument("--skip-bad", action="store_true", help="leave bad rows out (counted) instead of failing")
 
     # Task names are listed here rather than imported, so building the parser stays light.
-    prepare = sub.add_parser("prepare", help="prepare a public visual-RL dataset from its raw release files")
+    prepare = sub.add_parser("prepare", help="prepare a public visual-RL dataset from its raw release files",
+                             epilog=PREPARE_LAYOUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_argument("task", choices=("geometry3k", "mathvista", "clevr", "refcoco", "chartqa", "videoqa"))
     prepare.add_argument("--source", required=True, help="folder of the unpacked raw release (see docs/prepare.md)")
     prepare.add_argument("--out", required=True, help="output folder: <split>.jsonl (or .parquet) + summary.json")
@@ -61,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="refcoco: how the annotation writes boxes (default: COCO's xywh)")
     prepare.add_argument("--all-questions", action="store_true",
                          help="clevr: keep every question (default: the counting ones, as R1-V)")
+    prepare.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                         help="a release with one split (SuperCLEVR's 'new', a Video-R1 file): write train and val, "
+                              "F of the images/videos (with all their questions) in val, the same on every run")
 
     # Defaults live in vlrft.data.synthetic.ShapesSpec (not imported here: parsers stay light).
     synth = sub.add_parser("synth", help="generate the synthetic shapes task (PNG files + train/test JSONL)")
@@ -131,7 +151,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
         processor = load_processor(model)
     options = Options(image_dir=Path(args.image_dir) if args.image_dir else None, box_format=args.box_format,
-                      all_questions=args.all_questions)
+                      all_questions=args.all_questions, val_fraction=args.val_fraction)
     summary = prepare(args.task, args.source, args.out, embed_images=args.embed_images, options=options,
                       templates=args.templates, processor=processor, model=model, data=data)
     print(summary.text())

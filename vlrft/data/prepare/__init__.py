@@ -48,13 +48,15 @@ def prepare(task: str, source: str | Path, out: str | Path, embed_images: bool =
         raise UserError(f"--source '{source}' is not a folder; point it at the unpacked {task} release")
     entry = load_templates(task, templates)
     options = options or Options()
+    if not 0 <= options.val_fraction < 1:
+        raise UserError(f"--val-fraction {options.val_fraction}: give a share between 0 and 1, e.g. 0.05")
     if options.media_dir is None:
         options.media_dir = Path(out) / "media"
     summary = prepare_items(task, module.items(source, options), Path(out), entry,
-                            embed_images=embed_images, source=str(source))
+                            embed_images=embed_images, source=str(source), val_fraction=options.val_fraction)
     if not summary.rows:
         raise UserError(f"no usable rows found in '{source}' for {task}: {summary.skipped or 'nothing matched'}; "
-                        f"expected the layout described by `vlrft data prepare --help`")
+                        f"expected the {task} layout described by `vlrft data prepare --help` (docs/prepare.md)")
     if processor is not None:
         measure_prompts(summary, processor, model or "", data)
     write_summary(summary)

@@ -9,8 +9,10 @@ Raw files (the unpacked release):
      at SOURCE or SOURCE/questions, images in SOURCE/images/)
 
 Rows: prompt `<image>{question}`, `answer` the release's answer, `label` "count" for numeric answers
-(`numeric` reward), else "yes_no" / "attribute" (`exact_match`), with `--all-questions`. Questions
-without an answer (CLEVR's test split) are skipped. Template fields: {question}.
+(`numeric` reward), else "yes_no" / "attribute" (`exact_match`), with `--all-questions`. SuperCLEVR
+writes yes/no answers as JSON booleans: they become "yes" / "no". Questions without an answer
+(CLEVR's test split) are skipped. SuperCLEVR's questions all carry split "new": `--val-fraction`
+cuts them into train and val. Template fields: {question}.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
             if answer is None:
                 yield Skipped(split, qid, "no answer", "unlabeled split")
                 continue
-            answer = str(answer)
+            answer = ("yes" if answer else "no") if isinstance(answer, bool) else str(answer)  # SuperCLEVR: true/false
             label = _label(answer)
             if label != "count" and not options.all_questions:
                 yield Skipped(split, qid, "not a counting question", "pass --all-questions to keep it")

@@ -12,7 +12,9 @@ skips per reason, histograms image sizes and, given a model, measures prompt len
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -65,6 +67,7 @@ class Options:
     box_format: str | None = None  # grounding: override the annotation's box format (xywh / xyxy)
     all_questions: bool = False  # clevr: keep every question, not only counting ones
     media_dir: Path | None = None  # where images that exist only as bytes in the release are written
+    val_fraction: float = 0.0  # a release with one split: this share of its images/videos becomes val, the rest train
 
 
 @dataclass
@@ -135,6 +138,44 @@ def image_size(path: str) -> tuple[int, int] | None:
         return None
 
 
+@functools.lru_cache(maxsize=65536)
+def video_problem(path: str) -> str | None:
+    """Why the video at `path` cannot be used (no stream, no frame count, nothing decodes), or None: what
+    training's video loader needs, checked from the file's start (`vlrft.data.media.check_video_file`)."""
+    from vlrft.data.media import MediaError, check_video_file
+
+    try:
+        check_video_file(Path(path))
+    except MediaError as exc:
+        return str(exc)
+    return None
+
+
+_CHOICE_KEY = re.compile(r"^\(?([A-Za-z])[.):]?$")
+
+
+def choice_list(value: Any) -> list[str] | None:
+    """A release's choices as a list of option texts: a list as it is; a dict keyed by option letters ("A", "(B)")
+    or by positions (0, "1") in that order; None when there are none. Raises ValueError for another form."""
+    if value is None or (isinstance(value, (list, tuple, dict, str)) and not value):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [str(c) for c in value]
+    if isinstance(value, dict):
+        keys = [str(k).strip() for k in value]
+        letters = [_CHOICE_KEY.match(k) for k in keys]
+        if all(letters):
+            order = sorted(range(len(keys)), key=lambda i: letters[i].group(1).upper())
+            if [letters[i].group(1).upper() for i in order] == [chr(65 + k) for k in range(len(keys))]:
+                return [str(list(value.values())[i]) for i in order]
+        if all(k.isdigit() for k in keys):
+            order = sorted(range(len(keys)), key=lambda i: int(keys[i]))
+            if sorted(int(k) for k in keys) in (list(range(len(keys))), list(range(1, len(keys) + 1))):
+                return [str(list(value.values())[i]) for i in order]
+    raise ValueError(f"choices {str(value)[:80]!r} are neither a list nor keyed by option letters A, B, ... or "
+                     "positions 0, 1, ...")
+
+
 def _size_bucket(size: tuple[int, int]) -> str:
     side = max(size)
     for edge in SIZE_BUCKETS:
@@ -158,9 +199,42 @@ def render_prompt(item: Item, templates: dict[str, Any]) -> str:
     return "<image>" * len(item.images) + "<video>" * len(item.videos) + text
 
 
+def held_out(rows: dict[str, list[dict]], fraction: float) -> dict[str, list[dict]]:
+    """The one split of `rows` cut into train and val: a row goes to val when a hash of its media (its id when it has
+    none) falls in the first `fraction` of the range, so every question about one image or video stays on one side
+    and the same release gives the same split on every run."""
+    if not 0 < fraction < 1:
+        raise UserError(f"--val-fraction {fraction}: give a share between 0 and 1, e.g. 0.05")
+    if len(rows) > 1:
+        raise UserError(f"--val-fraction is for a release with one split; this one has {', '.join(rows)}: train "
+                        "on its own splits, or prepare one of them from a folder of its own")
+    split: dict[str, list[dict]] = {"train": [], "val": []}
+    for row in next(iter(rows.values()), []):
+        media = row.get("videos") or [m if isinstance(m, str) else m.get("path", "") for m in row.get("images") or []]
+        key = "\n".join(map(str, media)) or str(row["id"])
+        share = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2 ** 64
+        split["val" if share < fraction else "train"].append(row)
+    return {name: part for name, part in split.items() if part}
+
+
+def _previous_files(out: Path) -> set[Path]:
+    """The split files an earlier `prepare` into `out` wrote (its summary.json lists them); nothing else is touched."""
+    try:
+        files = json.loads((out / "summary.json").read_text(encoding="utf-8")).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        return set()
+    found = set()
+    for path in files.values() if isinstance(files, dict) else []:
+        path = Path(str(path))
+        if path.suffix in (".jsonl", ".parquet") and path.resolve().parent == out.resolve():
+            found.add(path.resolve())
+    return found
+
+
 def prepare_items(task: str, items: Iterator[Item | Skipped], out: Path, templates: dict[str, Any],
-                  embed_images: bool = False, source: str = "") -> Summary:
-    """Validate, render and write `items` (see the module docstring); returns the summary (not yet with tokens)."""
+                  embed_images: bool = False, source: str = "", val_fraction: float = 0.0) -> Summary:
+    """Validate, render and write `items` (see the module docstring); returns the summary (not yet with tokens).
+    `val_fraction`: the release's one split becomes train and val (`held_out`)."""
     summary = Summary(task, source, str(out), prompt_suffix=templates.get("prompt_suffix"),
                       system_prompt=templates.get("system_prompt"))
     rows: dict[str, list[dict]] = {}
@@ -197,6 +271,10 @@ def prepare_items(task: str, items: Iterator[Item | Skipped], out: Path, templat
             skip(Skipped(item.split, item.id, "unreadable image",
                          str(item.images[item_sizes.index(None)])))
             continue
+        bad_video = next((problem for problem in (video_problem(str(p)) for p in item.videos) if problem), None)
+        if bad_video:
+            skip(Skipped(item.split, item.id, "unreadable video", bad_video))
+            continue
         ids.add(item.id)
         for s in item_sizes:
             sizes[_size_bucket(s)] += 1
@@ -211,12 +289,17 @@ def prepare_items(task: str, items: Iterator[Item | Skipped], out: Path, templat
                "label": item.label, **item.extra}
         rows.setdefault(item.split, []).append(row)
 
+    if val_fraction > 0:
+        rows = held_out(rows, val_fraction)
     out.mkdir(parents=True, exist_ok=True)
+    stale = _previous_files(out)
     for split, split_rows in rows.items():
         path = out / f"{split}.{'parquet' if embed_images else 'jsonl'}"
         _write(path, split_rows)
         summary.files[split] = str(path)
         summary.rows[split] = len(split_rows)
+    for path in stale - {Path(p).resolve() for p in summary.files.values()}:
+        path.unlink(missing_ok=True)  # a split of an earlier run into this folder that this run did not write
     summary.labels = dict(sorted(labels.items()))
     summary.skipped = dict(skipped.most_common())
     order = [f"<={e}" for e in SIZE_BUCKETS] + [f">{SIZE_BUCKETS[-1]}"]

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlrft.data.prepare.common import Item, Options, Skipped
+from vlrft.data.prepare.common import Item, Options, Skipped, choice_list
 
 SPLITS = ("train", "val", "test")
 
@@ -44,7 +44,11 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
                 yield Skipped(split, problem.name, "unreadable data.json", exc.msg)
                 continue
             problem_id = str(data.get("id", problem.name))
-            choices = data.get("choices") or []
+            try:
+                choices = choice_list(data.get("choices")) or []
+            except ValueError as exc:
+                yield Skipped(split, problem_id, "choices in an unknown form", str(exc))
+                continue
             letter = str(data.get("answer", "")).strip().upper()
             index = ord(letter) - 65 if len(letter) == 1 else -1
             if not 0 <= index < len(choices):

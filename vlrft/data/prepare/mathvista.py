@@ -4,7 +4,8 @@ Raw files, either release form:
 
     MathVista (GitHub):       SOURCE/data/testmini.json  {pid: {"question", "image": "images/1.jpg", "choices",
                               "answer", "question_type", "answer_type", "unit", "precision", ...}}
-                              SOURCE/data/images/1.jpg     (also SOURCE/testmini.json + SOURCE/images/)
+                              SOURCE/data/images/1.jpg     (also SOURCE/testmini.json + SOURCE/images/;
+                              the clone's data/query.json and data/source.json map pid -> text: not rows)
     MathVista (Hub parquet):  SOURCE/data/testmini-00000-of-00001.parquet (same columns + decoded_image bytes)
     MathVision:               SOURCE/data/test-*.parquet or SOURCE/test.jsonl / testmini.jsonl with
                               {"id", "question", "options", "image", "answer", "level", "subject"}
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vlrft.data.prepare.common import Item, Options, Skipped, read_json
+from vlrft.data.prepare.common import Item, Options, Skipped, choice_list, read_json
 from vlrft.data.prepare.geometry3k import format_choices
 from vlrft.errors import UserError
 
@@ -59,7 +60,10 @@ def _rows(path: Path) -> Iterator[dict]:
                 yield json.loads(line)
     else:
         data = read_json(path, "MathVista annotation file")
-        yield from (data.values() if isinstance(data, dict) else data)
+        rows = list(data.values()) if isinstance(data, dict) else data
+        if isinstance(rows, list) and all(isinstance(row, dict) for row in rows):
+            yield from rows
+        # else not annotation rows: the GitHub clone's query.json / source.json (pid -> text) sit beside them
 
 
 def _image(row: dict, base: Path, options: Options, split: str, row_id: str) -> Path | None:
@@ -93,8 +97,11 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
         split = _split_name(path)
         for k, row in enumerate(_rows(path)):
             row_id = _text(row.get("pid", row.get("id", k)))
-            choices = row.get("choices") if row.get("choices") is not None else row.get("options")
-            choices = [str(c) for c in choices] if choices else None
+            try:
+                choices = choice_list(row.get("choices") if row.get("choices") is not None else row.get("options"))
+            except ValueError as exc:
+                yield Skipped(split, row_id, "choices in an unknown form", str(exc))
+                continue
             question = _IMAGE_TAG.sub("", _text(row.get("question"))).strip()
             answer = _text(row.get("answer"))
             if not question:

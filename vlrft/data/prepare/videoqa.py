@@ -9,11 +9,15 @@ Raw files, either form:
     MSRVTT-QA:  SOURCE/train_qa.json, val_qa.json, test_qa.json  [{"id", "question", "answer",
                 "video_id": 7010}] with SOURCE/videos/video7010.mp4
 
-The split is the file's name (`train_qa.json` -> train; a Video-R1 file -> its stem, "train"
-when the name has "train" in it). Rows: `<video>` (or `<image>`) + `{question}{choices}{hint}`;
-`label` "multiple_choice" (answer = letter, `choices` column, `choice` reward), "numeric"
-(`numeric`), or "free_form" (`exact_match`). Videos stay files referenced by absolute path
-(also with --embed-images).
+The split is the file's name for MSRVTT-QA (`train_qa.json` -> train); a Video-R1 file is "train"
+(`Video-R1-260k.json`, as the videoqa recipe reads it) unless its name says test, val or eval. The
+release's chain-of-thought file (`Video-R1-COT-165k.json`: the same questions with reasoning, for
+SFT) is left out, counted as one skipped file. Rows: `<video>` (or `<image>`) +
+`{question}{choices}{hint}`; `label` "multiple_choice" (answer = letter, `choices` column, `choice`
+reward), "numeric" (`numeric`) for a plain number, "math" for a numerical answer written otherwise
+(`$\frac{3}{2}$`: the recipe's default `accuracy`, math-verify, scores "1.5" right), or "free_form"
+(`exact_match`). Options may be a list ("A. ...") or a dict keyed by letters. Videos stay files
+referenced by absolute path (also with --embed-images); one that does not decode is left out.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from vlrft.data.prepare.common import Item, Options, Skipped, read_json
+from vlrft.data.prepare.common import Item, Options, Skipped, choice_list, read_json
 from vlrft.errors import UserError
 
 _OPTION_PREFIX = re.compile(r"^\(?([A-Z])[.):]\s*")
 _TYPES = {"multiple choice": "multiple_choice", "numerical": "numeric", "regression": "numeric",
           "ocr": "free_form", "free-form": "free_form"}
+_PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
+_HELD_OUT = re.compile(r"(^|[^a-z])(test|val|valid|validation|eval)([^a-z]|$)")
 
 
 def _answer(solution: str) -> str:
@@ -39,7 +45,12 @@ def _split(path: Path) -> str:
     stem = path.stem
     if stem.endswith("_qa"):
         return stem[:-3]
-    return "train" if "train" in stem.lower() else stem
+    return stem if _HELD_OUT.search(stem.lower()) else "train"
+
+
+def _is_chain_of_thought(path: Path, rows: list) -> bool:
+    """Video-R1's SFT file: the RL file's questions again, each with a written reasoning (`process`)."""
+    return "cot" in re.split(r"[^a-z]+", path.stem.lower()) or "process" in rows[0]
 
 
 def _video_r1(path: Path, rows: list, source: Path, options: Options) -> Iterator[Item | Skipped]:
@@ -53,7 +64,16 @@ def _video_r1(path: Path, rows: list, source: Path, options: Options) -> Iterato
         media = (options.image_dir or source) / str(row.get("path", ""))
         is_video = row.get("data_type", "video") == "video"
         answer = _answer(str(row.get("solution", "")))
-        options_text = [str(o) for o in row.get("options") or []]
+        raw_options = row.get("options")
+        try:
+            listed = choice_list(raw_options)
+        except ValueError as exc:
+            yield Skipped(split, row_id, "choices in an unknown form", str(exc))
+            continue
+        options_text = [f"{chr(65 + k)}. {o}" for k, o in enumerate(listed)] if isinstance(raw_options, dict) \
+            else listed or []
+        if label == "numeric" and not _PLAIN_NUMBER.match(answer):
+            label = "math"  # LaTeX or a fraction: math-verify compares it, the numeric reward would not
         fields = {"question": str(row.get("problem", "")).strip(), "choices": ""}
         extra = {"choices": None, "source_dataset": row.get("data_source")}
         if label == "multiple_choice":
@@ -64,7 +84,7 @@ def _video_r1(path: Path, rows: list, source: Path, options: Options) -> Iterato
             extra["choices"] = [_OPTION_PREFIX.sub("", o) for o in options_text]
             answer = answer.strip("(). ").upper()[:1]
         yield Item(split, row_id, fields, answer=answer, label=label, images=[] if is_video else [media],
-                   videos=[media] if is_video else [], extra=extra, hint=label)
+                   videos=[media] if is_video else [], extra=extra, hint="numeric" if label == "math" else label)
 
 
 def _msrvtt(path: Path, rows: list, source: Path, options: Options) -> Iterator[Item | Skipped]:
@@ -87,6 +107,10 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
         if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict):
             continue
         if "problem_type" in rows[0]:
+            if _is_chain_of_thought(path, rows):
+                yield Skipped(_split(path), path.name, "chain-of-thought file left out",
+                              "the RL file's questions again, with reasoning for SFT")
+                continue
             yield from _video_r1(path, rows, source, options)
         elif "video_id" in rows[0]:
             yield from _msrvtt(path, rows, source, options)
