@@ -44,15 +44,50 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, cwd:
     return proc
 
 
-def _launch(script: str, args: tuple[str, ...], nproc: int, timeout: float, cwd: Path | None
-            ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator, when a worker uses it
+    return env
+
+
+def _launch(script: str, args: tuple[str, ...], nproc: int, timeout: float, cwd: Path | None
+            ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
          str(REPO / "tests" / script), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_vlrft(*args: str, nproc: int = 2, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`torchrun --standalone -m vlrft ARGS` started, not waited for (a fault test signals it); its output goes
+    to `log`. The workers are torchrun's children (each in a session of its own)."""
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+             "-m", "vlrft", *args], cwd=REPO, env={**_env(), **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s living children (from /proc: Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an ended child nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def failure_output(proc: subprocess.CompletedProcess) -> str:

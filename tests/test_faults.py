@@ -164,3 +164,58 @@ def test_killed_and_interrupted_runs_resume_to_the_uninterrupted_result(tmp_path
     assert not list((out / "checkpoints").glob(".*")), "leftover temporary checkpoint folders"
     assert {p: p.stat().st_mtime_ns for p in other.rglob("*")} == other_before
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == STEPS
+
+
+@pytest.mark.distributed
+def test_workers_end_with_their_killed_launcher_and_a_live_run_keeps_its_folder(tmp_path, tiny_vlm_dir, shapes,
+                                                                                capsys):
+    """SIGKILL of the torchrun parent alone: its workers (each in a session of its own) trained on to the end,
+    writing checkpoints into a folder a relaunch then shared. Now a relaunch into the folder while the workers
+    live is refused naming rank 0's host and pid; the workers end within a few seconds of their launcher; the
+    hold they left is taken over as stale."""
+    import socket
+
+    from _torchrun import alive, children, start_vlrft
+    from vlrft.cli import main
+    from vlrft.trainer.run_folder import HOLD_FILE, RunHold
+
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "ddp.yaml", Path(tiny_vlm_dir()), shapes, out)
+    launcher = start_vlrft("train", str(config), "train.strategy=ddp", "train.total_steps=1000",
+                           "rollout.global_batch_completions=4", log=tmp_path / "torchrun.log",
+                           env={"VLRFT_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.time() + 300
+        while logged_steps(out) < 1 and launcher.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert logged_steps(out) >= 1, (tmp_path / "torchrun.log").read_text()[-4000:]
+        workers = children(launcher.pid)
+        holder = json.loads((out / HOLD_FILE).read_text())
+        assert len(workers) == 2 and holder["pid"] in workers and holder["host"] == socket.gethostname()
+        capsys.readouterr()
+        # a relaunch while the run lives: refused, naming it; nothing of the folder touched
+        before = {p: p.stat().st_mtime_ns for p in (out / "checkpoints").rglob("*")}
+        assert main(["train", str(config), "train.resume=auto"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and f"is in use by a live run: pid {holder['pid']} on host {holder['host']}" in err[0], err
+        launcher.send_signal(signal.SIGKILL)  # the launcher alone
+        launcher.wait()
+        killed = time.monotonic()
+        while any(alive(pid) for pid in workers) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        outlived = time.monotonic() - killed
+        assert not any(alive(pid) for pid in workers), "workers outlived their launcher by 30 s"
+        assert outlived < 5, f"the workers outlived their launcher by {outlived:.1f} s"
+        assert all(p.exists() for p in before), "the refused relaunch touched the run's checkpoints"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in children(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+    # The hold: left behind if rank 0 was killed first (stale: taken over, with a message), or given back by rank 0
+    # when the collective with its killed peer failed. Either way the next run starts.
+    left = (out / HOLD_FILE).exists()
+    messages = []
+    RunHold(out, messages.append).acquire()
+    assert not left or f"took over the hold of a run that is gone (pid {holder['pid']} on host {holder['host']}" \
+        in messages[0], messages

@@ -434,3 +434,86 @@ def test_a_resume_from_another_base_model_is_refused_and_a_copy_of_the_same_one_
         Trainer(config(out, other, shapes, "train.total_steps=2", "train.resume=auto"))
     fit(config(out, copy, shapes, "train.total_steps=2", "train.resume=auto"))
     assert steps(out) == [1, 2]
+
+
+def test_the_run_folder_hold_refuses_a_live_owner_and_takes_over_a_stale_one(tmp_path, capsys):
+    """One live run per output folder: `<output_dir>/.vlrft-run.lock` names the holder (host, pid, process start,
+    heartbeat). A live holder is refused with its host and pid; a dead one's hold is taken over with a message: on
+    this host by its pid, on another host (a shared file system) by a heartbeat older than STALE_AFTER_S."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from vlrft.trainer import run_folder
+    from vlrft.trainer.run_folder import HOLD_FILE, RunHold
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    lock = folder / HOLD_FILE
+    host = socket.gethostname()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = run_folder._process_start(live.pid)
+        lock.write_text(json.dumps({"host": host, "pid": live.pid, "process_start": started, "started": time.time(),
+                                    "heartbeat": time.time() - 3600, "token": "other"}))
+        with pytest.raises(UserError, match=rf"train.output_dir='{folder}' is in use by a live run: pid {live.pid} on "
+                                            rf"host {host}, started .* \(its process is alive\)"):
+            RunHold(folder).acquire()
+        # the same pid, but another process (the pid reused after the holder died): stale
+        lock.write_text(json.dumps({"host": host, "pid": live.pid, "process_start": "1", "started": time.time()}))
+        messages = []
+        hold = RunHold(folder, messages.append)
+        hold.acquire()
+        assert messages and f"took over the hold of a run that is gone (pid {live.pid} on host {host}" in messages[0]
+        hold.release()
+        assert not lock.exists()
+    finally:
+        live.kill()
+        live.wait()
+    # a dead pid on this host: stale at once, whatever its heartbeat
+    lock.write_text(json.dumps({"host": host, "pid": live.pid, "process_start": started, "started": 0,
+                                "heartbeat": time.time(), "token": "dead"}))
+    messages = []
+    hold = RunHold(folder, messages.append)
+    hold.acquire()
+    assert json.loads(lock.read_text())["pid"] == os.getpid() and "took over" in messages[0]
+    hold.acquire()  # this process taking its own hold again (a resumed Trainer in the same process): allowed
+    hold.release()
+    # another host: judged by the heartbeat
+    lock.write_text(json.dumps({"host": "node-7", "pid": 1234, "started": time.time(), "heartbeat": time.time() - 5}))
+    with pytest.raises(UserError, match=r"pid 1234 on host node-7, .*\(its heartbeat is \d+ s old \(a hold is stale "
+                                        r"after 600 s without one, VLRFT_HOLD_STALE_S\)\)"):
+        RunHold(folder).acquire()
+    lock.write_text(json.dumps({"host": "node-7", "pid": 1234, "started": 0, "heartbeat": time.time() - 601}))
+    messages = []
+    RunHold(folder, messages.append).acquire()
+    assert "took over the hold of a run that is gone (pid 1234 on host node-7" in messages[0]
+
+
+def test_a_second_train_into_a_folder_a_live_run_holds_is_refused(tmp_path, tiny_vlm_dir, shapes):
+    """The hold is taken before the folder is read or cleared; the refused run writes nothing there. A run refused
+    before it wrote anything leaves no folder behind."""
+    import socket
+
+    from vlrft.trainer.run_folder import HOLD_FILE
+
+    out = tmp_path / "run"
+    trainer = Trainer(config(out, tiny_vlm_dir(), shapes))
+    holder = json.loads((out / HOLD_FILE).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / HOLD_FILE).write_text(json.dumps({"host": "node-3", "pid": 99, "started": 0, "heartbeat": 4e9}))
+    before = sorted(p.name for p in other.iterdir())
+    with pytest.raises(UserError, match=r"is in use by a live run: pid 99 on host node-3"):
+        Trainer(config(other, tiny_vlm_dir(), shapes, "train.overwrite=true"))
+    assert sorted(p.name for p in other.iterdir()) == before
+    trainer.fit()
+    assert not (out / HOLD_FILE).exists()  # given back at the end
+    bad = tmp_path / "never" / "made"
+    with pytest.raises(ConfigError):
+        Trainer(config(bad, tiny_vlm_dir(), shapes, "reward.functions=[{name: nosuch}]"))
+    with pytest.raises(UserError, match="not found"):  # refused after the hold was taken
+        Trainer(config(bad, tiny_vlm_dir(), {"train": tmp_path / "missing.jsonl"}))
+    assert not (tmp_path / "never").exists()

@@ -56,11 +56,15 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; returns its exit code. A torchrun worker exits here instead (`vlrft.dist.process_exit`)."""
-    code = _run_command(argv)
-    from vlrft.dist.process_exit import exit_process, launched_by_torchrun
+    """Run a command; returns its exit code. A torchrun worker exits here instead (`vlrft.dist.process_exit`), and
+    ends with its launcher (a SIGKILLed torchrun leaves no worker training on)."""
+    from vlrft.dist.process_exit import end_with_launcher, exit_process, launched_by_torchrun
 
-    if argv is None and launched_by_torchrun():
+    worker = argv is None and launched_by_torchrun()
+    if worker:
+        end_with_launcher()
+    code = _run_command(argv)
+    if worker:
         exit_process(code)
     return code
 

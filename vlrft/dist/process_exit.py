@@ -21,6 +21,7 @@ import atexit
 import logging
 import os
 import sys
+import time
 from typing import NoReturn
 
 
@@ -39,3 +40,34 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
             pass
     os._exit(code)
+
+
+def end_with_launcher(poll_s: float = 1.0) -> None:
+    """In a torchrun worker: end this process (SIGKILL) within `poll_s` seconds once its launcher is gone.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL of torchrun alone (an OOM killer, a
+    scheduler killing the job's main process, `kill -9` of the wrong pid) leaves its workers training on, writing
+    checkpoints into a folder a relaunch then shares. A daemon thread watches the parent pid: when the launcher
+    dies the worker is re-parented (to init or a subreaper) and its parent pid changes. Polling rather than
+    prctl(PR_SET_PDEATHSIG): that signal fires when the *thread* that forked the worker ends, not its process,
+    and torchrun forks from whichever thread starts the workers; polling is also portable. The worker is killed,
+    not asked to stop: with its launcher gone nothing will collect what it does, and a checkpoint interrupted
+    this way is cleared by the next run (as after any SIGKILL); the run folder's hold is taken over as stale.
+    """
+    import signal
+    import threading
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != launcher:
+                try:
+                    sys.stderr.write(f"vlrft: the launcher (pid {launcher}) of this worker (pid {os.getpid()}) is "
+                                     "gone; ending the worker\n")
+                    sys.stderr.flush()
+                finally:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="vlrft-launcher-watch", daemon=True).start()

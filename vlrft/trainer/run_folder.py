@@ -16,9 +16,11 @@ folder on each node's own disk is refused at start (`check_shared`), not at the 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -116,3 +118,163 @@ def check_shared(strategy, folder: Path, run_id: str) -> None:
         raise UserError(f"train.output_dir='{folder}' is not the same folder on every rank: {', '.join(missing)} "
                         "cannot see what rank 0 writes there. Checkpoints are written by all ranks into one "
                         "folder; put train.output_dir on a file system every node mounts (NFS, Lustre, ...)")
+
+
+# ---------------------------------------------------------------------------------------------- one live run
+
+HOLD_FILE = ".vlrft-run.lock"
+# The holding run rewrites its heartbeat this often; a hold whose heartbeat is older than STALE_AFTER_S is a dead
+# run's wherever it ran. On the holder's own host the pid answers sooner (a dead pid: stale at once).
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = float(os.environ.get("VLRFT_HOLD_STALE_S", 600.0))
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: /proc/PID/stat field 22, in clock ticks since boot), to tell a reused pid
+    from the run that held the folder; None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        pass
+    now = _process_start(pid)
+    return started is None or now is None or now == started
+
+
+class RunHold:
+    """The output folder's hold: `<output_dir>/.vlrft-run.lock`, one live run at a time.
+
+    The main rank takes it before it reads or clears anything in the folder, and gives it back when the run ends
+    (a SIGKILL leaves it behind: a stale hold). It records the holder's host, pid, process start time, run start
+    and a heartbeat the holder rewrites every HEARTBEAT_S. Another run is refused while the hold is live:
+    - on the holder's host: its pid is alive (and is the same process: its start time matches);
+    - elsewhere (the folder on a shared file system, the holder on another node, whose pids mean nothing here):
+      its heartbeat is younger than STALE_AFTER_S (10 min; VLRFT_HOLD_STALE_S). The clocks of the nodes are
+      compared, so they must agree to well within that (NTP).
+    A stale hold is taken over with a message. Taking it is an exclusive create, and a takeover replaces the file
+    and reads it back: two runs starting at the same instant over a stale hold cannot both go on unnoticed on one
+    file system. The same process taking its own hold again (a resumed Trainer in one Python process) is allowed.
+    """
+
+    def __init__(self, folder: str | Path, message=print):
+        self.folder = Path(folder)
+        self.path = self.folder / HOLD_FILE
+        self.message = message
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.held = False
+        self.created: list[Path] = []
+
+    def _record(self) -> dict:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "process_start": _process_start(os.getpid()),
+                "started": time.time(), "heartbeat": time.time(), "token": self.token}
+
+    def _write(self, record: dict, exclusive: bool) -> bool:
+        data = json.dumps(record).encode()
+        if exclusive:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        tmp = self.path.with_name(f"{HOLD_FILE}.{self.token}")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+        return True
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # torn or unreadable: judged by the file's age
+
+    def live_reason(self, hold: dict) -> str | None:
+        """Why `hold` belongs to a live run (None: stale)."""
+        host, pid = hold.get("host"), hold.get("pid")
+        if host == socket.gethostname() and isinstance(pid, int):
+            if pid == os.getpid():
+                return None  # this process's own hold
+            return "its process is alive" if _alive(pid, hold.get("process_start")) else None
+        beat = hold.get("heartbeat")
+        if not isinstance(beat, (int, float)):
+            try:
+                beat = self.path.stat().st_mtime
+            except OSError:
+                return None
+        age = time.time() - beat
+        if age < STALE_AFTER_S:
+            return (f"its heartbeat is {age:.0f} s old (a hold is stale after {STALE_AFTER_S:.0f} s without one, "
+                    "VLRFT_HOLD_STALE_S)")
+        return None
+
+    def acquire(self) -> None:
+        """Take the hold, or raise a `UserError` naming the live run that has it."""
+        self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # removed if left empty
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            if self._write(self._record(), exclusive=True):
+                break
+            hold = self.read()
+            if hold is None:  # released meanwhile
+                continue
+            reason = self.live_reason(hold)
+            if reason is not None:
+                raise UserError(f"train.output_dir='{self.folder}' is in use by a live run: pid {hold.get('pid')} on "
+                                f"host {hold.get('host')}, started {_when(hold.get('started'))} ({reason}). Wait for "
+                                "it to end, stop it, or pick another train.output_dir")
+            self._write(self._record(), exclusive=False)
+            if hold.get("pid") != os.getpid() or hold.get("host") != socket.gethostname():
+                self.message(f"{self.folder}: took over the hold of a run that is gone (pid {hold.get('pid')} on "
+                             f"host {hold.get('host')}, started {_when(hold.get('started'))})")
+            break
+        else:
+            raise UserError(f"train.output_dir='{self.folder}': could not take {HOLD_FILE}; another run is starting "
+                            "there at the same time")
+        time.sleep(0.05)  # a racing takeover wrote after us: the file says who won
+        if (self.read() or {}).get("token") != self.token:
+            raise UserError(f"train.output_dir='{self.folder}' was taken by another run starting at the same time; "
+                            "pick another train.output_dir")
+        self.held = True
+        self._thread = threading.Thread(target=self._beat, name="vlrft-run-hold", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            hold = self.read()
+            if not hold or hold.get("token") != self.token:
+                return  # taken over (we were judged dead): nothing more to refresh
+            with contextlib.suppress(OSError):
+                self._write({**hold, "heartbeat": time.time()}, exclusive=False)
+
+    def release(self) -> None:
+        """Give the hold back (only ours: a run that took over a hold it judged stale keeps it)."""
+        if not self.held:
+            return
+        self.held = False
+        self._stop.set()
+        if (self.read() or {}).get("token") == self.token:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        for folder in self.created:  # a run refused before it wrote anything leaves no folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
+
+
+def _when(started) -> str:
+    if not isinstance(started, (int, float)):
+        return "at an unknown time"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))

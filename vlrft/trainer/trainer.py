@@ -70,6 +70,24 @@ class Trainer:
         cfg.validate(world)
         seed_everything(cfg.train.seed + rank)
         self.output_dir = Path(cfg.train.output_dir)
+        # One live run per folder: rank 0 holds it (run_folder.RunHold) before it reads or clears anything there.
+        self.hold = run_folder.RunHold(self.output_dir, self.message) if self.strategy.is_main and not evaluate_only \
+            else None
+        if not evaluate_only:
+            self._main_decides(self.hold.acquire if self.hold is not None else None)
+        try:
+            self._build(evaluate_only)
+        except BaseException:
+            self.release_hold()
+            raise
+
+    def release_hold(self) -> None:
+        """Give the output folder back (end of fit, or a run that stopped before it)."""
+        if self.hold is not None:
+            self.hold.release()
+
+    def _build(self, evaluate_only: bool) -> None:
+        cfg, world, rank = self.cfg, self.strategy.world_size, self.strategy.rank
         # Rank 0 decides what the folder holds (resume=auto lists it; another run's files are refused) and every rank
         # follows: on node-local disks the others would each decide from their own disk, then `check_shared` refuses.
         self.resume_from = None if evaluate_only else self._main_decides(self._resolve_resume)
@@ -555,6 +573,7 @@ class Trainer:
             interrupt.uninstall()
             if self.logger is not None:
                 self.logger.close()
+            self.release_hold()
         return history
 
     def _stop_requested(self, interrupt: InterruptGuard) -> bool:
