@@ -412,3 +412,83 @@ def test_text_tool_rows_in_mixed_width_classes_equal_a_plain_forward_of_each_con
             assert got is None or not got.any()
             continue
         assert got is not None and (got - ref).abs().max() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+class TextEngine:
+    """Stand-in for sampling (nothing is sampled): turn k of sample `s` is the text `script[s][k - 1]`, ending with
+    the end-of-turn token, or cut at max_new_tokens."""
+
+    def __init__(self, tokenizer, eos, script):
+        self.tokenizer, self.eos, self.script, self.turn = tokenizer, eos, script, 0
+
+    def generate(self, batch, sampling):
+        from vlrft.rollout.base import FINISH_STOP, Rollouts
+
+        self.turn += 1
+        ids, reasons = [], []
+        for p in range(len(batch)):
+            texts = self.script[batch.samples[p].id]
+            turn = self.tokenizer.encode(texts[min(self.turn, len(texts)) - 1], add_special_tokens=False) + [self.eos]
+            for _ in range(sampling.n):
+                cut = len(turn) > sampling.max_new_tokens
+                ids.append(turn[:sampling.max_new_tokens])
+                reasons.append(FINISH_LENGTH if cut else FINISH_STOP)
+        return Rollouts(n=sampling.n, completion_ids=ids, finish_reasons=reasons,
+                        logprobs=[[0.0] * len(i) for i in ids],
+                        texts=self.tokenizer.batch_decode(ids, skip_special_tokens=True))
+
+
+@pytest.fixture(scope="module")
+def text_setup(tiny_vlm_dir):
+    from transformers import AutoConfig
+
+    folder = tiny_vlm_dir("qwen2_vl")
+    processor = load_processor(folder)
+    return processor, TokenSpec.from_model(processor, AutoConfig.from_pretrained(folder)), PromptEncoder(processor, DATA)
+
+
+def _scripted_run(text_setup, script, tool, parser=None, max_turns=3, max_new_tokens=64):
+    """Trajectories of the scripted turns (one per sample id in `script`), with one tool `look`."""
+    from vlrft.tools import parse_qwen_tool_call
+
+    processor, tokens, encoder = text_setup
+    batch = encoder.encode([Sample(id=sid, prompt=f"Question {sid}?") for sid in script]).batch
+    tools = ToolSet([Tool("look", tool, "look closer", {"type": "object", "properties": {}})], timeout_s=5)
+    engine = MultiTurnEngine(TextEngine(processor.tokenizer, tokens.eos_ids[0], script), processor, tokens, tools,
+                             max_turns=max_turns, max_trajectory_tokens=400, merge_size=2,
+                             parse_call=parser or parse_qwen_tool_call)
+    return engine.generate(batch, SamplingParams(n=1, max_new_tokens=max_new_tokens))
+
+
+CALL = '<tool_call>{"name": "look", "arguments": {}}</tool_call>'
+
+
+def test_a_parser_that_raises_or_returns_garbage_is_a_counted_error_the_model_reads(text_setup, caplog):
+    def parser(text):
+        if "oops" in text:
+            raise KeyError("name")
+        if "dict" in text:
+            return {"name": "look", "arguments": {}}
+        return ToolCall("look", {}) if "call" in text else None
+
+    script = {"raises": ["oops", "oops", "the answer"], "dict": ["dict", "the answer"], "fine": ["call", "the answer"]}
+    with caplog.at_level("WARNING", logger="vlrft.tools"):
+        out = _scripted_run(text_setup, script, lambda call, ctx: "seen", parser=parser)
+    processor = text_setup[0]
+    decoded = [processor.tokenizer.decode(ids) for ids in out.completion_ids]
+    assert out.turns == [3, 2, 2] and out.texts == ["the answer"] * 3
+    assert [s.parser_errors for s in out.tool_stats] == [2, 1, 0]
+    assert [s.calls for s in out.tool_stats] == [0, 0, 1]
+    assert decoded[0].count("<tool_response>\nError: ") == 2 and "KeyError" in decoded[0]
+    assert "Error: " in decoded[1] and "dict" in decoded[1] and "seen" in decoded[2]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vlrft.tools"]
+    assert len(warnings) == 2 and all("tools/parser_errors" in w for w in warnings), warnings
+    assert out.metrics()["tools/parser_errors"] == (3.0, 3.0)
+
+
+def test_tool_rewards_that_are_not_finite_numbers_are_left_out_and_counted(text_setup):
+    rewards = {"high": "high", "nan": float("nan"), "ok": 0.5}
+    out = _scripted_run(text_setup, {sid: [CALL, "done"] for sid in rewards},
+                        lambda call, ctx: ToolOutput(text="seen", reward=rewards[ctx.sample.id]))
+    assert out.tool_rewards == [0.0, 0.0, 0.5]
+    assert [s.bad_rewards for s in out.tool_stats] == [1, 1, 0] and out.turns == [2, 2, 2]

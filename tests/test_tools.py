@@ -154,3 +154,27 @@ def test_the_zoom_word_parser_calls_zoom_and_leaves_answers_alone():
     assert parse_zoom_word("zoom") == ToolCall("zoom", {"region": "center"})
     assert parse_zoom_word(" Zoom top left") == ToolCall("zoom", {"region": "top-left"})
     assert parse_zoom_word("red") is None and parse_zoom_word("") is None
+
+
+def test_bad_rewards_and_bad_outputs_are_counted_with_what_is_wrong_and_one_log_line(caplog):
+    """A reward that is not a finite number is left out (the tool's text still reaches the model) and counted; a
+    ToolOutput whose text is not a str names its text, not 'returned ToolOutput'. Each kind logs one line."""
+    image = Image.new("RGB", (8, 8))
+    returns = {"high": ToolOutput(text="ok", reward="high"), "nan": ToolOutput(text="t", reward=float("nan")),
+               "inf": ToolOutput(reward=float("inf")), "number": ToolOutput(text="n", images=[image], reward=2),
+               "text42": ToolOutput(text=42), "pixels": ToolOutput(text="p", images=["not an image"]),
+               "listed": ["a", 3]}
+    tools = ToolSet([Tool(name, (lambda v: lambda call, ctx: v)(value), "d", SCHEMA) for name, value in returns.items()])
+    calls = [ToolCall(name, {}) for name in returns] + [ToolCall("high", {})]
+    with caplog.at_level("WARNING", logger="vlrft.tools"):
+        outputs, kinds = tools.run(calls, [_ctx() for _ in calls])
+    assert kinds == ["bad_rewards"] * 3 + ["ok"] + ["bad_outputs"] * 3 + ["bad_rewards"]
+    assert outputs[0].text == "ok" and outputs[0].reward is None and outputs[1].reward is None
+    assert outputs[3].reward == 2.0 and outputs[3].images == [image]
+    assert "text" in outputs[4].text and "int" in outputs[4].text and outputs[4].text.startswith("Error: ")
+    assert "images" in outputs[5].text and "str" in outputs[5].text
+    assert "int" in outputs[6].text
+    warnings = [r.getMessage() for r in caplog.records if r.name == "vlrft.tools"]
+    assert len(warnings) == 6, warnings  # the second "high" is only counted
+    assert any("'high'" in w and "tools/bad_rewards" in w for w in warnings)
+    tools.close()

@@ -287,7 +287,7 @@ class MultiTurnEngine:
         for r, row in enumerate(rows):
             if row.done:
                 continue
-            call = self.parse_call(row.texts[-1])
+            call = self._parse(row)
             if call is None:
                 row.done = True
                 continue
@@ -325,6 +325,24 @@ class MultiTurnEngine:
                 row.tool_images += images
             going.append(r)
         return going
+
+    def _parse(self, row: _Row) -> ToolCall | MalformedCall | None:
+        """The call in the row's last turn (`rollout.tool_parser`). A parser that raises or returns something else is
+        counted in `tools/parser_errors` and logged once per cause; the model reads an Error: observation."""
+        text = row.texts[-1]
+        try:
+            call = self.parse_call(text)
+        except Exception as exc:  # user code: the run goes on
+            problem, cause = f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", type(exc).__name__
+        else:
+            if call is None or isinstance(call, (ToolCall, MalformedCall)):
+                return call
+            problem, cause = (f"returned a {type(call).__name__}, not a vlrft.tools.ToolCall, MalformedCall or None",
+                              type(call).__name__)
+        name = getattr(self.parse_call, "__qualname__", repr(self.parse_call))
+        self.tools.report(("parser_errors", cause), f"rollout.tool_parser ({name}) {problem} on the turn {text[:80]!r}; "
+                          "the model reads an Error: observation", "tools/parser_errors")
+        return MalformedCall(f"the tool call could not be read (the parser {problem})", kind="parser_errors")
 
     def _context_batch(self, batch: "PromptBatch", rows: list[_Row], which: list[int]) -> "PromptBatch":
         """The live trajectories as prompts: prompt + everything so far, with all their images in order."""

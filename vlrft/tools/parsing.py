@@ -2,6 +2,8 @@
 
 A parser maps the turn's decoded text to `None` (no call: the trajectory is done), a `ToolCall`, or
 a `MalformedCall` (the model tried to call and got the format wrong: it sees an error observation).
+A parser that raises or returns anything else is counted in `tools/parser_errors`, logged once, and
+the model reads an error observation (`vlrft.rollout.multiturn`); the run goes on.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ _CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CL
 
 @dataclass(frozen=True)
 class MalformedCall:
-    """A call that could not be parsed; `reason` becomes the observation the model reads."""
+    """A call that could not be parsed; `reason` becomes the observation the model reads (after "Error: ")."""
 
     reason: str
+    kind: str = "malformed_calls"  # the ToolStats counter it goes to ("parser_errors": the parser itself failed)
 
 
 def parse_qwen_tool_call(text: str) -> ToolCall | MalformedCall | None:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import inspect
+import logging
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,6 +26,7 @@ from vlrft.tools.parsing import MalformedCall
 from vlrft.tools.types import ToolCall, ToolConfigError, ToolContext, ToolOutput, ToolStats
 
 ERROR_PREFIX = "Error: "
+logger = logging.getLogger("vlrft.tools")
 
 
 @dataclass
@@ -74,17 +79,51 @@ def load_tool(spec, index: int) -> Tool:
 
 def as_output(value: Any) -> ToolOutput | None:
     """A tool's return value as a ToolOutput; None when it is not text, images or a ToolOutput."""
+    output, _ = read_output(value)
+    return output
+
+
+def read_output(value: Any) -> tuple[ToolOutput | None, str]:
+    """(the tool's return value as a ToolOutput, "") or (None, what is wrong with it)."""
     if isinstance(value, ToolOutput):
-        ok = isinstance(value.text, str) and all(_is_image(im) for im in value.images)
-        return value if ok else None
+        if not isinstance(value.text, str):
+            return None, f"returned ToolOutput(text=...) holding a {type(value.text).__name__}; the text must be a str"
+        if not isinstance(value.images, (list, tuple)):
+            return None, (f"returned ToolOutput(images=...) holding a {type(value.images).__name__}; the images must be "
+                          "a list of PIL images")
+        for k, im in enumerate(value.images):
+            if not _is_image(im):
+                return None, f"returned ToolOutput(images=...) whose item {k} is a {type(im).__name__}, not a PIL image"
+        return value, ""
     if isinstance(value, str):
-        return ToolOutput(text=value)
+        return ToolOutput(text=value), ""
     if _is_image(value):
-        return ToolOutput(images=[value])
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) or _is_image(v) for v in value):
+        return ToolOutput(images=[value]), ""
+    if isinstance(value, (list, tuple)) and value:
+        for k, v in enumerate(value):
+            if not (isinstance(v, str) or _is_image(v)):
+                return None, (f"returned a list whose item {k} is a {type(v).__name__}; a list may hold only str and "
+                              "PIL images")
         return ToolOutput(text="\n".join(v for v in value if isinstance(v, str)),
-                          images=[v for v in value if _is_image(v)])
-    return None
+                          images=[v for v in value if _is_image(v)]), ""
+    return None, f"returned {type(value).__name__}, not text or images"
+
+
+def read_reward(value: Any) -> tuple[float | None, str]:
+    """(a ToolOutput's reward as a float or None, "") or (None, what is wrong with it): a finite real number only."""
+    if value is None:
+        return None, ""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy scalar or a 0-d tensor
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return None, f"returned reward={value!r} (a {type(value).__name__}); a reward must be a float or None"
+    try:
+        reward = float(value)
+    except OverflowError:
+        reward = math.inf
+    if not math.isfinite(reward):
+        return None, f"returned reward={reward}; a reward must be a finite float or None"
+    return reward, ""
 
 
 def _is_image(value: Any) -> bool:
@@ -106,11 +145,19 @@ class ToolSet:
         self.max_concurrency = max_concurrency
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * 2, thread_name_prefix="vlrft-tool")
         self._hung = 0  # threads lost to sync tools that never returned
+        self._reported: set[tuple] = set()  # failures already logged: one line per kind, tool and cause
 
     @classmethod
     def from_config(cls, rollout_cfg) -> "ToolSet":
         return cls([load_tool(spec, i) for i, spec in enumerate(rollout_cfg.tools)], rollout_cfg.tool_timeout_s,
                    rollout_cfg.tool_max_concurrency)
+
+    def report(self, key: tuple, message: str, counter: str) -> None:
+        """Log a failure once per `key` (its kind, tool and cause); later ones are only counted in `counter`."""
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        logger.warning("%s; the run goes on (counted in %s, later ones of this kind are not logged)", message, counter)
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -139,7 +186,7 @@ class ToolSet:
 
     async def _run_one(self, call: ToolCall | MalformedCall, context: ToolContext) -> tuple[ToolOutput, str]:
         if isinstance(call, MalformedCall):
-            return ToolOutput(text=ERROR_PREFIX + call.reason), "malformed_calls"
+            return ToolOutput(text=ERROR_PREFIX + call.reason), call.kind
         tool_ = self.tools.get(call.name)
         if tool_ is None:
             known = ", ".join(sorted(self.tools))
@@ -157,12 +204,32 @@ class ToolSet:
             return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} timed out after {self.timeout_s:g} s"), \
                 "timeouts"
         except Exception as exc:  # a tool bug or bad arguments: the model reads it, the run goes on
+            self.report(("errors", call.name, type(exc).__name__),
+                        f"tool {call.name!r} raised {type(exc).__name__}: {_short(exc)} (sample {_sample_id(context)}, "
+                        f"turn {context.turn}); the model reads it as an Error: observation", "tools/errors")
             return ToolOutput(text=f"{ERROR_PREFIX}{type(exc).__name__}: {exc}"), "errors"
-        output = as_output(value)
+        output, problem = read_output(value)
         if output is None:
-            return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} returned {type(value).__name__}, not text or "
-                                   "images"), "bad_outputs"
+            self.report(("bad_outputs", call.name, type(value).__name__),
+                        f"tool {call.name!r} {problem} (sample {_sample_id(context)}, turn {context.turn}); the model "
+                        "reads it as an Error: observation", "tools/bad_outputs")
+            return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} {problem}"), "bad_outputs"
+        reward, problem = read_reward(output.reward)
+        if problem:  # the text and images still reach the model; the reward part is left out
+            self.report(("bad_rewards", call.name), f"tool {call.name!r} {problem} (sample {_sample_id(context)}, turn "
+                        f"{context.turn}); the reward part is left out of the trajectory's reward", "tools/bad_rewards")
+            return dataclasses.replace(output, reward=None), "bad_rewards"
+        if reward != output.reward:
+            output = dataclasses.replace(output, reward=reward)
         return output, "ok"
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def _short(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def _sample_id(context: ToolContext) -> str:
+    return repr(getattr(context.sample, "id", None))

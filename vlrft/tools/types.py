@@ -55,6 +55,8 @@ class ToolStats:
     timeouts: float = 0.0  # the tool ran past rollout.tool_timeout_s
     malformed_calls: float = 0.0  # the model wrote a call that does not parse or names no configured tool
     bad_outputs: float = 0.0  # the tool returned something that is not text/images/ToolOutput
+    bad_rewards: float = 0.0  # a ToolOutput reward that is not a finite number (NaN, inf, "high"): left out
+    parser_errors: float = 0.0  # rollout.tool_parser raised, or returned something not a ToolCall/MalformedCall/None
     images_returned: float = 0.0
 
     def __add__(self, other: "ToolStats") -> "ToolStats":
@@ -62,7 +64,7 @@ class ToolStats:
 
     def count(self, kind: str, output: "ToolOutput") -> None:
         """Add one call that ended as `kind` ("ok" or a counter name) with `output`."""
-        self.calls += kind != "malformed_calls"
+        self.calls += kind not in ("malformed_calls", "parser_errors")
         if kind != "ok":
             setattr(self, kind, getattr(self, kind) + 1)
         self.images_returned += len(output.images)
