@@ -191,3 +191,30 @@ def test_entropy_and_its_gradient_at_a_152k_vocabulary_match_float64():
         grads = torch.autograd.grad((ent * mix).sum(), (hidden, weight, bias))
         for got, want in zip(grads, ref_grads):
             assert (got.double() - want).norm() <= 1e-5 * want.norm(), budget
+
+
+def test_kept_mass_of_top_k_and_top_p_in_every_path_matches_a_hand_count():
+    """The log of the mass top-k then top-p keep: the k largest probabilities, renormalised, then the smallest set
+    of them holding p, counted by hand; the same kept for autograd, recomputed in backward, and without gradients."""
+    from vlrft.models.logprobs import SamplingTruncation
+
+    head, hidden, targets = _case(tokens=40, vocab=3000)
+    with torch.no_grad():
+        head.weight.mul_(8.0)  # peaked distributions, so the filters cut
+    truncation = SamplingTruncation(top_k=50, top_p=0.7)
+    probs = torch.softmax(head(hidden).double() / 0.9, dim=-1)
+    expected = []
+    for row in probs:
+        top = row.sort(descending=True).values[:50]
+        within = top / top.sum()
+        count = int((within.cumsum(0) < 0.7).sum()) + 1  # the smallest prefix reaching 0.7
+        expected.append(top[:count].sum().log())
+    expected = torch.stack(expected)
+    with torch.no_grad():
+        *_, lean = token_logprobs(hidden, head, targets, temperature=0.9, truncation=truncation)
+    for budget in (10**9, 8 * 3000):
+        lp, ent, kept = token_logprobs(hidden, head, targets, temperature=0.9, truncation=truncation,
+                                       max_chunk_elements=budget)
+        assert not kept.requires_grad and torch.allclose(kept.double(), expected, atol=1e-5), budget
+        (lp.sum() + ent.sum()).backward()  # the third output does not get in the way of the backward
+    assert torch.allclose(lean.double(), expected, atol=1e-5) and (expected < -0.01).any()

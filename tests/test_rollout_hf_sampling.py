@@ -113,3 +113,33 @@ def test_sample_tokens_draws_each_row_from_its_own_distribution_never_a_zero_pro
         frequencies = torch.bincount(draws[:, row], minlength=6) / len(draws)
         assert torch.allclose(frequencies, probs[row], atol=0.015), (row, frequencies)
     assert draws.min() >= 0 and draws.max() <= 5
+
+
+@pytest.mark.parametrize("sampling", [dict(top_p=0.6), dict(top_k=5, top_p=0.9), dict(min_p=0.8)],
+                         ids=["top_p", "top_k+top_p", "min_p"])
+def test_on_policy_tis_weights_are_one_under_top_p_top_k_and_min_p(tiny_vlm_dir, sampling):
+    """The engine's logprob is the truncated distribution's, log p(a) - log(kept mass); the trainer's is the full
+    one's. With the kept mass (`ActorVL.sampling_truncation`) the on-policy TIS weight is 1; without it, below 1."""
+    from vlrft.batch import build_sequences
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.logprobs import SamplingTruncation
+    from vlrft.rollout.base import SamplingParams
+    from vlrft.rollout.hf import HFEngine
+
+    processor, model, tokens, batch = _engine_and_batch(tiny_vlm_dir)
+    engine = HFEngine(lambda: model, processor, tokens, share_prompts=True)
+    torch.manual_seed(0)
+    out = engine.generate(batch, SamplingParams(n=4, max_new_tokens=8, temperature=0.8, **sampling))
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    actor.sampling_truncation = SamplingTruncation(**sampling)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
+    with torch.no_grad():
+        result = actor.logprobs(seqs, temperature=0.8)
+    mask = seqs.completion_mask.bool()
+    engine_lp = torch.zeros_like(result.logprobs)
+    for row, lp in enumerate(out.logprobs):
+        engine_lp[row, :len(lp)] = torch.tensor(lp)
+    log_w = (result.logprobs - (engine_lp + result.kept_log_mass))[mask]
+    assert log_w.abs().max() < 1e-4  # weight 1 within 1e-4
+    assert (result.logprobs - engine_lp)[mask].mean() < -0.01  # the full distribution's logprob alone: below 1
+    assert (result.kept_log_mass[mask] <= 1e-6).all()

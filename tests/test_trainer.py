@@ -478,3 +478,14 @@ def test_reward_functions_are_prepared_before_the_first_step(tmp_path, tiny_vlm_
     assert calls == ["prepare"]
     trainer.fit()
     assert calls[0] == "prepare" and calls.count("prepare") == 1 and "score" in calls
+
+
+@pytest.mark.parametrize("epochs", [1, 2], ids=["on-policy", "old-policy-pass"])
+def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_dir, shapes, epochs):
+    """The engines report logprobs of the top-p truncated distribution they sampled from; the trainer compares them
+    with its own on the same scale (the kept mass added back), so a rollout of the current policy weighs 1."""
+    cfg = config(tmp_path, tiny_vlm_dir(), shapes, "algorithm.tis_cap=2.0", "rollout.top_p=0.6",
+                 "rollout.temperature=0.8", f"train.ppo_epochs={epochs}", "train.eval_every=0")
+    _, history = run(cfg)
+    weights = [m["actor/tis_weight_mean"] for m in history if "actor/tis_weight_mean" in m]
+    assert len(weights) == 2 and all(abs(w - 1.0) < 1e-4 for w in weights), weights

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from vlrft.errors import MissingDependencyError
-from vlrft.models.logprobs import token_logprobs
+from vlrft.models.logprobs import SamplingTruncation, token_logprobs
 from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
                                     prompt_positions)
@@ -34,6 +34,8 @@ class TokenLogprobs(NamedTuple):
 
     logprobs: torch.Tensor  # [B, C], zero where completion_mask == 0
     entropy: torch.Tensor  # [B, C]
+    # [B, C] log of the mass the rollout's top-k / top-p / min-p keep (`sampling_truncation`); None without one
+    kept_log_mass: torch.Tensor | None = None
 
 
 def base_of(model: nn.Module) -> nn.Module:
@@ -154,6 +156,9 @@ class ActorVL(nn.Module):
         self.share_every_forward = False
         # The shared forward runs the completions in classes of similar length (`vlrft.batch.width_classes`).
         self.split_completion_widths = True
+        # The rollout's top-k / top-p / min-p: when set, each forward also returns the log of the mass they keep
+        # (`TokenLogprobs.kept_log_mass`), which truncated importance sampling needs to compare like with like.
+        self.sampling_truncation: SamplingTruncation | None = None
 
     def _agreed_kinds(self, ours: VisualKinds) -> VisualKinds | None:
         """The visual kinds some rank encodes in this forward (one all-reduce, which every rank makes once per
@@ -285,10 +290,12 @@ class ActorVL(nn.Module):
         mask = batch.completion_mask.bool()
         predicting = states[mask]
         targets = batch.input_ids[:, p:p + c][mask]
-        lp, ent = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens, self.suppressed_ids)
-        logprobs = torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, lp)
-        entropy = torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, ent)
-        return TokenLogprobs(logprobs, entropy)
+        lp, ent, *kept = token_logprobs(predicting, head, targets, temperature, self.chunk_tokens, self.suppressed_ids,
+                                        truncation=self.sampling_truncation)
+        def scattered(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, values)
+
+        return TokenLogprobs(scattered(lp), scattered(ent), scattered(kept[0]) if kept else None)
 
     def forward(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         return self.logprobs(batch, temperature)

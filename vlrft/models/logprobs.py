@@ -13,11 +13,17 @@ never exists whole, in forward or backward.
 The entropy is summed as -sum p log p over log p = z - log_norm, terms of the entropy's own size.
 `log_norm - sum p z` subtracts two numbers of the logits' size (trained heads give logits of
 tens), and float32's rounding of `sum p z` over a 152k vocabulary left the entropy off by ~1e-3.
+
+`truncation` (the rollout's top-k / top-p / min-p, `SamplingTruncation`) adds a third output: the log
+of the probability mass those filters keep of each token's distribution. The engines report the
+logprob of the truncated distribution they sampled from, log p(a) - that mass; truncated importance
+sampling compares like with like through it (`vlrft.algo.losses.policy_loss`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +35,36 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24
 CHECKPOINT_ABOVE_ELEMENTS = LOGITS_CHUNK_ELEMENTS
 # Under autocast the head's gradient is formed this many vocabulary rows at a time (bf16 products, float32 sums).
 HEAD_GRAD_BLOCK_ROWS = 16384
+
+
+@dataclass(frozen=True)
+class SamplingTruncation:
+    """The filters the rollout engines sample through (after the temperature), in their order: top-k, top-p, min-p
+    (transformers' warpers, which the hf engine applies and vLLM / SGLang follow)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def warpers(self) -> list:
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+        return ([TopKLogitsWarper(top_k=self.top_k)] if self.top_k > 0 else []) + \
+            ([TopPLogitsWarper(top_p=self.top_p)] if self.top_p < 1.0 else []) + \
+            ([MinPLogitsWarper(min_p=self.min_p)] if self.min_p > 0.0 else [])
+
+
+def kept_log_mass(log_p: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:
+    """[N] log of the probability that `truncation`'s filters keep of each row of normalised log-probabilities
+    `log_p` [N, V] (0 when nothing is filtered): the engine's truncated logprob of a kept token is log p - this."""
+    kept = log_p
+    for warper in truncation.warpers():
+        kept = warper(None, kept)
+    return torch.logsumexp(kept, dim=-1)
 
 
 def chunk_tokens_for(vocab_size: int, chunk_tokens: int = 1024, max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
@@ -47,17 +83,22 @@ def _in_compute_dtype(weight: torch.Tensor, bias: torch.Tensor | None, dtype: to
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-           inv_temperature: float, suppressed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+           inv_temperature: float, suppressed: torch.Tensor | None, truncation: SamplingTruncation | None = None
+           ) -> tuple[torch.Tensor, ...]:
     logits = torch.nn.functional.linear(hidden, weight, bias).float() * inv_temperature
     if suppressed is not None:  # tokens the engines never sample are not part of the policy either
         logits = logits.index_fill(-1, suppressed, float("-inf"))
     log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # CPU log_softmax is off by ~3e-5 at 152k
     logprobs = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    kept = None
+    if truncation is not None:
+        with torch.no_grad():
+            kept = kept_log_mass(log_p.detach(), truncation)
     probs = log_p.exp()
     if suppressed is not None:
         log_p = log_p.masked_fill(probs == 0, 0.0)  # 0 * -inf counts as 0
     entropy = -(probs * log_p).sum(-1)  # -sum p log p, not log_norm - sum p z: see the module's docstring
-    return logprobs, entropy
+    return (logprobs, entropy) if kept is None else (logprobs, entropy, kept)
 
 
 def _scaled_logits(hidden, weight, bias, inv_temperature, suppressed):
@@ -70,17 +111,19 @@ def _scaled_logits(hidden, weight, bias, inv_temperature, suppressed):
     return logits
 
 
-def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed):
-    """`_chunk` without autograd, in place: about two [chunk, vocab] float32 tensors alive instead of five."""
+def _lean_chunk(hidden, weight, bias, targets, inv_temperature, suppressed, truncation=None):
+    """`_chunk` without autograd, in place: about two [chunk, vocab] float32 tensors alive instead of five.
+    Returns (logprobs, entropy, log_norm), and the kept log mass with a `truncation`."""
     z = _scaled_logits(hidden, weight, bias, inv_temperature, suppressed)
     log_norm = torch.logsumexp(z, dim=-1)
     log_p = z.sub_(log_norm[:, None])
     logprobs = log_p.gather(-1, targets[:, None]).squeeze(-1)
+    kept = None if truncation is None else kept_log_mass(log_p, truncation)
     p = log_p.exp()
     if suppressed is not None:
         log_p.index_fill_(-1, suppressed, 0.0)  # p is 0 there; 0 * -inf would be nan
     entropy = -p.mul_(log_p).sum(-1)  # -sum p log p, not log_norm - sum p z: see the module's docstring
-    return logprobs, entropy, log_norm
+    return (logprobs, entropy, log_norm) if kept is None else (logprobs, entropy, log_norm, kept)
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -95,20 +138,21 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, inv_temperature, suppressed, step):
+    def forward(ctx, hidden, weight, bias, targets, inv_temperature, suppressed, step, truncation=None):
         dtype = active_autocast_dtype(hidden.device)
         w, b = _in_compute_dtype(weight, bias, dtype)
         parts = [_lean_chunk(hidden[start:start + step], w, b, targets[start:start + step], inv_temperature,
-                             suppressed) for start in range(0, hidden.shape[0], step)]
+                             suppressed, truncation) for start in range(0, hidden.shape[0], step)]
         del w, b
-        logprobs, entropy, log_norm = (torch.cat(column) for column in zip(*parts))
+        logprobs, entropy, log_norm, *kept = (torch.cat(column) for column in zip(*parts))
         ctx.save_for_backward(hidden, weight, bias, targets, suppressed, log_norm, entropy)
         ctx.inv_temperature, ctx.step = inv_temperature, step
         ctx.autocast = (hidden.device.type, dtype) if dtype is not None else None
-        return logprobs, entropy
+        ctx.mark_non_differentiable(*kept)
+        return (logprobs, entropy, *kept)
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy, *_kept):
         hidden, weight, bias, targets, suppressed, log_norm, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -148,21 +192,24 @@ class _ChunkedHead(torch.autograd.Function):
                 if grad_bias is not None:
                     grad_bias.add_(grad_z.sum(0))
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None, None)
 
 
 def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float = 1.0,
                    chunk_tokens: int = 1024, suppressed_ids: tuple[int, ...] = (),
-                   max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_chunk_elements: int = LOGITS_CHUNK_ELEMENTS, truncation: SamplingTruncation | None = None
+                   ) -> tuple[torch.Tensor, ...]:
     """logprob of `targets` [N] under softmax(lm_head(hidden [N, H]) / temperature), and the entropy, both [N].
 
     `chunk_tokens` caps the tokens per chunk and `max_chunk_elements` the logits per chunk (the
     smaller wins). `suppressed_ids` (tokens no engine may sample, e.g. vision placeholders) get
-    probability zero, so the trainer's distribution is the one the rollouts were sampled from.
+    probability zero, so the trainer's distribution is the one the rollouts were sampled from. With an
+    active `truncation` a third [N] tensor (no gradient): `kept_log_mass` of each token's distribution.
     """
+    truncation = truncation if truncation is not None and truncation.active else None
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
+        return (empty, empty) if truncation is None else (empty, empty, empty)
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
     inv_t = 1.0 / temperature if temperature > 0 else 1.0
     step = chunk_tokens_for(weight.shape[0], chunk_tokens, max_chunk_elements)
@@ -170,12 +217,18 @@ def token_logprobs(hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torc
     # budget, backward recomputes them instead (_ChunkedHead).
     suppressed = torch.tensor(suppressed_ids, dtype=torch.long, device=hidden.device) if suppressed_ids else None
     if torch.is_grad_enabled() and hidden.shape[0] * weight.shape[0] > max_chunk_elements:
-        return _ChunkedHead.apply(hidden, weight, bias, targets, inv_t, suppressed, step)
-    compute = _chunk if torch.is_grad_enabled() else _lean_chunk  # small enough to keep for autograd, or no grad
+        return _ChunkedHead.apply(hidden, weight, bias, targets, inv_t, suppressed, step, truncation)
+    grad = torch.is_grad_enabled()
+    compute = _chunk if grad else _lean_chunk  # small enough to keep for autograd, or no grad
     weight, bias = _in_compute_dtype(weight, bias, active_autocast_dtype(hidden.device))  # a cast autograd follows
-    logprobs, entropies = [], []
+    logprobs, entropies, kept = [], [], []
     for start in range(0, hidden.shape[0], step):
-        lp, ent = compute(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed)[:2]
-        logprobs.append(lp)
-        entropies.append(ent)
-    return torch.cat(logprobs), torch.cat(entropies)
+        out = compute(hidden[start:start + step], weight, bias, targets[start:start + step], inv_t, suppressed,
+                      truncation)
+        logprobs.append(out[0])
+        entropies.append(out[1])
+        if truncation is not None:
+            kept.append(out[-1])
+    if truncation is None:
+        return torch.cat(logprobs), torch.cat(entropies)
+    return torch.cat(logprobs), torch.cat(entropies), torch.cat(kept)

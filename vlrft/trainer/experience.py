@@ -73,6 +73,9 @@ class Experience:
     values: torch.Tensor | None  # [N, C] (GAE)
     valid: torch.Tensor  # [N] bool: the reward was applicable
     advantage_stats: object  # vlrft.algo.Stats
+    # [N, C] with the rollout's top-k / top-p / min-p and an old-policy pass: the log of the mass they keep of the old
+    # policy's distribution (`ActorVL.sampling_truncation`), which TIS adds to the engine's truncated logprobs
+    old_kept_log_mass: torch.Tensor | None = None
 
 
 def padded(rows: list[list[float]] | list[list[int]], width: int, dtype=torch.float32) -> torch.Tensor:
@@ -130,17 +133,26 @@ def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBat
 
 
 @torch.no_grad()
-def forward_pass(batching: Batching, collected, model, width: int, fn) -> torch.Tensor:
-    """Run `fn(model, seqs) -> [B, c]` over micro-batches of all rows, padded into one [N, width] tensor."""
+def forward_pass(batching: Batching, collected, model, width: int, fn):
+    """Run `fn(model, seqs) -> [B, c]` over micro-batches of all rows, padded into one [N, width] tensor (or a tuple
+    of such tensors when `fn` returns a tuple)."""
     n_rows = len(collected.rollouts)
-    out = torch.zeros((n_rows, width), dtype=torch.float32)
+    outs: list[torch.Tensor] | None = None
+    several = False
     for micro in plan_micro_batches(batching, collected, list(range(n_rows))):
         seqs = sequences_for(batching, collected, micro.rows)
         with batching.autocast():
-            values = fn(model, seqs).float().cpu()
+            values = fn(model, seqs)
+        several = isinstance(values, tuple)
+        values = values if several else (values,)
+        if outs is None:
+            outs = [torch.zeros((n_rows, width), dtype=torch.float32) for _ in values]
         if not micro.filler:
-            out[micro.rows, :values.shape[1]] = values
-    return out
+            for out, value in zip(outs, values):
+                out[micro.rows, :value.shape[1]] = value.float().cpu()
+    if outs is None:
+        outs = [torch.zeros((n_rows, width), dtype=torch.float32)]
+    return tuple(outs) if several else outs[0]
 
 
 def training_masks(completion_ids: list[list[int]], truncated: list[bool], mask_truncated: bool
@@ -184,9 +196,13 @@ def make_experience(deps: ExperienceDeps, collected) -> Experience:
     logprob_fn = lambda model, seqs: model(seqs, temperature).logprobs  # noqa: E731
 
     with deps.timer("time/logprobs"):
-        old = None
+        old = old_kept = None
         if deps.old_policy is not None:
-            old = forward_pass(deps.batching, collected, deps.old_policy, width, logprob_fn)
+            if rollouts.logprobs is not None and getattr(deps.old_policy, "sampling_truncation", None) is not None:
+                both = lambda model, seqs: tuple(model(seqs, temperature)[::2])  # noqa: E731  logprobs, kept mass
+                old, old_kept = forward_pass(deps.batching, collected, deps.old_policy, width, both)
+            else:
+                old = forward_pass(deps.batching, collected, deps.old_policy, width, logprob_fn)
         ref = None
         if deps.ref is not None:
             ref = forward_pass(deps.batching, collected, deps.ref, width, logprob_fn)
@@ -199,4 +215,4 @@ def make_experience(deps: ExperienceDeps, collected) -> Experience:
                               kl_coef=deps.kl_coef, values=values, reduce=deps.reduce)
     return Experience(mask=mask * result.valid[:, None].float(), token_mask=token_mask, advantages=result.advantages,
                       returns=result.returns, old_logprobs=old, ref_logprobs=ref, engine_logprobs=engine,
-                      values=values, valid=result.valid, advantage_stats=result.stats)
+                      values=values, valid=result.valid, advantage_stats=result.stats, old_kept_log_mass=old_kept)

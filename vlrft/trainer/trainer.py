@@ -142,6 +142,7 @@ class Trainer:
                                            getattr(self.actor.model, "generation_config", None),
                                            cfg.rollout.stop_token_ids)
         self.actor.suppressed_ids = self.tokens.suppressed_ids
+        self.actor.sampling_truncation = self._sampling_truncation()
         self.ref = None if evaluate_only else self._build_ref()
         self.critic, self.critic_wrapped, self.critic_optimizer = (None, None, None) if evaluate_only else \
             self._build_critic()
@@ -345,6 +346,18 @@ class Trainer:
     def autocast(self):
         """Generation's mixed precision (weight casts cached for all the decode steps)."""
         return precision.autocast(self.device, self.cfg.model.dtype)
+
+    def _sampling_truncation(self):
+        """The rollout's top-k / top-p / min-p for TIS (None without TIS or without truncation): the engines report
+        the truncated distribution's logprobs, the trainer computes the full one's and the kept mass between them."""
+        from vlrft.models.logprobs import SamplingTruncation
+
+        r = self.cfg.rollout
+        truncation = SamplingTruncation(top_k=max(0, r.top_k), top_p=r.top_p, min_p=r.min_p)
+        # SGLang reports the untruncated distribution's logprobs (docs/engines.md): nothing to add back there
+        truncated_logprobs = r.engine in ("hf", "vllm")
+        return truncation if self.cfg.algorithm.tis_cap is not None and truncation.active and truncated_logprobs \
+            else None
 
     def forward_autocast(self):
         """The scoring and training forwards' mixed precision (`precision.forward_autocast`)."""

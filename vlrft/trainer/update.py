@@ -48,6 +48,18 @@ class UpdateDeps:
     memory_fixes: tuple[str, ...] = ()  # options that lower the update's memory, named if the device runs out
 
 
+def _full_engine_logprobs(exp, out, rows, width, device, on_policy: bool) -> torch.Tensor | None:
+    """The engine's logprobs on the full distribution's scale, which TIS compares with the trainer's: the engines
+    report the logprob of the top-k / top-p / min-p truncated distribution they sampled from, log p(a) - log(kept
+    mass); adding the kept mass of the distribution the trainer's `old` logprobs come from (this forward's
+    on-policy, the old-policy pass's otherwise) makes the weight 1 wherever engine and trainer agree."""
+    engine = _slice(exp.engine_logprobs, rows, width, device)
+    kept = out.kept_log_mass.detach() if on_policy else _slice(exp.old_kept_log_mass, rows, width, device)
+    if engine is None or kept is None:
+        return engine
+    return engine + kept
+
+
 def _slice(t: torch.Tensor | None, rows: list[int], width: int, device) -> torch.Tensor | None:
     return None if t is None else t[rows, :width].to(device)
 
@@ -91,7 +103,7 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                     result = policy_loss(
                         deps.algo, out.logprobs, out.logprobs.detach() if old is None else old,
                         _slice(exp.advantages, rows, width, device), mask, entropy=out.entropy,
-                        engine_logprobs=_slice(exp.engine_logprobs, rows, width, device),
+                        engine_logprobs=_full_engine_logprobs(exp, out, rows, width, device, on_policy=old is None),
                         ref_logprobs=_slice(exp.ref_logprobs, rows, width, device),
                         kl_coef=deps.kl_coef, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
                         max_tokens=deps.max_new_tokens, world_size=world)
