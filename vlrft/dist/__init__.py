@@ -1,1 +1,1 @@
-"""Distributed strategies (single process, DDP); see strategy.py."""
+"""Distributed strategies (single process, DDP, FSDP2, DeepSpeed ZeRO-2/3); see strategy.py."""

@@ -1,1 +1,1 @@
-"""Models: loading policies/processors, tiny local models, (later) ActorVL and the critic."""
+"""Models: loading policies/processors, tiny local models, ActorVL (the policy's logprobs) and CriticVL."""

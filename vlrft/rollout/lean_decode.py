@@ -4,7 +4,7 @@ A decode step feeds one token per row through the text decoder. Through transfor
 layer costs about 75 dispatched ops per token plus the Python of module calls, cache objects, mask
 and rotary bookkeeping and output records; on a small model that fixed cost is most of the step
 (CPU, hidden 64: 0.36 ms per layer per token). Here a step is the layers' arithmetic and nothing
-else, about 42 ops per layer (0.23 ms): the model's own weights read at each decode call (so no
+else, about 45 ops per layer (44.7 with a per-row cache, `bench/bench_dispatch.py --decode`; 0.23 ms): the model's own weights read at each decode call (so no
 weight sync is needed), residual adds folded into the output matmuls (not under autocast), a KV
 cache preallocated for prompt + max_new_tokens positions and written in place, an additive mask
 kept as one buffer, and the rotary cos/sin taken from a table the model's own rotary module
