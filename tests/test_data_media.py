@@ -97,6 +97,21 @@ def test_every_error_pillow_raises_on_a_file_is_a_media_error(tmp_path, monkeypa
         load_image(str(good))
 
 
+def test_a_symlink_to_an_image_outside_the_data_folder_is_followed(tmp_path):
+    """Decided (docs/design.md, Media paths): media paths are not confined to the data folder. A row can name any
+    absolute path, so file permissions, not the data folder, bound what a run reads."""
+    from vlrft.data import read_samples
+
+    store, data = tmp_path / "store", tmp_path / "data"
+    store.mkdir()
+    data.mkdir()
+    write_png(store / "a.png", noise_image(32, 32))
+    (data / "a.png").symlink_to(store / "a.png")
+    (data / "d.jsonl").write_text('{"prompt": "<image>hi", "images": ["a.png"], "answer": "x"}\n')
+    [sample] = read_samples(str(data / "d.jsonl"))
+    assert load_image(sample.images[0]).size == (32, 32)
+
+
 def test_concurrent_checks_cannot_swap_each_others_warning_filters(tmp_path, monkeypatch):
     """The media check runs in a thread pool. An over-limit image must get the same answer while another thread is
     decoding: PIL warns about it while reading the header, and that warning must never become an error there."""

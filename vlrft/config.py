@@ -95,7 +95,8 @@ class DataConfig:
     format: Literal["auto", "native", "easyr1", "verl", "trl", "openrlhf"] = option(
         "auto", "field layout of the data files; 'auto' recognises each of the others from the columns")
     image_root: str | None = option(None, "relative image paths resolve against this folder (default: the data "
-                                    "file's folder)")
+                                    "file's folder); absolute paths and symlinks are followed wherever they point "
+                                    "(docs/design.md, Media paths)")
     system_prompt: str | None = option(None, "system message put before every prompt; null = none")
     prompt_suffix: str | None = option(None, "text appended to every user prompt, e.g. an answer-format "
                                        "instruction")
