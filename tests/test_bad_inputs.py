@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import socket
 import struct
 import zlib
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from _data_helpers import png_with_huge_icc_profile
 from vlrft.cli import main
 
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -102,7 +105,7 @@ def row(prompt="<image>What colour?", images=("good.png",), answer="red", **extr
 
 
 ROW_AT_2 = "bad.jsonl line 2"
-# id -> (builder(inputs) -> argv, exit code, fragments stderr must hold)
+# id -> (builder(inputs) -> argv, exit code, fragments stderr must hold[, mock(monkeypatch)])
 CASES = {
     # ---- data rows (found before any model loads)
     "row: invalid JSON": (lambda i: i.train(data=i.jsonl(b'{"prompt": "x",')), 2, (ROW_AT_2, "not valid JSON")),
@@ -193,7 +196,77 @@ CASES = {
     "generate: image missing": (lambda i: ["generate", str(i.model), "hi", "--image", str(i.dir / "no.png")], 2,
                                 ("--image", "no.png")),
     "generate: model folder without config": (lambda i: ["generate", str(i.dir), "hi"], 2, ("config.json",)),
+    # ---- issue 31: each class of what a user's file, config or function can raise
+    "config: a key given twice": (lambda i: ["train", i.file("c.yaml", "train: {lr: 1.0e-6}\nmodel: {}\ntrain: "
+                                                                      "{lr: 1.0}\n")], 2,
+                                  ("c.yaml", "key 'train' is given twice", "lines 1 and 3")),
+    "config: not UTF-8": (lambda i: ["train", i.file("c.yaml", b"train:\n  output_dir: caf\xe9\n")], 2,
+                          ("c.yaml", "not UTF-8", "line 2")),
+    "config: anchor inside its own value": (lambda i: ["train", i.file("c.yaml", "train: &t\n  inner: *t\n")], 2,
+                                            ("c.yaml", "'train.inner'", "YAML anchor")),
+    "config: list override past the end": (lambda i: i.train("reward.functions.3.weight=2"), 2,
+                                           ("reward.functions.3.weight=2", "has 1 entries", "reward.functions=[...]")),
+    "config: list override by name": (lambda i: i.train("data.train_files.first=x"), 2,
+                                      ("'data.train_files' is a list", "index it by number")),
+    "config: eval_batch_prompts 0": (lambda i: i.train("train.eval_batch_prompts=0"), 2,
+                                     ("train.eval_batch_prompts=0", "a positive integer")),
+    "config: eval_batch_prompts -1": (lambda i: i.train("train.eval_batch_prompts=-1"), 2,
+                                      ("train.eval_batch_prompts=-1", "a positive integer")),
+    "config: total_steps -1": (lambda i: i.train("train.total_steps=-1"), 2, ("train.total_steps=-1", ">= 0")),
+    "config: eval_every -1": (lambda i: i.train("train.eval_every=-1"), 2, ("train.eval_every=-1", ">= 0")),
+    "config: log_every -1": (lambda i: i.train("logging.log_every=-1"), 2, ("logging.log_every=-1", "positive")),
+    "media: ICC profile inflating past Pillow's limit": (
+        lambda i: i.train(data=i.image_row("icc.png", png_with_huge_icc_profile())), 2,
+        (ROW_AT_2, "images[0]", "Decompressed")),
+    "media: ICC profile, data.validate_media=false": (
+        lambda i: i.train("data.validate_media=false", data=i.image_row("icc.png", png_with_huge_icc_profile())), 2,
+        ("bad.jsonl", "images[0]", "Decompressed")),
+    "generate: ICC profile inflating past Pillow's limit": (
+        lambda i: ["generate", str(i.model), "hi", "--image", i.file("icc.png", png_with_huge_icc_profile())], 2,
+        ("--image", "icc.png", "Decompressed")),
+    "reward: returns 10**400": (
+        lambda i: i.train(reward={"functions": [{"name": f"{i.file('r.py', HUGE_REWARD)}:huge"}]}), 2,
+        ("reward function 'huge'", "too large for a float")),
+    "train: lr 1e30 diverges": (lambda i: i.train("train.lr=1e30", "train.total_steps=2", "train.save_every=1"), 2,
+                                ("step 1", "training diverged", "train.lr (now 1e+30)")),
+    "train: disk full during the save": (lambda i: i.train(), 2, ("checkpoint step 1: the disk is full",
+                                                                  "checkpoints", "needs about", "free there"),
+                                         lambda monkeypatch: full_disk(monkeypatch)),
+    "train: folder held by a live run": (lambda i: (i.run.mkdir(), hold_by_live_process(i.run), i.train())[-1], 2,
+                                         ("train.output_dir", "in use by a live run", f"pid {os.getppid()} on host "
+                                          f"{socket.gethostname()}")),
 }
+
+HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"
+
+
+def full_disk(monkeypatch) -> None:
+    """Mocks (a full disk cannot be made here): torch.save fails as it does on a full disk, disk_usage says 4 KB."""
+    import collections
+
+    import torch
+
+    from vlrft.trainer import checkpoint
+
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4480 vs 4374")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+
+
+def hold_by_live_process(folder: Path) -> None:
+    """The folder's hold, as a live run on this host writes it: this test process's parent is alive."""
+    from vlrft.trainer.run_folder import HOLD_FILE, _process_start
+
+    pid = os.getppid()
+    (folder / HOLD_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": pid,
+                                                "process_start": _process_start(pid), "started": 0, "heartbeat": 0}))
 
 
 def _tree(root: Path, skip: Path) -> dict[str, int]:
@@ -203,7 +276,9 @@ def _tree(root: Path, skip: Path) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_ends_in_one_line(name, tmp_path, tiny_vlm_dir, capsys, monkeypatch):
-    builder, code, fragments = CASES[name]
+    builder, code, fragments, *mocks = CASES[name]
+    for mock in mocks:
+        mock(monkeypatch)
     monkeypatch.setenv("VLRFT_CACHE_DIR", str(tmp_path / "cache"))
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
@@ -229,6 +304,8 @@ def test_bad_input_ends_in_one_line(name, tmp_path, tiny_vlm_dir, capsys, monkey
         assert fragment in lines[0], (fragment, lines[0])
     after = {k: v for k, v in _tree(tmp_path, tmp_path / "run").items() if "/cache/" not in k}
     assert after == {k: v for k, v in before.items() if "/cache/" not in k}, "wrote outside the run folder"
+    checkpoints = tmp_path / "run" / "checkpoints"  # and no checkpoint, whole or half-written (a diverged step, a
+    assert not checkpoints.exists() or not list(checkpoints.iterdir()), list(checkpoints.iterdir())  # full disk)
 
 
 # ---- reward-server requests, against the real aiohttp application

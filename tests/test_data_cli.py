@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _data_helpers import noise_image, write_png
+from _data_helpers import noise_image, png_with_huge_icc_profile, write_png
 from vlrft.cli import main
 from vlrft.data import read_samples
 
@@ -43,6 +43,19 @@ def test_check_reports_every_bad_row_and_exits_non_zero(messy, capsys):
     # --allow-missing-answer drops exactly the answer complaint
     assert main(["data", "check", str(messy), "--allow-missing-answer"]) == 1
     assert "no reference answer" not in capsys.readouterr().out
+
+
+def test_check_reports_an_image_pillow_fails_on_with_an_error_of_its_own(tmp_path, capsys):
+    """A PNG whose ICC profile inflates past Pillow's limit raised ValueError (not OSError) out of `data check`."""
+    write_png(tmp_path / "good.png", noise_image(28, 28))
+    (tmp_path / "icc.png").write_bytes(png_with_huge_icc_profile())
+    rows = [{"prompt": "<image>hi", "images": [name], "answer": "a"} for name in ("good.png", "icc.png")]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["data", "check", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "BAD d.jsonl line 2 (id 'd-1'), field 'images[0]': cannot read image: ValueError: Decompressed" in out.out
+    assert "1 good, 1 bad" in out.out and "Traceback" not in out.out + out.err
 
 
 def test_check_summary_of_a_clean_file(tmp_path, capsys):
