@@ -178,3 +178,54 @@ def test_bad_rewards_and_bad_outputs_are_counted_with_what_is_wrong_and_one_log_
     assert len(warnings) == 6, warnings  # the second "high" is only counted
     assert any("'high'" in w and "tools/bad_rewards" in w for w in warnings)
     tools.close()
+
+
+def test_async_tools_that_block_are_timed_out_concurrently_and_hung_threads_are_capped():
+    """An async tool that blocks its event loop (time.sleep) is still timed out, its calls side by side; a tool's
+    own TimeoutError is an error, not a timeout; hung calls keep at most max_concurrency threads per tool."""
+    import threading
+
+    async def blocks(call, ctx):
+        time.sleep(3)
+        return "late"
+
+    def own_timeout(call, ctx):
+        raise TimeoutError("the server did not answer")
+
+    def hangs(call, ctx):
+        time.sleep(10)
+
+    tools = ToolSet([Tool(fn.__name__, fn, "d", SCHEMA) for fn in (blocks, own_timeout, hangs)], timeout_s=0.3,
+                    max_concurrency=4)
+    calls = [ToolCall("blocks", {}) for _ in range(4)] + [ToolCall("own_timeout", {})]
+    start = time.perf_counter()
+    outputs, kinds = tools.run(calls, [_ctx() for _ in calls])
+    assert time.perf_counter() - start < 2.5  # one timeout, not 4 x 3 s one after another
+    assert kinds == ["timeouts"] * 4 + ["errors"] and "TimeoutError: the server" in outputs[4].text
+    hung = lambda: sum(t.name == "vlrft-tool-hangs" and t.is_alive() for t in threading.enumerate())  # noqa: E731
+    counts = []
+    for _ in range(3):
+        _, kinds = tools.run([ToolCall("hangs", {})] * 3, [_ctx() for _ in range(3)])
+        assert kinds == ["timeouts"] * 3
+        counts.append(hung())
+    assert counts == [3, 6, 6]  # once max_concurrency calls hang, the next ones do not start another thread
+    tools.close()
+
+
+def test_a_sync_tool_that_hangs_does_not_delay_the_process_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import time\n"
+        "from vlrft.tools import Tool, ToolCall, ToolContext, ToolSet\n"
+        "def hangs(call, ctx):\n    time.sleep(120)\n"
+        "tools = ToolSet([Tool('hangs', hangs, 'd', {'type': 'object', 'properties': {}})], timeout_s=0.2)\n"
+        "print(tools.run([ToolCall('hangs', {})], [ToolContext(images=[], sample=None, turn=1)])[1], flush=True)\n"
+        "print(time.time(), flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100)
+    end = time.time()
+    lines = proc.stdout.split("\n")
+    assert proc.returncode == 0 and lines[0] == "['timeouts']", proc.stderr
+    assert end - float(lines[1]) < 10  # the interpreter did not wait for the hung thread

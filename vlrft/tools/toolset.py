@@ -1,22 +1,25 @@
 """The configured tools of a run: loading, their JSON-schema descriptions, and running calls concurrently.
 
-Calls of one turn (across the whole batch of trajectories) run at once: async tools on an event
-loop, sync tools on a thread pool, each under `rollout.tool_timeout_s`. A tool that raises, times
-out or returns something unusable, and a call the model wrote badly, all become a defined error
-observation ("Error: ...") that the model reads on its next turn, and are counted in `ToolStats`;
-the run goes on. A sync tool that hangs keeps its worker thread (Python cannot kill threads), but
-never the rollout: the pool has spare workers and is replaced when it runs out.
+Calls of one turn (across the whole batch of trajectories) run at once, each in a daemon thread of
+its own (an async tool on an event loop of that thread), under `rollout.tool_timeout_s`: an async
+tool that blocks its loop (time.sleep, a synchronous HTTP client) is timed out like any other, and
+the calls of the batch still run side by side. A tool that raises, times out or returns something
+unusable, and a call the model wrote badly, all become a defined error observation ("Error: ...")
+that the model reads on its next turn, and are counted in `ToolStats`; the run goes on. A tool that
+hangs keeps its thread (Python cannot kill threads), but never the rollout, nor the process's exit
+(daemon threads are not joined); once `max_concurrency` of one tool's calls hang, its further
+calls time out at once without starting another thread, until one of them returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import inspect
 import logging
 import math
 import numbers
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -143,8 +146,7 @@ class ToolSet:
             raise ToolConfigError("config: rollout.tools: two tools have the same name; give one an alias")
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * 2, thread_name_prefix="vlrft-tool")
-        self._hung = 0  # threads lost to sync tools that never returned
+        self._hung: dict[str, list[threading.Thread]] = {}  # per tool: threads of calls that ran past the timeout
         self._reported: set[tuple] = set()  # failures already logged: one line per kind, tool and cause
 
     @classmethod
@@ -166,14 +168,10 @@ class ToolSet:
     def run(self, calls: Sequence[ToolCall | MalformedCall], contexts: Sequence[ToolContext]
             ) -> tuple[list[ToolOutput], list[str]]:
         """One observation per call, in order, and what happened to each ("ok" or a `ToolStats` counter name)."""
-        if self._hung >= self.max_concurrency:  # too many workers stuck in hung tools: start a fresh pool
-            self._pool.shutdown(wait=False)
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.max_concurrency * 2, thread_name_prefix="vlrft-tool")
-            self._hung = 0
+        for name, threads in self._hung.items():
+            self._hung[name] = [t for t in threads if t.is_alive()]
         results = asyncio.run(self._run_all(list(calls), list(contexts)))
-        kinds = [kind for _, kind in results]
-        self._hung += kinds.count("timeouts")
-        return [output for output, _ in results], kinds
+        return [output for output, _ in results], [kind for _, kind in results]
 
     async def _run_all(self, calls, contexts):
         semaphore = asyncio.Semaphore(self.max_concurrency)
@@ -193,17 +191,25 @@ class ToolSet:
             return ToolOutput(text=f"{ERROR_PREFIX}unknown tool {call.name!r}; the tools are: {known}"), \
                 "malformed_calls"
         context.kwargs = tool_.kwargs
-        try:
-            if inspect.iscoroutinefunction(tool_.fn) or inspect.iscoroutinefunction(getattr(tool_.fn, "__call__", None)):
-                value = await asyncio.wait_for(tool_.fn(call, context), self.timeout_s)
-            else:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(self._pool, tool_.fn, call, context)
-                value = await asyncio.wait_for(future, self.timeout_s)
-        except asyncio.TimeoutError:
+        hung = self._hung.setdefault(call.name, [])
+        if len(hung) >= self.max_concurrency:
             return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} timed out after {self.timeout_s:g} s"), \
                 "timeouts"
-        except Exception as exc:  # a tool bug or bad arguments: the model reads it, the run goes on
+        thread: list[threading.Thread] = []
+        try:
+            value = await asyncio.wait_for(_in_thread(tool_, call, context, thread), self.timeout_s)
+        except asyncio.TimeoutError:
+            hung += thread
+            self.report(("timeouts", call.name), f"tool {call.name!r} ran past rollout.tool_timeout_s="
+                        f"{self.timeout_s:g} s (sample {_sample_id(context)}, turn {context.turn}); its thread is "
+                        "left running", "tools/timeouts")
+            return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} timed out after {self.timeout_s:g} s"), \
+                "timeouts"
+        except _ToolRaised as raised:
+            exc = raised.exc
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not the tool's answer
+                raise exc
+            # a tool bug or bad arguments: the model reads it, the run goes on
             self.report(("errors", call.name, type(exc).__name__),
                         f"tool {call.name!r} raised {type(exc).__name__}: {_short(exc)} (sample {_sample_id(context)}, "
                         f"turn {context.turn}); the model reads it as an Error: observation", "tools/errors")
@@ -224,7 +230,50 @@ class ToolSet:
         return output, "ok"
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Nothing to release: hung tools' daemon threads end with the process."""
+
+
+class _ToolRaised(Exception):
+    """What a tool raised, carried out of its thread (its own TimeoutError is not the call's timeout)."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(exc)
+        self.exc = exc
+
+
+async def _in_thread(tool_: Tool, call: ToolCall, context: ToolContext, started: list[threading.Thread]) -> Any:
+    """The tool's value, computed in a daemon thread (appended to `started`); an async tool (or a sync one returning
+    an awaitable) is awaited on an event loop of that thread. A daemon thread, not a ThreadPoolExecutor: a call that
+    hangs past the timeout cannot be killed, and an executor's worker would block the interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def deliver(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            setter(value)
+
+    def target() -> None:
+        try:
+            value = tool_.fn(call, context)
+            if inspect.isawaitable(value):
+                value = asyncio.run(_awaited(value))
+        except BaseException as exc:  # handed to the rollout's loop, which decides
+            callback = (deliver, future.set_exception, _ToolRaised(exc))
+        else:
+            callback = (deliver, future.set_result, value)
+        try:
+            loop.call_soon_threadsafe(*callback)
+        except RuntimeError:  # the loop is gone: the call timed out and the rollout moved on
+            pass
+
+    thread = threading.Thread(target=target, name=f"vlrft-tool-{tool_.name}", daemon=True)
+    started.append(thread)
+    thread.start()
+    return await future
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _short(exc: BaseException) -> str:
