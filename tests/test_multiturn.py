@@ -492,3 +492,21 @@ def test_tool_rewards_that_are_not_finite_numbers_are_left_out_and_counted(text_
                         lambda call, ctx: ToolOutput(text="seen", reward=rewards[ctx.sample.id]))
     assert out.tool_rewards == [0.0, 0.0, 0.5]
     assert [s.bad_rewards for s in out.tool_stats] == [1, 1, 0] and out.turns == [2, 2, 2]
+
+
+def test_a_call_left_at_max_turns_or_cut_at_max_new_tokens_is_counted_not_scored_silently(text_setup):
+    """The last turn allowed still calling a tool ends the trajectory with finish reason "max_turns" and counts in
+    tools/unanswered_calls; a call cut at max_new_tokens is not run (finish reason "length") and counts in
+    tools/cut_calls."""
+    from vlrft.rollout.multiturn import FINISH_MAX_TURNS
+
+    long_call = '<tool_call>{"name": "look", "arguments": {"note": "' + "word " * 60 + '"}}</tool_call>'
+    script = {"pending": [CALL, CALL], "answers": [CALL, "the answer"], "cut": [long_call], "plain": ["the answer"]}
+    out = _scripted_run(text_setup, script, lambda call, ctx: "seen", max_turns=2, max_new_tokens=80)
+    assert out.finish_reasons == [FINISH_MAX_TURNS, "stop", FINISH_LENGTH, "stop"]
+    assert [s.unanswered_calls for s in out.tool_stats] == [1, 0, 0, 0]
+    assert [s.cut_calls for s in out.tool_stats] == [0, 0, 1, 0]
+    assert [s.calls for s in out.tool_stats] == [1, 1, 0, 0] and out.turns == [2, 2, 1, 1]
+    metrics = out.metrics()
+    assert metrics["tools/unanswered_calls"] == (1.0, 4.0) and metrics["tools/cut_calls"] == (1.0, 4.0)
+    assert out.truncated == [False, False, True, False]

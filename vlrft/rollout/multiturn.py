@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from vlrft.tokens import TokenSpec
 
 _SENTINEL = "\uE000vlrft-turn\uE001"
+# The last turn allowed (rollout.max_turns) wrote a tool call that no tool answers: the trajectory ends there, its call
+# text is what rewards read (not truncated: mask_truncated keeps it; rewards usually score it 0, which teaches the model
+# to answer within max_turns), counted in tools/unanswered_calls.
+FINISH_MAX_TURNS = "max_turns"
 TOOL_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function "
     "signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a json "
@@ -261,6 +265,7 @@ class MultiTurnEngine:
             out = self.engine.generate(context, dataclasses.replace(later, max_new_tokens=min(later.max_new_tokens,
                                                                                               budget)))
             self._take_turn(rows, pending, out)
+        self._close_pending(rows)
         return self._finish(rows, sampling.n)
 
     def _take_turn(self, rows: list[_Row], which: list[int], out: Rollouts) -> None:
@@ -278,8 +283,30 @@ class MultiTurnEngine:
             row.logprobs += lps
             row.turns += 1
             row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
-            if reason == FINISH_LENGTH:
+            if reason == FINISH_LENGTH:  # a cut turn is never run, even when it holds a call: count those
                 row.done, row.reason = True, FINISH_LENGTH
+                self._count_unrun(row, self._parse(row), "cut_calls")
+
+    def _close_pending(self, rows: list[_Row]) -> None:
+        """After the last turn allowed: a live row's last turn is not parsed yet. Its call, if any, goes unanswered."""
+        for row in rows:
+            if row.done:
+                continue
+            row.done = True
+            call = self._parse(row)
+            if self._count_unrun(row, call, "unanswered_calls"):
+                row.reason = FINISH_MAX_TURNS
+
+    @staticmethod
+    def _count_unrun(row: _Row, call: ToolCall | MalformedCall | None, counter: str) -> bool:
+        """Count a call that will not run (the parser's own failures as such); whether the turn held a call."""
+        if isinstance(call, MalformedCall) and call.kind == "parser_errors":
+            row.stats.parser_errors += 1
+            return False
+        if call is None:
+            return False
+        setattr(row.stats, counter, getattr(row.stats, counter) + 1)
+        return True
 
     def _run_tools(self, rows: list[_Row], batch: "PromptBatch") -> list[int]:
         """Run the calls of every live row's last turn at once; returns the rows that go on to another turn."""

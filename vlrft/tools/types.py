@@ -57,6 +57,8 @@ class ToolStats:
     bad_outputs: float = 0.0  # the tool returned something that is not text/images/ToolOutput
     bad_rewards: float = 0.0  # a ToolOutput reward that is not a finite number (NaN, inf, "high"): left out
     parser_errors: float = 0.0  # rollout.tool_parser raised, or returned something not a ToolCall/MalformedCall/None
+    unanswered_calls: float = 0.0  # the last turn allowed (rollout.max_turns) wrote a call: no tool answers it
+    cut_calls: float = 0.0  # a turn cut at max_new_tokens (or the token budget) held a call: never run
     images_returned: float = 0.0
 
     def __add__(self, other: "ToolStats") -> "ToolStats":
