@@ -20,7 +20,7 @@ from vlrft.config import load_config
 from vlrft.dist.deepspeed import DeepSpeedStrategy
 from vlrft.dist.process_exit import exit_process
 from vlrft.dist.strategy import StepResult, TrainedModel, rank_info_from_env
-from vlrft.trainer.update import parameters_finite
+from vlrft.trainer.update import parameters_finite, weights_norm_sq
 
 MAX_NORM = 0.05  # small, so clipping is active on every applied step
 
@@ -115,11 +115,12 @@ def nan_in_zero3_padding(strategy: DeepSpeedStrategy) -> dict:
 
     padded = on_some_rank(not bool(torch.isfinite(head.bias.ds_tensor).all()))
     judged_diverged = on_some_rank(not parameters_finite(params))
+    norm_overflowed = on_some_rank(not bool(torch.isfinite(weights_norm_sq(params))))  # the norm-change check's input
     if strategy.rank == 0:
         head.bias.ds_tensor.view(-1)[0] = float("nan")
     real_nan_seen = on_some_rank(not parameters_finite(params))
     return {"padding_holds_nan": padded, "padding_nan_judged_finite": not judged_diverged,
-            "real_nan_seen": real_nan_seen}
+            "padding_nan_left_out_of_the_norm": not norm_overflowed, "real_nan_seen": real_nan_seen}
 
 
 def main(out: str) -> None:

@@ -137,6 +137,8 @@ def zero(setup):
         run_args(setup, "Z3L", "train.total_steps=0", sync_out=str(setup["folder"] / "sync_loaded.pt")),
         run_args(setup, "Z2", "train.deepspeed.zero_stage=2", new_strategy=True),
     ])
+    for result in results:  # a run the worker refused (a UserError): show it, not a KeyError 'history'
+        assert "history" in result, result
     return {"Z3": results[0]["history"], "Z3B": results[1]["history"], "Z3H": results[2]["history"],
             "Z2": results[4]["history"], "seconds": time.perf_counter() - start}
 
@@ -344,6 +346,7 @@ def test_nan_bits_in_zero3_shard_padding_do_not_stop_the_run_but_a_nan_weight_do
     padding = nonfinite_runs["padding"]
     assert padding["padding_holds_nan"]  # the case is really there
     assert padding["padding_nan_judged_finite"]
+    assert padding["padding_nan_left_out_of_the_norm"]  # nor by the norm-change check (vlrft.trainer.update)
     assert padding["real_nan_seen"]  # the check still catches a diverged weight
 
 
