@@ -235,8 +235,25 @@ def test_two_training_steps_with_a_tool(tmp_path, tiny_vlm_dir, monkeypatch):
         return exp
 
     monkeypatch.setattr(trainer_module, "make_experience", recording)
-    trainer = Trainer(_config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes))
+    trainer = Trainer(_config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "logging.completions_every=2",
+                              "logging.completions_rows=4"))
     history = trainer.fit()
+    # the completions table holds whole trajectories: every turn, the calls, what the tools answered, their images
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    table = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(table) == 4 and all(row["turns"] == sum(s["role"] == "assistant" for s in row["trajectory"])
+                                   for row in table)
+    zoomed = [s for row in table for s in row["trajectory"] if s["role"] == "tool" and s["images"]]
+    assert zoomed and all(s["call"]["name"] == "look" and "Zoomed into" in s["text"] for s in zoomed)
+    assert all(len(s["image_files"]) == s["images"] and (tmp_path / "run" / s["image_files"][0]).exists()
+               for s in zoomed)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("completions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "[tool look" in text and "Zoomed into" in text and "[image]" in text
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in history if "loss" in h)
     assert history[-1]["tools/calls"] > 0 and "tools/errors" in history[-1] and history[-1]["tools/turns"] > 1
     for collected, exp in seen:
@@ -510,3 +527,28 @@ def test_a_call_left_at_max_turns_or_cut_at_max_new_tokens_is_counted_not_scored
     metrics = out.metrics()
     assert metrics["tools/unanswered_calls"] == (1.0, 4.0) and metrics["tools/cut_calls"] == (1.0, 4.0)
     assert out.truncated == [False, False, True, False]
+
+
+def test_whole_trajectories_are_recorded_turn_by_turn_and_only_shown_images_count(text_setup):
+    """Each trajectory's transcript: every model turn, every call with its status, the observation's text and how many
+    images the model was shown. An image the processor refuses (an aspect ratio over 200) is an Error: observation
+    and not counted in tools/images_returned."""
+    from PIL import Image
+
+    def tool(call, ctx):
+        if ctx.sample.id == "zooms":
+            return [Image.new("RGB", (56, 56), (200, 10, 10)), "zoomed in"]
+        return [Image.new("RGB", (2000, 4)), "a sliver"]
+
+    out = _scripted_run(text_setup, {"zooms": [CALL, "red"], "refused": [CALL, "unknown"]}, tool)
+    zoomed, refused = out.transcripts
+    assert [step["role"] for step in zoomed] == ["assistant", "tool", "assistant"]
+    assert zoomed[0]["text"] == CALL and zoomed[2]["text"] == "red"
+    assert zoomed[1]["call"] == {"name": "look", "arguments": {}} and zoomed[1]["status"] == "ok"
+    assert zoomed[1]["text"] == "zoomed in" and zoomed[1]["images"] == 1
+    assert refused[1]["status"] == "bad_outputs" and refused[1]["images"] == 0
+    assert refused[1]["text"].startswith("Error: the tool's output could not be processed")
+    assert [s.images_returned for s in out.tool_stats] == [1, 0]
+    assert [len(images) for images in out.observation_images] == [1, 0]
+    part = Trajectories.concat([out.select_groups([1]), out.select_groups([0])])
+    assert part.transcripts == [refused, zoomed]

@@ -129,7 +129,9 @@ class RunLogger:
 
             table = wandb.Table(columns=["step", "prompt", "completion", "rewards", "advantage"])
             for row in rows:
-                table.add_data(step, row.prompt, row.completion, json.dumps(row.rewards), row.advantage)
+                steps = row.extra.get("trajectory")
+                shown = "\n".join(trajectory_lines(steps)) if isinstance(steps, list) else row.completion
+                table.add_data(step, row.prompt, shown, json.dumps(row.rewards), row.advantage)
             self._wandb.log({"completions": table}, step=step)
 
     def message(self, text: str) -> None:
@@ -149,16 +151,42 @@ class RunLogger:
 
 
 def _completions_markdown(records: list[dict]) -> str:
-    """A TensorBoard text table of completions.jsonl records."""
+    """A TensorBoard text table of completions.jsonl records; a multi-turn row shows its whole trajectory."""
     header = "| prompt | image | completion | rewards | advantage |\n|---|---|---|---|---|\n"
     return header + "".join(
-        f"| {_md(str(r.get('prompt', ''))[-200:])} | {r.get('image') or ''} | "
-        f"{_md(str(r.get('completion', ''))[:300])} | {_md(json.dumps(r.get('rewards', {})))} | "
-        f"{float(r.get('advantage') or 0.0):.3f} |\n" for r in records)
+        f"| {_md(str(r.get('prompt', ''))[-200:])} | {r.get('image') or ''} | {_completion_cell(r)} | "
+        f"{_md(json.dumps(r.get('rewards', {})))} | {float(r.get('advantage') or 0.0):.3f} |\n" for r in records)
+
+
+def _completion_cell(record: dict) -> str:
+    steps = record.get("trajectory")
+    if not isinstance(steps, list):
+        return _md(str(record.get("completion", ""))[:300])
+    head = f"({record.get('turns', '?')} turns, {record.get('finish_reason', '?')})"
+    return "<br>".join([head, *(_md(line) for line in trajectory_lines(steps))])
+
+
+def trajectory_lines(steps: list[dict], width: int = 300) -> list[str]:
+    """A multi-turn trajectory (`vlrft.rollout.multiturn.Trajectories.transcripts`) as readable lines: each model turn,
+    each tool call with its status, its images as [image] placeholders and the text the model read."""
+    lines = []
+    for step in steps:
+        text = str(step.get("text", ""))
+        text = text if len(text) <= width else text[:width] + " ..."
+        if step.get("role") != "tool":
+            lines.append(f"[model] {text}")
+            continue
+        call = step.get("call")
+        name = f"{call.get('name')} {json.dumps(call.get('arguments'))}" if isinstance(call, dict) else "(unread call)"
+        status = step.get("status", "ok") + ("" if step.get("shown", True) else ", not shown")
+        reward = "" if step.get("reward") is None else f", reward {step['reward']}"
+        lines.append(f"[tool {name}: {status}{reward}] " + "[image] " * int(step.get("images") or 0) + text)
+    return lines
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """One table cell's text: pipes escaped, on one line, and tags (`<tool_call>`) shown, not read as HTML."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|").replace("\n", " ")
 
 
 def _truncate_after(path: Path, step: int) -> None:

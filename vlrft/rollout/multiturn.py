@@ -110,12 +110,17 @@ class Trajectories(Rollouts):
     turns: list[int] = field(default_factory=list)  # model turns per row
     tool_rewards: list[float] = field(default_factory=list)  # summed reward parts of the row's tool outputs
     tool_stats: list[ToolStats] = field(default_factory=list)  # per row
+    # per row, what happened turn by turn (completions.jsonl, TensorBoard): {"role": "assistant", "text", "finish"} for
+    # a model turn; {"role": "tool", "call": {"name", "arguments"} or None, "status", "text", "images", "reward",
+    # "shown"} for a call (status "ok", a tools/* counter name, "unanswered" or "cut"). Empty when not recorded.
+    transcripts: list[list[dict]] = field(default_factory=list)
 
     _ROW_FIELDS = ("completion_ids", "finish_reasons", "texts", "sampled_mask", "observation_visual",
-                   "observation_images", "turns", "tool_rewards", "tool_stats")
+                   "observation_images", "turns", "tool_rewards", "tool_stats", "transcripts")
 
     def _rows(self, rows: list[int]) -> "Trajectories":
-        fields = {name: [getattr(self, name)[r] for r in rows] for name in self._ROW_FIELDS}
+        fields = {name: [getattr(self, name)[r] for r in rows] if getattr(self, name) else []
+                  for name in self._ROW_FIELDS}
         return Trajectories(n=self.n, logprobs=None if self.logprobs is None else [self.logprobs[r] for r in rows],
                             **fields)
 
@@ -170,6 +175,7 @@ class _Row:
     images: list[Any] = field(default_factory=list)  # the prompt's, then the tools'
     tool_images: list[Any] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # each model turn, decoded without special tokens
+    transcript: list[dict] = field(default_factory=list)  # `Trajectories.transcripts`
     turns: int = 0
     reward: float = 0.0
     stats: ToolStats = field(default_factory=ToolStats)
@@ -283,9 +289,10 @@ class MultiTurnEngine:
             row.logprobs += lps
             row.turns += 1
             row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
+            row.transcript.append({"role": "assistant", "text": row.texts[-1], "finish": reason})
             if reason == FINISH_LENGTH:  # a cut turn is never run, even when it holds a call: count those
                 row.done, row.reason = True, FINISH_LENGTH
-                self._count_unrun(row, self._parse(row), "cut_calls")
+                self._count_unrun(row, self._parse(row), "cut_calls", "cut")
 
     def _close_pending(self, rows: list[_Row]) -> None:
         """After the last turn allowed: a live row's last turn is not parsed yet. Its call, if any, goes unanswered."""
@@ -294,11 +301,11 @@ class MultiTurnEngine:
                 continue
             row.done = True
             call = self._parse(row)
-            if self._count_unrun(row, call, "unanswered_calls"):
+            if self._count_unrun(row, call, "unanswered_calls", "unanswered"):
                 row.reason = FINISH_MAX_TURNS
 
     @staticmethod
-    def _count_unrun(row: _Row, call: ToolCall | MalformedCall | None, counter: str) -> bool:
+    def _count_unrun(row: _Row, call: ToolCall | MalformedCall | None, counter: str, status: str) -> bool:
         """Count a call that will not run (the parser's own failures as such); whether the turn held a call."""
         if isinstance(call, MalformedCall) and call.kind == "parser_errors":
             row.stats.parser_errors += 1
@@ -306,6 +313,7 @@ class MultiTurnEngine:
         if call is None:
             return False
         setattr(row.stats, counter, getattr(row.stats, counter) + 1)
+        row.transcript.append(_tool_step(call, status, ToolOutput(), 0, shown=False))
         return True
 
     def _run_tools(self, rows: list[_Row], batch: "PromptBatch") -> list[int]:
@@ -325,24 +333,31 @@ class MultiTurnEngine:
             return []
         outputs, kinds = self.tools.run(calls, contexts)
         going = []
-        for r, output, kind in zip(which, outputs, kinds):
+        for r, call, output, kind in zip(which, calls, outputs, kinds):
             row = rows[r]
-            row.stats.count(kind, output)
             if output.reward is not None:
                 row.reward += float(output.reward)
             if output.done:
+                row.stats.count(kind, output)
+                row.transcript.append(_tool_step(call, kind, output, 0, shown=False))
                 row.done = True
                 continue
             try:
                 ids, visual, images = self.observations.encode(output, row.ids, self.merge_size)
             except Exception as exc:  # an image the processor refuses: the model reads why
-                row.stats.bad_outputs += 1
-                ids, visual, images = self.observations.encode(
-                    ToolOutput(text=f"Error: the tool's output could not be processed ({type(exc).__name__})"),
-                    row.ids, self.merge_size)
+                kind = "bad_outputs"
+                self.tools.report(("processor", type(exc).__name__), f"the processor refused a tool's output "
+                                  f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); the model reads an "
+                                  "Error: observation", "tools/bad_outputs")
+                output = ToolOutput(text=f"Error: the tool's output could not be processed ({type(exc).__name__})")
+                ids, visual, images = self.observations.encode(output, row.ids, self.merge_size)
+            row.stats.count(kind, output)
             if len(row.ids) + len(ids) >= self.max_trajectory_tokens:  # no room for the observation and a reply
+                row.transcript.append(_tool_step(call, kind, output, 0, shown=False))
                 row.done, row.reason = True, FINISH_LENGTH
                 continue
+            row.transcript.append(_tool_step(call, kind, output, len(images), shown=True))
+            row.stats.images_returned += len(images)  # only images the processor accepted and the model sees
             row.ids += ids
             row.mask += [0] * len(ids)
             row.logprobs += [0.0] * len(ids)
@@ -396,7 +411,14 @@ class MultiTurnEngine:
             observation_visual=[join_samples(row.visual) if row.visual else None for row in rows],
             observation_images=[row.tool_images for row in rows],
             turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
-            tool_stats=[row.stats for row in rows])
+            tool_stats=[row.stats for row in rows], transcripts=[row.transcript for row in rows])
+
+
+def _tool_step(call: ToolCall | MalformedCall, status: str, output: ToolOutput, images: int, shown: bool) -> dict:
+    """A tool call's entry in a transcript (`Trajectories.transcripts`)."""
+    return {"role": "tool", "call": {"name": call.name, "arguments": call.arguments} if isinstance(call, ToolCall)
+            else None, "status": status, "text": output.text, "images": images, "reward": output.reward,
+            "shown": shown}
 
 
 def _any_rank_going(strategy) -> Callable[[bool], bool] | None:

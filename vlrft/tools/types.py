@@ -59,17 +59,17 @@ class ToolStats:
     parser_errors: float = 0.0  # rollout.tool_parser raised, or returned something not a ToolCall/MalformedCall/None
     unanswered_calls: float = 0.0  # the last turn allowed (rollout.max_turns) wrote a call: no tool answers it
     cut_calls: float = 0.0  # a turn cut at max_new_tokens (or the token budget) held a call: never run
-    images_returned: float = 0.0
+    images_returned: float = 0.0  # tool images the processor accepted: shown to the model
 
     def __add__(self, other: "ToolStats") -> "ToolStats":
         return ToolStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
-    def count(self, kind: str, output: "ToolOutput") -> None:
-        """Add one call that ended as `kind` ("ok" or a counter name) with `output`."""
+    def count(self, kind: str, output: "ToolOutput | None" = None) -> None:
+        """Add one call that ended as `kind` ("ok" or a counter name). Its images count in `images_returned` once the
+        processor accepted them (the caller adds them: `vlrft.rollout.multiturn`)."""
         self.calls += kind not in ("malformed_calls", "parser_errors")
         if kind != "ok":
             setattr(self, kind, getattr(self, kind) + 1)
-        self.images_returned += len(output.images)
 
     def as_dict(self) -> dict[str, float]:
         return {f"tools/{name}": float(value) for name, value in self.__dict__.items()}

@@ -534,16 +534,38 @@ class Trainer:
                 image_ref = str((image_dir / f"{r}.png").relative_to(self.output_dir))
                 thumb.save(self.output_dir / image_ref)
             n_tokens = int(exp.token_mask[r].sum())
+            extra = {"reward": _float_or_none(collected.rewards[r]),
+                     "finish_reason": collected.rollouts.finish_reasons[r],
+                     "answer": collected.prompts.samples[p].answer}
+            if getattr(collected.rollouts, "transcripts", None):  # multi-turn: the whole trajectory, turn by turn
+                extra.update(self._trajectory_record(collected.rollouts, r, image_dir))
             rows.append(CompletionRow(
                 prompt=_readable_prompt(collected.prompts.prompt_texts[p]),
                 completion=collected.rollouts.texts[r],
                 rewards={name: _float_or_none(v[r]) for name, v in collected.per_function.items()},
                 advantage=float(exp.advantages[r, :max(n_tokens, 1)].mean()) if n_tokens else 0.0,
                 image=image_ref,
-                extra={"reward": _float_or_none(collected.rewards[r]),
-                       "finish_reason": collected.rollouts.finish_reasons[r],
-                       "answer": collected.prompts.samples[p].answer}))
+                extra=extra))
         return rows
+
+    def _trajectory_record(self, rollouts, r: int, image_dir: Path) -> dict:
+        """Row `r`'s turns, tool calls and observations; the tool images the model saw as thumbnails next to the
+        table (each tool step's `image_files`)."""
+        images = iter(rollouts.observation_images[r])
+        steps = []
+        for step in rollouts.transcripts[r]:
+            step = dict(step)
+            if step["role"] == "tool" and step.get("shown") and step.get("images"):
+                step["image_files"] = []
+                for _ in range(step["images"]):
+                    thumb = next(images).copy()
+                    thumb.thumbnail((128, 128))
+                    image_dir.mkdir(parents=True, exist_ok=True)
+                    path = image_dir / f"{r}_tool{len(steps)}_{len(step['image_files'])}.png"
+                    thumb.save(path)
+                    step["image_files"].append(str(path.relative_to(self.output_dir)))
+            steps.append(step)
+        return {"turns": rollouts.turns[r], "tool_images": len(rollouts.observation_images[r]), "trajectory": steps}
 
     # ------------------------------------------------------------------ loop
 
