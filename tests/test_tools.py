@@ -229,3 +229,15 @@ def test_a_sync_tool_that_hangs_does_not_delay_the_process_exit(tmp_path):
     lines = proc.stdout.split("\n")
     assert proc.returncode == 0 and lines[0] == "['timeouts']", proc.stderr
     assert end - float(lines[1]) < 10  # the interpreter did not wait for the hung thread
+
+
+def test_a_tool_needs_no_description_when_the_tools_are_not_described(tmp_path):
+    """`rollout.describe_tools: false` (the prompts say how to call): a function without docstring or description
+    loads; with the tools described in every prompt it still must say what it does."""
+    user = tmp_path / "bare_tools.py"
+    user.write_text("def count(call, context):\n    return '3'\n")
+    spec = f"rollout.tools=[{{name: '{user}:count'}}]"
+    tools = ToolSet.from_config(load_config(None, [spec, "rollout.describe_tools=false"]).rollout)
+    assert list(tools.tools) == ["count"] and tools.tools["count"].description == ""
+    with pytest.raises(Exception, match="no description"):
+        ToolSet.from_config(load_config(None, [spec]).rollout)

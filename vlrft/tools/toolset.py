@@ -64,8 +64,9 @@ def tool(name: str | None = None, *, description: str | None = None, parameters:
     return register
 
 
-def load_tool(spec, index: int) -> Tool:
-    """A `Tool` from one `rollout.tools` entry (vlrft.config.ToolConfig)."""
+def load_tool(spec, index: int, described: bool = True) -> Tool:
+    """A `Tool` from one `rollout.tools` entry (vlrft.config.ToolConfig). `described`: its schema goes into every
+    prompt (`rollout.describe_tools`), so it must say what it does; otherwise the description may be empty."""
     fn = TOOLS.resolve(spec.name)
     declared = getattr(fn, "tool_schema", {}) or {}
     name = spec.alias or declared.get("name") or spec.name.rsplit(":", 1)[-1]
@@ -74,9 +75,10 @@ def load_tool(spec, index: int) -> Tool:
     if not isinstance(parameters, dict) or parameters.get("type") != "object":
         raise ToolConfigError(f"config: rollout.tools[{index}].parameters must be a JSON schema object "
                               f'{{"type": "object", "properties": {{...}}}}; got {parameters!r}')
-    if not description:
+    if not description and described:
         raise ToolConfigError(f"config: rollout.tools[{index}] ({spec.name}): the tool has no description; set "
-                              "rollout.tools[*].description or give the function a docstring")
+                              "rollout.tools[*].description or give the function a docstring (or set "
+                              "rollout.describe_tools=false when your prompts say how to call it)")
     return Tool(name, fn, description, parameters, dict(spec.kwargs))
 
 
@@ -151,8 +153,9 @@ class ToolSet:
 
     @classmethod
     def from_config(cls, rollout_cfg) -> "ToolSet":
-        return cls([load_tool(spec, i) for i, spec in enumerate(rollout_cfg.tools)], rollout_cfg.tool_timeout_s,
-                   rollout_cfg.tool_max_concurrency)
+        described = getattr(rollout_cfg, "describe_tools", True)
+        return cls([load_tool(spec, i, described) for i, spec in enumerate(rollout_cfg.tools)],
+                   rollout_cfg.tool_timeout_s, rollout_cfg.tool_max_concurrency)
 
     def report(self, key: tuple, message: str, counter: str) -> None:
         """Log a failure once per `key` (its kind, tool and cause); later ones are only counted in `counter`."""
