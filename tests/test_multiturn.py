@@ -552,3 +552,26 @@ def test_whole_trajectories_are_recorded_turn_by_turn_and_only_shown_images_coun
     assert [len(images) for images in out.observation_images] == [1, 0]
     part = Trajectories.concat([out.select_groups([1]), out.select_groups([0])])
     assert part.transcripts == [refused, zoomed]
+
+
+def test_each_trajectory_has_its_own_id_for_tool_state(text_setup):
+    """`context.trajectory_id`: the same on every call of one trajectory, different between trajectories, also from
+    one rollout to the next (a tool keeps per-trajectory state under it)."""
+    processor, tokens, encoder = text_setup
+    seen: dict[str, list[int]] = {}
+
+    def tool(call, ctx):
+        seen.setdefault(ctx.trajectory_id, []).append(ctx.turn)
+        return f"call {len(seen[ctx.trajectory_id])} of this trajectory"
+
+    script = {"a": [CALL, CALL, "the answer"], "b": [CALL, CALL, "the answer"]}
+    batch = encoder.encode([Sample(id=sid, prompt="Question?") for sid in script]).batch
+    tools = ToolSet([Tool("look", tool, "look closer", {"type": "object", "properties": {}})])
+    engine = MultiTurnEngine(TextEngine(processor.tokenizer, tokens.eos_ids[0], script), processor, tokens, tools,
+                             max_turns=3, max_trajectory_tokens=400, merge_size=2)
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=64))
+    assert len(seen) == 4 and all(turns == [1, 2] for turns in seen.values())
+    assert all("call 2 of this trajectory" in processor.tokenizer.decode(ids) for ids in out.completion_ids)
+    engine.engine.turn = 0
+    engine.generate(batch, SamplingParams(n=2, max_new_tokens=64))
+    assert len(seen) == 8

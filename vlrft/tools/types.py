@@ -28,12 +28,19 @@ class ToolCall:
 
 @dataclass
 class ToolContext:
-    """What a tool may read besides the call: the trajectory's images so far and the sample's columns."""
+    """What a tool may read besides the call: the trajectory's images so far and the sample's columns.
+
+    `images` are the images as the model saw them: the prompt's downscaled to `data.max_pixels` (the originals are
+    `sample.images`, read with `vlrft.data.media.load_image`), then the tools' as processed. `trajectory_id` is the
+    same on every call of one trajectory and differs between trajectories (within this process, across rollouts
+    too): the key for state a tool keeps per trajectory.
+    """
 
     images: list[Any]  # PIL images of the prompt, then those tools returned earlier in this trajectory
     sample: Any  # vlrft.data.Sample (id, answer, label, extra, ...)
     turn: int  # 1-based model turn that made the call
     kwargs: dict[str, Any] = field(default_factory=dict)  # the tool's fixed config kwargs
+    trajectory_id: str = ""  # "<rollout>:<row>", e.g. "3:17": this process's 3rd rollout, its row 17
 
 
 @dataclass
