@@ -54,7 +54,8 @@ def _full_engine_logprobs(exp, out, rows, width, device, on_policy: bool) -> tor
     mass); adding the kept mass of the distribution the trainer's `old` logprobs come from (this forward's
     on-policy, the old-policy pass's otherwise) makes the weight 1 wherever engine and trainer agree."""
     engine = _slice(exp.engine_logprobs, rows, width, device)
-    kept = out.kept_log_mass.detach() if on_policy else _slice(exp.old_kept_log_mass, rows, width, device)
+    kept = (None if out.kept_log_mass is None else out.kept_log_mass.detach()) if on_policy \
+        else _slice(exp.old_kept_log_mass, rows, width, device)
     if engine is None or kept is None:
         return engine
     return engine + kept
