@@ -575,3 +575,33 @@ def test_each_trajectory_has_its_own_id_for_tool_state(text_setup):
     engine.engine.turn = 0
     engine.generate(batch, SamplingParams(n=2, max_new_tokens=64))
     assert len(seen) == 8
+
+
+def test_long_tool_output_is_cut_to_tool_max_output_tokens_and_the_trajectory_goes_on(text_setup, tiny_vlm_dir):
+    """`rollout.tool_max_output_tokens`: a tool's text longer than that is cut (a note says how much) and counted in
+    tools/truncated_outputs, and the model answers after it; without the cap the same output ends the trajectory."""
+    from types import SimpleNamespace
+
+    from vlrft.config import load_config
+
+    processor, tokens, encoder = text_setup
+    script = {"long": [CALL, "the answer"], "short": [CALL, "the answer"]}
+    batch = encoder.encode([Sample(id=sid, prompt="Question?") for sid in script]).batch
+    outputs = {"long": "line of a log file " * 100, "short": "fine"}
+    results = {}
+    for cap in (0, 50):
+        cfg = load_config(None, [f"rollout.tools=[{{name: '{TOOLS}:look'}}]", f"rollout.tool_max_output_tokens={cap}",
+                                 "rollout.max_trajectory_tokens=600", "rollout.describe_tools=false"])
+        deps = SimpleNamespace(encoder=encoder, processor=processor, tokens=tokens, strategy=None)
+        engine = MultiTurnEngine.from_deps(cfg, deps, TextEngine(processor.tokenizer, tokens.eos_ids[0], script))
+        engine.tools = ToolSet([Tool("look", lambda call, ctx: outputs[ctx.sample.id], "d",
+                                     {"type": "object", "properties": {}})])
+        results[cap] = engine.generate(batch, SamplingParams(n=1, max_new_tokens=64))
+    uncapped, capped = results[0], results[50]
+    assert uncapped.finish_reasons == [FINISH_LENGTH, "stop"] and uncapped.turns == [1, 2]
+    assert capped.finish_reasons == ["stop", "stop"] and capped.turns == [2, 2] and capped.texts[0] == "the answer"
+    assert [s.truncated_outputs for s in capped.tool_stats] == [1, 0]
+    shown = capped.transcripts[0][1]["text"]
+    assert shown.startswith("line of a log file") and "more tokens cut" in shown
+    assert len(processor.tokenizer.encode(shown.split("\n")[0], add_special_tokens=False)) <= 50
+    assert capped.transcripts[1][1]["text"] == "fine"

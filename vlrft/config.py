@@ -197,6 +197,9 @@ class RolloutConfig:
     tool_image_max_pixels: int = option(0, "multi-turn: most pixels of an image a tool returns (a zoomed crop can be "
                                         "shown sharper than the prompt's image); 0: data.max_pixels; capped by the "
                                         "processor's own max_pixels", minimum=0)
+    tool_max_output_tokens: int = option(0, "multi-turn: most tokens of a tool's text the model reads; longer text is "
+                                         "cut (a note says how much) and counted in tools/truncated_outputs; 0: no "
+                                         "cap (an observation past max_trajectory_tokens ends the trajectory)", minimum=0)
     describe_tools: bool = option(True, "multi-turn: describe the tools (their JSON schemas) in every prompt, through "
                                   "the chat template's tools; false when the data's prompts already say how to call "
                                   "them (the schemas cost hundreds of prompt tokens)")

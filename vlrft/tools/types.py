@@ -66,6 +66,7 @@ class ToolStats:
     parser_errors: float = 0.0  # rollout.tool_parser raised, or returned something not a ToolCall/MalformedCall/None
     unanswered_calls: float = 0.0  # the last turn allowed (rollout.max_turns) wrote a call: no tool answers it
     cut_calls: float = 0.0  # a turn cut at max_new_tokens (or the token budget) held a call: never run
+    truncated_outputs: float = 0.0  # a tool's text cut to rollout.tool_max_output_tokens
     images_returned: float = 0.0  # tool images the processor accepted: shown to the model
 
     def __add__(self, other: "ToolStats") -> "ToolStats":
