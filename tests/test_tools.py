@@ -241,3 +241,86 @@ def test_a_tool_needs_no_description_when_the_tools_are_not_described(tmp_path):
     assert list(tools.tools) == ["count"] and tools.tools["count"].description == ""
     with pytest.raises(Exception, match="no description"):
         ToolSet.from_config(load_config(None, [spec]).rollout)
+
+
+TYPED_TOOLS = '''
+from __future__ import annotations
+
+import asyncio
+from typing import Literal, Optional
+
+from vlrft.tools import tool
+
+
+@tool("count_typed", typed=True, override=True)
+def count(color: Literal["red", "blue"], min_size: int = 0, boxes: Optional[list[float]] = None, exact=False, *,
+          context) -> str:
+    """Count the objects of one colour
+    in the image.
+
+    Args:
+        color: the colour to count
+        min_size (int): smallest size counted,
+            in pixels
+        boxes: where to look
+
+    Returns:
+        the count
+    """
+    return f"{color} {min_size} {boxes} {context.turn}"
+
+
+@tool("scale_typed", typed=True, override=True)
+async def scale(factor: float, name: str = "x") -> str:
+    """Scale it."""
+    await asyncio.sleep(0)
+    return f"{name} * {factor}"
+'''
+
+
+def test_a_typed_tool_gets_its_schema_from_its_signature_and_docstring_and_its_arguments_as_parameters(tmp_path):
+    """`@tool(typed=True)`: the function takes the call's arguments as parameters (and `context` if it names it); its
+    JSON schema comes from the annotations and defaults, its description from the docstring (Args: per argument).
+    Arguments that do not fit the signature are an error the model reads."""
+    path = tmp_path / "typed_tools.py"
+    path.write_text(TYPED_TOOLS)
+    count = load_tool(ToolConfig(name=f"{path}:count"), 0)
+    assert count.name == "count_typed" and count.description == "Count the objects of one colour in the image."
+    assert count.parameters == {
+        "type": "object",
+        "properties": {
+            "color": {"type": "string", "enum": ["red", "blue"], "description": "the colour to count"},
+            "min_size": {"type": "integer", "default": 0, "description": "smallest size counted, in pixels"},
+            "boxes": {"type": "array", "items": {"type": "number"}, "default": None, "description": "where to look"},
+            "exact": {"default": False}},
+        "required": ["color"]}
+    scale = load_tool(ToolConfig(name=f"{path}:scale"), 1)
+    assert scale.parameters["properties"] == {"factor": {"type": "number"}, "name": {"type": "string", "default": "x"}}
+    tools = ToolSet([count, scale])
+    calls = [ToolCall("count_typed", {"color": "red"}), ToolCall("count_typed", {"color": "blue", "min_size": 3}),
+             ToolCall("count_typed", {"colour": "red"}), ToolCall("scale_typed", {"factor": 2})]
+    outputs, kinds = tools.run(calls, [_ctx() for _ in calls])
+    assert kinds == ["ok", "ok", "errors", "ok"]
+    assert [o.text for o in outputs[:2]] == ["red 0 None 1", "blue 3 None 1"] and outputs[3].text == "x * 2"
+    assert "colour" in outputs[2].text and "color, min_size, boxes, exact" in outputs[2].text
+
+
+def test_typed_tool_docstrings_in_sphinx_style_and_signatures_the_model_cannot_fill():
+    from vlrft.tools import tool
+    from vlrft.tools.signature import schema_from_signature
+
+    def look(region: str, zoom: float = 2.0):
+        """Look closer.
+
+        :param region: which part
+            of the image
+        :param zoom: how much
+        :returns: the crop
+        """
+
+    assert schema_from_signature(look) == ("Look closer.", {
+        "type": "object", "required": ["region"],
+        "properties": {"region": {"type": "string", "description": "which part of the image"},
+                       "zoom": {"type": "number", "default": 2.0, "description": "how much"}}})
+    with pytest.raises(TypeError, match="named ones"):
+        tool("bad_typed", typed=True, override=True)(lambda *args, context: "")

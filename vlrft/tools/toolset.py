@@ -50,15 +50,24 @@ class Tool:
 
 
 def tool(name: str | None = None, *, description: str | None = None, parameters: dict | None = None,
-         override: bool = False):
+         override: bool = False, typed: bool = False):
     """Register a tool under `name` (default: the function's name) with its JSON-schema description.
 
         @tool("count", description="Count the objects of a colour", parameters={"type": "object", ...})
         def count(call, context): ...
+
+    `typed=True`: the function takes the call's arguments as its parameters (and the ToolContext as `context` if it
+    names one); its schema and description default to those of its signature and docstring
+    (`vlrft.tools.signature`). The function itself is returned unchanged, so it can still be called directly.
     """
 
     def register(fn):
-        fn.tool_schema = {"name": name or fn.__name__, "description": description, "parameters": parameters}
+        if typed:
+            from vlrft.tools.signature import typed_parameters
+
+            typed_parameters(fn)  # *args / **kwargs: fail at import, where the tool is written
+        fn.tool_schema = {"name": name or fn.__name__, "description": description, "parameters": parameters,
+                          "typed": typed}
         return TOOLS.register(name or fn.__name__, override=override)(fn)
 
     return register
@@ -70,8 +79,14 @@ def load_tool(spec, index: int, described: bool = True) -> Tool:
     fn = TOOLS.resolve(spec.name)
     declared = getattr(fn, "tool_schema", {}) or {}
     name = spec.alias or declared.get("name") or spec.name.rsplit(":", 1)[-1]
-    description = spec.description or declared.get("description") or (inspect.getdoc(fn) or "").split("\n")[0]
-    parameters = spec.parameters or declared.get("parameters") or {"type": "object", "properties": {}}
+    own_description, own_parameters = (inspect.getdoc(fn) or "").split("\n")[0], None
+    if declared.get("typed"):  # the call's arguments are the function's parameters: its signature is the schema
+        from vlrft.tools.signature import schema_from_signature, typed_call
+
+        own_description, own_parameters = schema_from_signature(fn)
+        fn = typed_call(fn)
+    description = spec.description or declared.get("description") or own_description
+    parameters = spec.parameters or declared.get("parameters") or own_parameters or {"type": "object", "properties": {}}
     if not isinstance(parameters, dict) or parameters.get("type") != "object":
         raise ToolConfigError(f"config: rollout.tools[{index}].parameters must be a JSON schema object "
                               f'{{"type": "object", "properties": {{...}}}}; got {parameters!r}')
