@@ -486,21 +486,24 @@ def test_a_parser_that_raises_or_returns_garbage_is_a_counted_error_the_model_re
             raise KeyError("name")
         if "dict" in text:
             return {"name": "look", "arguments": {}}
+        if "unhashable" in text:
+            return ToolCall(["look"], {"region": {1, 2}})
         return ToolCall("look", {}) if "call" in text else None
 
-    script = {"raises": ["oops", "oops", "the answer"], "dict": ["dict", "the answer"], "fine": ["call", "the answer"]}
+    script = {"raises": ["oops", "oops", "the answer"], "dict": ["dict", "the answer"], "fine": ["call", "the answer"],
+              "list": ["unhashable", "the answer"]}
     with caplog.at_level("WARNING", logger="vlrft.tools"):
         out = _scripted_run(text_setup, script, lambda call, ctx: "seen", parser=parser)
     processor = text_setup[0]
     decoded = [processor.tokenizer.decode(ids) for ids in out.completion_ids]
-    assert out.turns == [3, 2, 2] and out.texts == ["the answer"] * 3
-    assert [s.parser_errors for s in out.tool_stats] == [2, 1, 0]
-    assert [s.calls for s in out.tool_stats] == [0, 0, 1]
+    assert out.turns == [3, 2, 2, 2] and out.texts == ["the answer"] * 4
+    assert [s.parser_errors for s in out.tool_stats] == [2, 1, 0, 1]
+    assert [s.calls for s in out.tool_stats] == [0, 0, 1, 0]
     assert decoded[0].count("<tool_response>\nError: ") == 2 and "KeyError" in decoded[0]
     assert "Error: " in decoded[1] and "dict" in decoded[1] and "seen" in decoded[2]
     warnings = [r.getMessage() for r in caplog.records if r.name == "vlrft.tools"]
-    assert len(warnings) == 2 and all("tools/parser_errors" in w for w in warnings), warnings
-    assert out.metrics()["tools/parser_errors"] == (3.0, 3.0)
+    assert len(warnings) == 3 and all("tools/parser_errors" in w for w in warnings), warnings
+    assert out.metrics()["tools/parser_errors"] == (4.0, 4.0)
 
 
 def test_tool_rewards_that_are_not_finite_numbers_are_left_out_and_counted(text_setup):

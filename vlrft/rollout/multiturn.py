@@ -396,10 +396,15 @@ class MultiTurnEngine:
         except Exception as exc:  # user code: the run goes on
             problem, cause = f"raised {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", type(exc).__name__
         else:
-            if call is None or isinstance(call, (ToolCall, MalformedCall)):
+            if call is None or isinstance(call, MalformedCall) or (
+                    isinstance(call, ToolCall) and isinstance(call.name, str) and isinstance(call.arguments, dict)):
                 return call
-            problem, cause = (f"returned a {type(call).__name__}, not a vlrft.tools.ToolCall, MalformedCall or None",
-                              type(call).__name__)
+            if isinstance(call, ToolCall):
+                problem, cause = (f"returned ToolCall(name={call.name!r}, arguments={call.arguments!r}); the name must "
+                                  "be a str and the arguments a dict", "ToolCall")
+            else:
+                problem, cause = (f"returned a {type(call).__name__}, not a vlrft.tools.ToolCall, MalformedCall or "
+                                  "None", type(call).__name__)
         name = getattr(self.parse_call, "__qualname__", repr(self.parse_call))
         self.tools.report(("parser_errors", cause), f"rollout.tool_parser ({name}) {problem} on the turn {text[:80]!r}; "
                           "the model reads an Error: observation", "tools/parser_errors")
@@ -434,8 +439,15 @@ class MultiTurnEngine:
 
 
 def _tool_step(call: ToolCall | MalformedCall, status: str, output: ToolOutput, images: int, shown: bool) -> dict:
-    """A tool call's entry in a transcript (`Trajectories.transcripts`)."""
-    return {"role": "tool", "call": {"name": call.name, "arguments": call.arguments} if isinstance(call, ToolCall)
+    """A tool call's entry in a transcript (`Trajectories.transcripts`); JSON-ready for completions.jsonl."""
+    import json
+
+    arguments = call.arguments if isinstance(call, ToolCall) else None
+    try:
+        json.dumps(arguments)
+    except (TypeError, ValueError):  # a parser's ToolCall with values JSON cannot hold: shown as text
+        arguments = repr(arguments)
+    return {"role": "tool", "call": {"name": call.name, "arguments": arguments} if isinstance(call, ToolCall)
             else None, "status": status, "text": output.text, "images": images, "reward": output.reward,
             "shown": shown}
 

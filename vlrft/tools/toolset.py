@@ -203,6 +203,9 @@ class ToolSet:
     async def _run_one(self, call: ToolCall | MalformedCall, context: ToolContext) -> tuple[ToolOutput, str]:
         if isinstance(call, MalformedCall):
             return ToolOutput(text=ERROR_PREFIX + call.reason), call.kind
+        if not isinstance(call.name, str) or not isinstance(call.arguments, dict):
+            return ToolOutput(text=f'{ERROR_PREFIX}the tool call must name a tool and give its arguments as a JSON '
+                                   'object {"name": ..., "arguments": {...}}'), "malformed_calls"
         tool_ = self.tools.get(call.name)
         if tool_ is None:
             known = ", ".join(sorted(self.tools))
