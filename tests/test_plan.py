@@ -703,9 +703,12 @@ def test_zero3_keeps_its_gradient_partition_and_one_bucket_while_the_engine_samp
     assert 82.7 * GiB < plan.phase_total("rollout") < 82.9 * GiB and not plan.fits
     ran = vlrft("plan", CONFIG_32B, "--gpus", "8", "--nodes", "2", "--strategy", "deepspeed", "--zero-stage", "3")
     assert ran.returncode == 1 and "DOES NOT FIT: peak 82.8 GiB (rollout)" in ran.stdout
-    # ZeRO-2 frees its gradient partition after each step: training only
+    # ZeRO-2 frees its gradient partition after each step, and its one reduce bucket after each backward
+    # (stage_1_and_2.py: setup_buckets / _release_ipg_buffers): training only
     zero2 = plan_memory(cfg, shape, hw, StrategyChoice("deepspeed", zero_stage=2))
     assert "rollout" not in next(c for c in zero2.components if c.name == "gradients").phases
+    buffers = next(c for c in zero2.components if c.name == "buffers")
+    assert buffers.bytes == 4 * 5 * 10 ** 8 and buffers.phases == ("train",)
 
 
 def test_model_dtype_changes_the_plan(vlrft):

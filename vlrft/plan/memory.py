@@ -247,6 +247,7 @@ class _ModelState:
     gathered: int  # transient: bf16 layers gathered for compute (sharded strategies), train phase
     notes: dict
     resident_gradients: bool = False  # allocated once and never freed (ZeRO-3), not only while training
+    resident_buffers: bool = True  # False: allocated for each backward and freed after it (ZeRO-2's bucket)
 
 
 def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> _ModelState:
@@ -282,12 +283,11 @@ def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoi
         grads = 0 if s.offload_optimizer else 4 * trainable // world
         zero3 = s.zero_stage >= 3
         # ZeRO-3 allocates one float32 reduce bucket of 5e8 elements and its flat gradient partition when the engine
-        # is built and never frees either (stage3.py: ipg bucket buffers, grad_partitions_flat_buffer); ZeRO-2
-        # reduces through a bucket and all-gathers through another (counted resident: on the safe side).
-        if zero3:
-            buckets = DEEPSPEED_BUCKET_ELEMENTS * 4
-        else:
-            buckets = 2 * DEEPSPEED_BUCKET_ELEMENTS * 4 if world > 1 else 0
+        # is built and never frees either (stage3.py: ipg bucket buffers, grad_partitions_flat_buffer). ZeRO-2
+        # allocates its reduce bucket (one: overlap_comm is off by default below stage 3) at each backward and
+        # releases it after (stage_1_and_2.py: setup_buckets, _release_ipg_buffers); its all-gather of the updated
+        # partitions writes into the flat weights in place.
+        buckets = DEEPSPEED_BUCKET_ELEMENTS * 4
         gathered = 4 * shape.blocks()["root"] + 2 * 4 * shape.largest_layer() if zero3 else 0
         place = "replicated" if not zero3 else f"sharded (1/{world})" + (" on the CPU" if s.offload_params else "")
         return _ModelState(param_bytes, grads, opt, buckets, gathered, {
@@ -297,10 +297,10 @@ def _model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoi
                           if not s.offload_optimizer else "on the CPU with the optimizer (offload_optimizer)"),
             "optimizer": ("on the CPU" if s.offload_optimizer else
                           f"AdamW moments{' + float32 master' if master else ''}, sharded (1/{world})"),
-            "buffers": ("ZeRO-3 reduce bucket (5e8 float32 elements)" if zero3 else
-                        "ZeRO reduce and all-gather buckets (5e8 float32 elements each)"),
+            "buffers": ("ZeRO-3 reduce bucket (5e8 float32 elements), allocated once" if zero3 else
+                        "ZeRO-2 reduce bucket (5e8 float32 elements) while gradients are reduced"),
             "gathered": "ZeRO-3: parameters gathered for the layers being computed"},
-            resident_gradients=zero3)
+            resident_gradients=zero3, resident_buffers=zero3)
     raise ValueError(f"unknown strategy {s.name!r}; expected one of {', '.join(STRATEGIES)}")
 
 
@@ -434,7 +434,8 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         Component("optimizer", policy.optimizer, resident, policy.notes["optimizer"]),
     ]
     if policy.buffers:
-        comps.append(Component("buffers", policy.buffers, resident, policy.notes["buffers"]))
+        comps.append(Component("buffers", policy.buffers, resident if policy.resident_buffers else train,
+                               policy.notes["buffers"]))
     if policy.gathered:
         comps.append(Component("gathered_layers", policy.gathered, train, policy.notes["gathered"]))
     if a.kl_coef > 0:
@@ -447,7 +448,9 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if a.advantage == "gae":
         critic_params = params + shape.text.hidden_size + 1  # the backbone with a scalar value head
         critic = _model_state(critic_params, critic_params, shape, strategy, world)
-        comps.append(Component("critic", critic.parameters + critic.optimizer + critic.buffers, resident,
+        # a bucket made per backward (ZeRO-2) is the policy's or the critic's, never both at once: counted once
+        critic_buffers = critic.buffers if critic.resident_buffers else 0
+        comps.append(Component("critic", critic.parameters + critic.optimizer + critic_buffers, resident,
                                "value model: parameters + optimizer state (as the policy)"))
         comps.append(Component("critic_gradients", critic.gradients, resident if critic.resident_gradients else train,
                                "value model gradients"))
