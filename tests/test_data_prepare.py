@@ -382,3 +382,14 @@ def test_the_layout_error_points_to_help_that_describes_every_tasks_layout(tmp_p
     for task, raw_file in (("geometry3k", "data.json"), ("mathvista", "testmini.json"), ("clevr", "_questions.json"),
                            ("refcoco", "refs(unc).p"), ("chartqa", "train_human.json"), ("videoqa", "Video-R1-260k")):
         assert f"  {task}  " in text and raw_file in text, task
+
+
+def test_without_pyav_preparing_videos_is_one_error_naming_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from vlrft.errors import MissingDependencyError
+
+    source = fixtures.videoqa(tmp_path / "raw")
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
+    with pytest.raises(MissingDependencyError, match=r"vlrft\[video\]"):
+        prepare("videoqa", source, tmp_path / "out")

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from PIL import Image
 
-from vlrft.errors import UserError
+from vlrft.errors import MissingDependencyError, UserError
 
 TEMPLATES_FILE = Path(__file__).with_name("templates.yaml")
 SIZE_BUCKETS = (256, 512, 1024, 2048)  # longest image side, for the summary's histogram
@@ -144,6 +144,11 @@ def video_problem(path: str) -> str | None:
     training's video loader needs, checked from the file's start (`vlrft.data.media.check_video_file`)."""
     from vlrft.data.media import MediaError, check_video_file
 
+    try:
+        import av  # noqa: F401  without it no video can be checked (nor trained on): one error, not a skip per row
+    except ImportError:
+        raise MissingDependencyError("preparing rows with videos checks that each decodes, which needs PyAV; "
+                                     "install it with: pip install 'vlrft[video]'") from None
     try:
         check_video_file(Path(path))
     except MediaError as exc:
