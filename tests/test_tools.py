@@ -205,10 +205,11 @@ def test_async_tools_that_block_are_timed_out_concurrently_and_hung_threads_are_
     hung = lambda: sum(t.name == "vlrft-tool-stuck" and t.is_alive() for t in threading.enumerate())  # noqa: E731
     counts = []
     for _ in range(3):
-        _, kinds = tools.run([ToolCall("stuck", {})] * 3, [_ctx() for _ in range(3)])
+        outputs, kinds = tools.run([ToolCall("stuck", {})] * 3, [_ctx() for _ in range(3)])
         assert kinds == ["timeouts"] * 3
         counts.append(hung())
     assert counts == [3, 6, 6]  # once max_concurrency calls hang, the next ones do not start another thread
+    assert "is not answering (6 earlier calls are still running past 0.3 s)" in outputs[0].text
     tools.close()
 
 

@@ -213,9 +213,9 @@ class ToolSet:
                 "malformed_calls"
         context.kwargs = tool_.kwargs
         hung = self._hung.setdefault(call.name, [])
-        if len(hung) >= self.max_concurrency:
-            return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} timed out after {self.timeout_s:g} s"), \
-                "timeouts"
+        if len(hung) >= self.max_concurrency:  # not started: its earlier calls still hang
+            return ToolOutput(text=f"{ERROR_PREFIX}the tool {call.name!r} is not answering ({len(hung)} earlier calls "
+                                   f"are still running past {self.timeout_s:g} s)"), "timeouts"
         thread: list[threading.Thread] = []
         try:
             value = await asyncio.wait_for(_in_thread(tool_, call, context, thread), self.timeout_s)
