@@ -1,4 +1,4 @@
-"""Tiny-VLM toolkit and model/processor loading, for all three Qwen-VL architectures."""
+"""Tiny-VLM toolkit and model/processor loading, for the three Qwen-VL architectures and GLM-4.1V."""
 
 import subprocess
 import sys
@@ -54,7 +54,7 @@ def test_build_is_deterministic_and_seeded(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_processor_rows_and_image_tokens_follow_grid_thw(arch, tiny_processor):
     processor = tiny_processor(arch)
     merge = processor.image_processor.merge_size
@@ -63,7 +63,7 @@ def test_processor_rows_and_image_tokens_follow_grid_thw(arch, tiny_processor):
     thw = inputs["image_grid_thw"]
     assert thw.shape == (2, 3)
     assert inputs["pixel_values"].shape[0] == int(thw.prod(dim=1).sum())
-    image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image|>" if arch == "glm4v" else "<|image_pad|>")
     n_tokens = int((inputs["input_ids"] == image_token_id).sum())
     assert n_tokens == int(thw.prod(dim=1).sum()) // merge**2
     # different image sizes give different grids: the count is per image, not a constant
@@ -80,6 +80,28 @@ def test_hub_style_folder_loads_with_auto_classes(tiny_vlm_dir):
     processor = AutoProcessor.from_pretrained(folder)
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert model.config.text_config.eos_token_id == processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_glm4v_folder_has_the_released_layout(tiny_vlm_dir):
+    """GLM-4.1V's tiny folder: its own classes, special tokens, chat layout and the three ids that end a turn."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tiny_vlm_dir("glm4v")
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    assert type(model).__name__ == "Glm4vForConditionalGeneration"
+    assert type(processor).__name__ == "Glm4vProcessor"
+    tok = processor.tokenizer
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image|>") == processor.image_token_id
+    assert model.config.image_start_token_id == tok.convert_tokens_to_ids("<|begin_of_image|>")
+    assert model.generation_config.eos_token_id == [tok.convert_tokens_to_ids(t)
+                                                    for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    assert tok.pad_token == "<|endoftext|>"
+    text = image_prompt(processor)
+    assert text == ("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|><|end_of_image|>What color is the shape?"
+                    "<|assistant|>\n")
+    ids = processor(text=[text], images=[image()], return_tensors="pt")["input_ids"][0].tolist()
+    assert tok.convert_ids_to_tokens(ids[:3]) == ["[gMASK]", "<sop>", "<|user|>"]  # no BOS added by the tokenizer
 
 
 def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):

@@ -1,4 +1,4 @@
-"""Build a tiny random-weight Qwen-VL model and its processor (locally trained tokenizer) into a folder."""
+"""Build a tiny random-weight VLM (Qwen-VL or GLM-4.1V) and its processor (locally trained tokenizer) into a folder."""
 
 import argparse
 import dataclasses

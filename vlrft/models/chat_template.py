@@ -1,6 +1,6 @@
-"""The Qwen-VL chat template, used by tiny models built locally (real checkpoints ship their own).
+"""Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL and GLM-4.1V.
 
-It renders ChatML (`<|im_start|>role ... <|im_end|>`), adds the default system prompt when the
+The Qwen-VL one renders ChatML (`<|im_start|>role ... <|im_end|>`), adds the default system prompt when the
 conversation has none, and turns each image/video content part into
 `<|vision_start|><|image_pad|><|vision_end|>` (the processor expands the pad to one token per merged
 patch). This is the layout of the Qwen2-VL / Qwen2.5-VL instruct checkpoints.
@@ -23,4 +23,24 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# GLM-4.1V's layout (the GLM-4.1V-9B-Thinking chat template): `[gMASK]<sop>` once, then `<|role|>\n` before each
+# message's content, no end-of-turn token (the next role token ends a turn: the model stops on `<|user|>`), an image
+# part as `<|begin_of_image|><|image|><|end_of_image|>` and a video part as
+# `<|begin_of_video|><|video|><|end_of_video|>` (the processor expands `<|image|>` to one token per merged patch, a
+# video to timestamped frames). Tool results are `<|observation|>` turns. Text parts of any role are written in order.
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|observation|>\n{% else %}<|{{ message['role'] }}|>\n{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'video' or 'video' in content %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -1,4 +1,8 @@
-"""Build tiny Qwen-VL models locally: random weights, a locally trained tokenizer, the Qwen chat template.
+"""Build tiny VLMs locally: random weights, a locally trained tokenizer, the family's own chat template.
+
+Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (ChatML, `<|image_pad|>`) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
+`<|begin_of_image|><|image|><|end_of_image|>`, GLM-4's pre-tokenizer, `<|endoftext|>` / `<|user|>` /
+`<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does).
 
 Tests, the demo and the benchmarks need a real `transformers` VLM and processor but no hub access.
 `build_tiny_vlm` writes a folder that `from_pretrained` (and `vlrft.models.load_policy`) reads like
@@ -15,11 +19,11 @@ from typing import Literal
 
 import torch
 
-from vlrft.models.chat_template import QWEN_VL_CHAT_TEMPLATE
+from vlrft.models.chat_template import GLM4V_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE
 from vlrft.vision_stack import has_torchvision
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"]
+ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -31,6 +35,28 @@ SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
+# GLM-4.1V's special tokens (its tokenizer_config.json's added tokens that the chat template and processor use).
+GLM4V_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+    "<|begin_of_box|>",
+    "<|end_of_box|>",
+]
+# GLM-4's pre-tokenizer split: as Qwen's, but digits in runs of up to three.
+GLM4_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 # Qwen's pre-tokenizer split (digits one by one, letters with an optional leading space or symbol).
 QWEN_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -76,27 +102,34 @@ class TinySpec:
         return 16 if self.arch == "qwen3_vl" else 14
 
     @property
+    def family(self) -> str:
+        """'glm4v' or 'qwen' (the tokenizer, chat template and special tokens the three Qwen families share)."""
+        return "glm4v" if self.arch == "glm4v" else "qwen"
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
 
 @lru_cache(maxsize=4)
-def _train_tokenizer_json(vocab_size: int) -> str:
-    """Train a byte-level BPE with Qwen's pre-tokenizer on a fixed corpus; returns tokenizer.json text."""
+def _train_tokenizer_json(vocab_size: int, family: str = "qwen") -> str:
+    """Train a byte-level BPE with the family's pre-tokenizer and special tokens on a fixed corpus; returns
+    tokenizer.json text."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(GLM4_PRETOKENIZE_REGEX if family == "glm4v" else QWEN_PRETOKENIZE_REGEX),
+                                 behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=GLM4V_SPECIAL_TOKENS if family == "glm4v" else SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -105,8 +138,11 @@ def _train_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A Qwen2 tokenizer (transformers class) over a BPE trained here, with the Qwen special tokens."""
+def build_tokenizer(vocab_size: int = 512, family: str = "qwen"):
+    """A Qwen2 tokenizer (transformers class) over a BPE trained here, with the Qwen special tokens; for
+    `family="glm4v"` the fast tokenizer class GLM-4.1V ships, with its special tokens and chat template."""
+    if family == "glm4v":
+        return _build_glm4v_tokenizer(vocab_size)
     from transformers import Qwen2Tokenizer
 
     model = json.loads(_train_tokenizer_json(vocab_size))["model"]
@@ -124,8 +160,55 @@ def build_tokenizer(vocab_size: int = 512):
     return tokenizer
 
 
+def _build_glm4v_tokenizer(vocab_size: int):
+    """GLM-4.1V's tokenizer: `PreTrainedTokenizerFast` (as its tokenizer_config.json names it), `<|endoftext|>` as
+    end-of-text and padding, no BOS added (the chat template writes `[gMASK]<sop>`)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(vocab_size, "glm4v")),
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=32768,
+        padding_side="left",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": GLM4V_SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = GLM4V_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build_glm4v_processor(spec: "TinySpec"):
+    """GLM-4.1V's processor: its image (and, with torchvision, video) processor from a config dict as in its
+    preprocessor_config.json. Its resize bounds count the two temporal frames of an image (`smart_resize` compares
+    t * h * w with them), so they are twice the pixel bounds of the Qwen tiny models."""
+    from transformers import Glm4vProcessor
+
+    tokenizer = build_tokenizer(spec.vocab_size, "glm4v")
+    vision = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2)
+    size = {"shortest_edge": 2 * spec.min_pixels, "longest_edge": 2 * spec.max_pixels}
+    if has_torchvision():
+        from transformers import Glm4vImageProcessor, Glm4vVideoProcessor
+
+        image_processor = Glm4vImageProcessor(size=size, **vision)
+        video_processor = Glm4vVideoProcessor(size=size, max_image_size={"longest_edge": 2 * spec.max_pixels},
+                                              **vision)
+        processor_cls = Glm4vProcessor
+    else:
+        from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+        from vlrft.models.loading import _image_only_processor_class
+
+        image_processor, video_processor = Glm4vImageProcessorPil(size=size, **vision), None
+        processor_cls = _image_only_processor_class(Glm4vProcessor)
+    return processor_cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                         chat_template=GLM4V_CHAT_TEMPLATE)
+
+
 def build_processor(spec: TinySpec = TinySpec()):
     """The real transformers processor for `spec.arch`, with the PIL image backend when torchvision is absent."""
+    if spec.family == "glm4v":
+        return _build_glm4v_processor(spec)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     tokenizer = build_tokenizer(spec.vocab_size)
@@ -155,8 +238,37 @@ def build_processor(spec: TinySpec = TinySpec()):
     )
 
 
+def _build_glm4v_config(spec: TinySpec, tokenizer):
+    """Glm4vConfig with the released GLM-4.1V's layout at tiny sizes: half the head dim rotated, M-RoPE sections
+    over the rotated half, the vision MLP as wide as the text hidden size (`out_hidden_size`)."""
+    from transformers import Glm4vConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image|>"), ("video_token_id", "<|video|>"),
+        ("image_start_token_id", "<|begin_of_image|>"), ("image_end_token_id", "<|end_of_image|>"),
+        ("video_start_token_id", "<|begin_of_video|>"), ("video_end_token_id", "<|end_of_video|>"),
+    ]}
+    half = spec.head_dim // 4  # rotary half-dim of the rotated half (partial_rotary_factor 0.5)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
+    )
+    vision = dict(depth=spec.vision_depth, hidden_size=spec.vision_hidden_size, num_heads=spec.vision_heads,
+                  out_hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                  patch_size=spec.patch_size, image_size=spec.patch_size * 8, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    return Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings, **ids,
+                       **spec.extra)
+
+
 def build_config(spec: TinySpec, tokenizer):
     """The transformers config for `spec`, with token ids taken from the tokenizer."""
+    if spec.family == "glm4v":
+        return _build_glm4v_config(spec, tokenizer)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
@@ -214,7 +326,7 @@ def build_tiny_model(spec: TinySpec, tokenizer):
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = config.text_config.bos_token_id
+    model.generation_config.bos_token_id = getattr(config.text_config, "bos_token_id", None)
     return model
 
 
