@@ -302,3 +302,48 @@ def test_processor_without_chat_template_is_refused(tiny_processor):
     processor.tokenizer.chat_template = None
     with pytest.raises(UserError, match="the model's processor has no chat template"):
         PromptEncoder(processor, CFG)
+
+
+def test_glm4v_prompts_match_its_processor_alone_and_fitted_images_pass_unchanged(tiny_processor, tiny_vlm_dir,
+                                                                                  mixed, tmp_path):
+    """GLM-4.1V: one call for the batch gives each prompt's ids and pixels as its own processor alone; its resize
+    bounds count an image's two frames, so an image fitted to data.max_pixels is not shrunk again by the processor."""
+    from transformers import AutoConfig
+
+    from vlrft.tokens import TokenSpec
+
+    processor = tiny_processor("glm4v")
+    samples, messages, _ = mixed
+    cfg = dataclasses.replace(CFG, max_pixels=56 * 112)
+    batch = PromptEncoder(processor, cfg).encode(samples[:3]).batch
+    assert batch.visual.images_per_sample == (0, 1, 3) and batch.visual.merge_size == 2
+    # 64 -> 56 and 128 -> 140 on the 28-grid; 56 x 140 = 7840 > 56 x 112, so the tall/wide ones shrink to 56 x 112
+    assert [im.size for im in batch.images[2]] == [(56, 56), (56, 112), (112, 56)]
+    assert batch.visual.image_grid_thw.tolist() == [[1, 4, 4], [1, 4, 4], [1, 8, 4], [1, 4, 8]]
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image|>")
+    assert processor.image_token_id == image_id
+    assert [ids.count(image_id) for ids in batch.prompt_ids] == [0, 4, 4 + 8 + 8]
+    for i in range(3):
+        alone = process_alone(processor, messages[i], batch.images[i])
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist(), f"ids of sample {i}"
+        one = batch.visual.select([i]).model_inputs()
+        for key in ("pixel_values", "image_grid_thw"):
+            if key in alone:
+                assert torch.equal(one[key], torch.as_tensor(alone[key], dtype=one[key].dtype)), f"{key} of {i}"
+    text = processor.tokenizer.decode(batch.prompt_ids[1])
+    assert text.startswith("[gMASK]<sop><|user|>\n<|begin_of_image|><|image|>") and text.endswith("<|assistant|>\n")
+    # the vision special tokens every engine suppresses: all six of GLM's, not only the image token
+    names = ["<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+             "<|end_of_video|>"]
+    spec = TokenSpec.from_model(processor, AutoConfig.from_pretrained(tiny_vlm_dir("glm4v")))
+    assert set(spec.suppressed_ids) == {processor.tokenizer.convert_tokens_to_ids(t) for t in names}
+    # a large image under the default data.max_pixels: fitted to the processor's bound (28 * 28 * 16 pixels, stored
+    # as 2x that for two frames), so the processor keeps its size: grid * 14 == the size we fitted it to
+    big = Sample("big", "<image>What color?", images=[str(write_png(tmp_path / "big.png", noise_image(256, 256, 7)))])
+    fitted = PromptEncoder(processor, CFG).encode([big]).batch
+    width, height = fitted.images[0][0].size
+    assert width * height <= 28 * 28 * 16
+    assert fitted.visual.image_grid_thw.tolist() == [[1, height // 14, width // 14]]
+    # videos are refused in one line naming the family, not a token-count mismatch deep in the forward
+    with pytest.raises(UserError, match="GLM-4.1V.*use images"):
+        PromptEncoder(processor, CFG).encode(samples[3:])

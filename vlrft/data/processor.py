@@ -109,6 +109,16 @@ def _size_bound(size: Any, *names: str) -> int | None:
     return None
 
 
+# Image processors whose resize bounds count an image's temporal frames: GLM-4.1V's smart_resize compares
+# t * h * w (t = temporal_patch_size for an image) with size's shortest/longest edge, where Qwen's compares h * w.
+FRAME_COUNTING_BOUNDS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil")
+# Processors whose videos vlrft does not encode yet, with the reason (the family named for the user).
+VIDEO_UNSUPPORTED = {
+    "Glm4vProcessor": "GLM-4.1V: its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|>, "
+                      "with timestamps between them, which vlrft's token types and position rule do not follow yet",
+}
+
+
 def _pixel_bounds(sub_processor: Any, cfg: DataConfig) -> PixelBounds | None:
     """The config's pixel bounds intersected with the processor's own, on the processor's patch grid.
 
@@ -120,10 +130,12 @@ def _pixel_bounds(sub_processor: Any, cfg: DataConfig) -> PixelBounds | None:
     if not patch or not merge:
         return None  # not a patch-grid processor: it resizes on its own
     size = getattr(sub_processor, "size", None) or {}
-    low = max(cfg.min_pixels, _size_bound(size, "shortest_edge", "min_pixels") or 0,
-              getattr(sub_processor, "min_pixels", None) or 0)
-    high = min(cfg.max_pixels, _size_bound(size, "longest_edge", "max_pixels") or cfg.max_pixels,
-               getattr(sub_processor, "max_pixels", None) or cfg.max_pixels)
+    frames = int(getattr(sub_processor, "temporal_patch_size", 1) or 1) \
+        if type(sub_processor).__name__ in FRAME_COUNTING_BOUNDS else 1
+    own_low = (_size_bound(size, "shortest_edge", "min_pixels") or 0) // frames
+    own_high = (_size_bound(size, "longest_edge", "max_pixels") or cfg.max_pixels * frames) // frames
+    low = max(cfg.min_pixels, own_low, getattr(sub_processor, "min_pixels", None) or 0)
+    high = min(cfg.max_pixels, own_high, getattr(sub_processor, "max_pixels", None) or cfg.max_pixels)
     return PixelBounds(factor=int(patch) * int(merge), min_pixels=min(low, high), max_pixels=high)
 
 
@@ -273,6 +285,10 @@ class PromptEncoder:
         return _Prepared(sample, messages, images, videos)
 
     def _require_video(self) -> None:
+        family = VIDEO_UNSUPPORTED.get(type(self.processor).__name__)
+        if family is not None:
+            raise UserError(f"the data has videos, which vlrft does not train with this model yet ({family}); "
+                            "use images (e.g. sampled frames as several <image> parts) or a Qwen-VL model")
         if self._video_processor is None:
             from vlrft.vision_stack import has_torchvision, require_video_support
 
