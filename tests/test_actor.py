@@ -102,7 +102,73 @@ def test_frozen_vision_tower_gets_no_gradient(group_batch):
     assert model.lm_head.weight.grad is not None
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def _plain_transformers_logprobs(model, processor, prompts, completions, row_prompt):
+    """The independent reference: for each row alone, the processor on its prompt, the completion appended, one
+    plain `model(...)` forward and a log-softmax of its logits; returns the rows' logprobs and the gradients of
+    their sum."""
+    model.zero_grad()
+    rows = []
+    for r, completion in enumerate(completions):
+        messages, images = prompts[row_prompt[r]]
+        text = processor.apply_chat_template([messages], tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        prompt_length = inputs["input_ids"].shape[1]
+        ids = torch.cat([inputs["input_ids"], torch.tensor([completion])], dim=1)
+        extra = {"mm_token_type_ids": torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, len(completion),
+                                                                                           dtype=torch.long)], 1)}
+        if images:
+            extra.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]
+        logprobs = torch.log_softmax(logits[prompt_length - 1:-1].float(), dim=-1)
+        rows.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
+    sum(row.sum() for row in rows).backward()
+    return [row.detach() for row in rows], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
+    """ActorVL, with the prompt shared by its group's rows and without, against each row run alone through the
+    family's own processor and a plain transformers forward: logprobs and every parameter's gradient within 1e-5."""
+    from PIL import Image
+
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    grid = 32 if arch == "qwen3_vl" else 28  # images on the patch grid: the data layer leaves them as they are
+    red, blue = Image.new("RGB", (2 * grid, 3 * grid), (200, 40, 40)), Image.new("RGB", (3 * grid, 2 * grid), (40, 40, 200))
+    red.save(tmp_path / "red.png")
+    blue.save(tmp_path / "blue.png")
+    samples = [Sample(id="two", prompt="<image><image>Same?", images=[str(tmp_path / "red.png"), str(tmp_path / "blue.png")]),
+               Sample(id="text", prompt="A longer text-only prompt here"),
+               Sample(id="one", prompt="<image>Color?", images=[str(tmp_path / "blue.png")])]
+    prompts = [([{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Same?"}]}],
+                [red, blue]),
+               ([{"role": "user", "content": [{"type": "text", "text": "A longer text-only prompt here"}]}], []),
+               ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}], [blue])]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=8192)).encode(samples).batch
+    completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14], [15, 16, 17, 18], [19, 20], [21, 22, 23], [24]]]
+    row_prompt = [0, 0, 1, 1, 2, 2]
+    reference, reference_grads = _plain_transformers_logprobs(load_policy(folder), processor, prompts, completions,
+                                                              row_prompt)
+    model = load_policy(folder)
+    tokens = TokenSpec.from_model(processor, model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
+    for share in (True, False):
+        actor.share_prompts = share
+        model.zero_grad()
+        out = actor.logprobs(seqs)
+        out.logprobs.sum().backward()
+        for r, expected in enumerate(reference):
+            got = out.logprobs[r, :len(expected)].detach()
+            assert torch.allclose(got, expected, atol=1e-5), (share, r, (got - expected).abs().max())
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == reference_grads.keys()
+        assert any(".visual." in name for name in grads)
+        for name, expected in reference_grads.items():
+            assert torch.allclose(grads[name], expected, atol=1e-5), (share, name, (grads[name] - expected).abs().max())
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path):
     from PIL import Image
 
@@ -113,7 +179,8 @@ def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_d
                Sample(id="text", prompt="A longer text-only prompt here"),
                Sample(id="two", prompt="<image><image>Same?", images=[str(tmp_path / "a.png")] * 2)]
     batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
-    completions = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21], [22, 23]]
+    # ordinary text ids, past every family's special tokens (GLM-4.1V's <|image|> is id 11 of the tiny tokenizer)
+    completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20], [21], [22, 23]]]
     model = load_policy(folder)
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
@@ -134,7 +201,7 @@ def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_d
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path,
                                                                               monkeypatch):
     """Real configs enable gradient checkpointing; the shared-prompt forward must still be taken and be exact."""
@@ -146,7 +213,7 @@ def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arc
     samples = [Sample(id="img", prompt="<image>Color?", images=[str(tmp_path / "a.png")]),
                Sample(id="text", prompt="A longer text-only prompt here")]
     batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
-    completions = [[11, 12, 13], [14], [15, 16, 17], [18, 19], [20], [21, 22, 23, 24]]
+    completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14], [15, 16, 17], [18, 19], [20], [21, 22, 23, 24]]]
     model = load_policy(folder)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
