@@ -11,8 +11,8 @@ from vlrft.rollout.hf import HFEngine
 from vlrft.batch import build_sequences
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_vlm_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_vl", "glm4v"])
+def setup(request, tiny_vlm_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("imgs")
     red, blue = solid_png(root, "red", (220, 30, 30)), solid_png(root, "blue", (30, 70, 220))
     samples = [
@@ -20,7 +20,7 @@ def setup(tiny_vlm_dir, tmp_path_factory):
         Sample(id="b", prompt="Say something.", answer="x"),
         Sample(id="c", prompt="<image><image>Which is blue?", images=[red, blue], answer="second"),
     ]
-    return engine_setup(tiny_vlm_dir("qwen2_vl"), samples)
+    return engine_setup(tiny_vlm_dir(request.param), samples)
 
 
 def test_cut_at_stop_keeps_the_stop_token_and_names_the_reason():

@@ -24,6 +24,14 @@ if TYPE_CHECKING:
     from vlrft.data import PromptBatch
 
 
+# Models whose `generate` gives the copies of a prompt with two or more images the wrong image features when
+# num_return_sequences > 1: transformers 5.24's Glm4vForConditionalGeneration._expand_multimodal_outputs repeats
+# each image n times in a row (a, a, a, b, b, b) where the n copies of the prompt need (a, b, a, b, a, b), so the
+# first and last copies saw the other image (their logprobs differed from the trainer's by up to 0.18). For these
+# the engine repeats the prompts itself; the vision tower then runs once per copy.
+REPEAT_PROMPTS_FOR = ("Glm4vForConditionalGeneration",)
+
+
 class _LogprobRecorder:
     """Logits processor (placed after the warpers) recording the logprob of each sampled token under the final scores.
 
@@ -151,7 +159,10 @@ class HFEngine:
             return self._generate_groups(model, batch, sampling)
         was_training = model.training
         model.eval()
-        config = self.generation_config(sampling)
+        from vlrft.models.actor import base_of
+
+        copies = sampling.n if type(base_of(model)).__name__ in REPEAT_PROMPTS_FOR else 1
+        config = self.generation_config(dataclasses.replace(sampling, n=sampling.n // copies))
         warpers = sampling_warpers(sampling)
         device = next(model.parameters()).device
         stop_ids = set(config.eos_token_id)
@@ -160,7 +171,8 @@ class HFEngine:
         logprobs: list[list[float]] = []
         try:
             for start in range(0, len(batch), self.max_batch_prompts):
-                index = list(range(start, min(start + self.max_batch_prompts, len(batch))))
+                index = [i for i in range(start, min(start + self.max_batch_prompts, len(batch)))
+                         for _ in range(copies)]
                 input_ids, attention = left_pad([batch.prompt_ids[i] for i in index], self.tokens.pad_id)
                 kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                               mm_token_type_ids=mm_token_type_ids(input_ids, self.tokens.image_token_id,
