@@ -58,6 +58,7 @@ def group_batch(tiny_vlm_dir, tmp_path_factory):
     return folder, batch, completions
 
 
+@pytest.mark.slow
 def test_shared_vision_features_equal_repeated_pixels_in_values_and_gradients(group_batch):
     folder, batch, completions = group_batch
     model = load_policy(folder)

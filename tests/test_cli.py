@@ -18,6 +18,7 @@ def vlrft(*args, timeout=120):
                           timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_help_lists_every_subcommand():
     out = vlrft("--help")
     assert out.returncode == 0
@@ -44,6 +45,7 @@ def assert_one_line_error(out, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+@pytest.mark.slow
 def test_missing_and_malformed_config_are_one_line(tmp_path):
     assert_one_line_error(vlrft("config", tmp_path / "nope.yaml"), "vlrft config: error: config file", "not found")
     bad = tmp_path / "bad.yaml"
@@ -56,6 +58,7 @@ def test_missing_and_malformed_config_are_one_line(tmp_path):
     assert ok.returncode == 0 and "n: 4" in ok.stdout
 
 
+@pytest.mark.slow
 def test_bad_model_folders_are_one_line(tmp_path, tiny_vlm_dir):
     weird = tmp_path / "weird"
     weird.mkdir()
@@ -68,11 +71,13 @@ def test_bad_model_folders_are_one_line(tmp_path, tiny_vlm_dir):
     assert_one_line_error(vlrft("generate", no_proc, "hi"), "has no processor")
 
 
+@pytest.mark.slow
 def test_debug_flag_shows_the_traceback(tmp_path):
     out = vlrft("--debug", "config", tmp_path / "nope.yaml")
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
 
 
+@pytest.mark.slow
 def test_generate_answers_with_an_image(tmp_path, tiny_vlm_dir):
     from PIL import Image
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -38,6 +39,7 @@ except MissingDependencyError as exc:
 """
 
 
+@pytest.mark.slow
 def test_images_work_and_video_fails_clearly_without_torchvision(tmp_path, tiny_processor):
     out = tmp_path / "pixels.pt"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], capture_output=True, text=True, cwd=REPO,

@@ -2,6 +2,7 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,6 +106,7 @@ def test_under_autocast_recomputed_chunks_give_autograds_gradients(monkeypatch):
         assert (got - want).norm() <= 0.005 * want.norm()
 
 
+@pytest.mark.slow
 def test_under_autocast_without_its_cast_cache_the_head_is_cast_once_per_pass():
     """Under gradient checkpointing the trainer's autocast caches no weight cast (`precision.forward_autocast`), so a
     matmul per chunk would cast the whole [vocab, hidden] head again for every chunk of ~110 tokens (152k rows):
@@ -136,6 +138,7 @@ def test_under_autocast_without_its_cast_cache_the_head_is_cast_once_per_pass():
         assert all(torch.equal(a, b) for a, b in zip(uncached, cached))
 
 
+@pytest.mark.slow
 def test_the_heads_backward_allocates_what_the_plan_counts_for_it():
     """The chunked head's backward allocates a float32 [vocab, hidden] gradient (accumulated over the chunks before it
     reaches .grad) and, under bf16 autocast over float32 weights, the head cast once: `vlrft plan`'s head_backward.

@@ -235,6 +235,7 @@ def zero_advantage_case(case):
 
 
 @pytest.mark.parametrize("max_tokens", [0, 120])
+@pytest.mark.slow
 def test_rows_of_zero_advantage_are_left_out_and_the_update_is_the_same(zero_advantage_case, max_tokens,
                                                                         monkeypatch):
     """With no KL and no entropy bonus a zero-advantage row's loss and gradient are exactly 0: leaving it out of the
@@ -265,6 +266,7 @@ def test_rows_of_zero_advantage_are_left_out_and_the_update_is_the_same(zero_adv
     assert stats.means()["actor/grad_norm"] > 0  # the varied groups trained: the comparison is not vacuous
 
 
+@pytest.mark.slow
 def test_rows_are_kept_where_a_zero_advantage_row_still_has_a_loss(zero_advantage_case):
     """KL in the loss and an entropy bonus train every row: nothing is left out (train_step's default losses)."""
     from vlrft.dist.strategy import Strategy

@@ -122,6 +122,7 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
         load_processor(no_proc)
 
 
+@pytest.mark.slow
 def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_dir, tmp_path):
     folder = tiny_vlm_dir("qwen2_vl")
     script = textwrap.dedent(f"""

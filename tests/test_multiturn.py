@@ -76,6 +76,7 @@ def setup(tiny_vlm_dir, tmp_path_factory):
     return processor, model, tokens, batch, out, recorder.calls
 
 
+@pytest.mark.slow
 def test_the_tools_are_described_in_the_prompt(setup):
     processor, _, _, batch, _, _ = setup
     # the tiny model's template has no tool support: the Qwen-style tool text goes into the system turn

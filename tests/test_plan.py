@@ -573,6 +573,7 @@ def test_the_rows_of_a_group_share_their_prompt_and_videos_count_their_frames():
         c.note for c in video.components if c.name == "activations")
 
 
+@pytest.mark.slow
 def test_the_shared_prompt_forwards_keys_values_and_their_gradients_are_counted_per_prompt_token():
     """Under gradient checkpointing the shared-prompt forward keeps every layer's prompt keys and values (the
     completion pass reads them) and, through the completion pass's backward, their gradients. Measured as the
@@ -635,6 +636,7 @@ def test_a_generate_call_of_the_hf_engine_stays_within_the_plans_rollout_figures
     assert kv < live.peak <= kv + prefill, (kv, prefill, live.peak)
 
 
+@pytest.mark.slow
 def test_without_checkpointing_the_completion_passs_repeated_keys_and_values_are_counted_per_row():
     """Without gradient checkpointing each completion row's pass keeps, in every layer, its copy of the prompt's keys
     and values and transformers' SDPA path's repeat of them to every query head (a GQA model under a mask), and

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,7 @@ print("never printed")
     assert marker.read_text() == "yes"
 
 
+@pytest.mark.slow
 def test_the_cli_exits_through_exit_process_only_under_torchrun(tmp_path):
     """`python -m vlrft` in a torchrun worker (LOCAL_RANK set) skips the teardown; elsewhere it returns normally."""
     probe = tmp_path / "probe.py"

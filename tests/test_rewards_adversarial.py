@@ -43,6 +43,7 @@ def math_set():
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
+@pytest.mark.slow
 def test_math_grading_of_hostile_completion_is_bounded(math_set, name):
     start = time.perf_counter()
     result = math_set.score([HOSTILE[name], "\\boxed{\\frac{1}{2}}"], references=["7", "0.5"])
@@ -67,6 +68,7 @@ def test_rule_rewards_on_hostile_completions_are_fast():
     assert format_reward([HOSTILE["garbage_1mb"], HOSTILE["answer_tags_1mb"]], style="think_answer") == [0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_worker_that_overruns_is_killed_and_replaced():
     """No alarm inside the worker (step timeout 30 s): only the parent's kill can stop this factorial."""
     grader = MathGrader(GraderSettings(processes=1, timeout_s=1.0, step_timeout_s=30))
@@ -80,6 +82,7 @@ def test_worker_that_overruns_is_killed_and_replaced():
         grader.close()
 
 
+@pytest.mark.slow
 def test_a_batch_of_slow_answers_stops_taking_up_answers_at_its_deadline():
     """Early in training many answers are degenerate and each runs to the per-answer limit; a few workers then
     need longer for the batch than the reward's own timeout, and the queued answers would delay the next
@@ -97,6 +100,7 @@ def test_a_batch_of_slow_answers_stops_taking_up_answers_at_its_deadline():
         grader.close()
 
 
+@pytest.mark.slow
 def test_workers_run_under_the_memory_limit_and_the_trainer_does_not_grow():
     grader = MathGrader(GraderSettings(processes=1, timeout_s=4, memory_mb=768))
     try:

@@ -100,6 +100,7 @@ def test_reward_model_config_errors(rm_dir):
         rs.score(["a"], prompts=["b"])
 
 
+@pytest.mark.slow
 def test_a_slow_load_does_not_count_against_the_scoring_timeout(rm_dir, monkeypatch):
     """A large reward model read from shared storage can take longer than reward.timeout_s: loaded by `prepare`
     (the trainer and the reward server call it at start), scoring is not timed out by the load."""

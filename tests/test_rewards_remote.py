@@ -101,6 +101,7 @@ COMPLETIONS = ["<think>It is red.</think><answer>red</answer>", "Red.", "blue", 
 REFERENCES = ["red", "red", "red", None]
 
 
+@pytest.mark.slow
 def test_remote_rewards_equal_the_same_functions_run_locally(server):
     result = remote_set(server, remote_api_key=KEY).score(COMPLETIONS, references=REFERENCES, prompts=["What color?"] * 4)
     # accuracy + 0.5 * format; the last sample has no reference, so only its format counts
@@ -123,6 +124,7 @@ def test_wrong_api_key_fails_at_once_without_showing_the_key(server):
     assert "wrong-key-123" not in str(info.value) and "wrong-key-123" not in repr(rs.callables["remote"].fn)
 
 
+@pytest.mark.slow
 def test_images_reach_the_server_intact_and_are_sent_once_per_group(recipe_server):
     small, large = Image.new("RGB", (28, 14), "red"), Image.new("RGB", (56, 28), "blue")
     images = [[small], [small], [large], []]
@@ -163,6 +165,7 @@ def test_server_down_fails_in_bounded_time_naming_the_url():
     assert time.perf_counter() - start < 10
 
 
+@pytest.mark.slow
 def test_a_server_down_for_a_moment_is_reached_by_retries_within_the_budget():
     """A reward server restarting for a few seconds (nothing listening yet) must not fail the run: a refused
     connection fails at once, so a fixed number of quick retries would give up within a second; retries go on

@@ -762,6 +762,7 @@ def run_two_ranks(tmp_path, every_rank_drives: bool, failing_rank: int = -1) -> 
 
 
 @pytest.mark.parametrize("every_rank_drives", [True, False], ids=["vllm-style", "sglang-style"])
+@pytest.mark.slow
 def test_tensor_parallel_group_pools_prompts_and_returns_each_rank_its_own(tmp_path, every_rank_drives):
     rank0, rank1 = run_two_ranks(tmp_path, every_rank_drives)
     # rank 0 encoded 1 prompt ([0]), rank 1 two ([100], [101]); n=2 completions each, prompt-major.
@@ -773,6 +774,7 @@ def test_tensor_parallel_group_pools_prompts_and_returns_each_rank_its_own(tmp_p
 
 
 @pytest.mark.parametrize("every_rank_drives", [True, False], ids=["vllm-style", "sglang-style"])
+@pytest.mark.slow
 def test_a_refused_prompt_on_one_rank_fails_the_whole_group_without_hanging(tmp_path, every_rank_drives):
     rank0, rank1 = run_two_ranks(tmp_path, every_rank_drives, failing_rank=1)
     assert rank0["error"] == rank1["error"] == "rank 1: sample refused"

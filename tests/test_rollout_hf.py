@@ -65,6 +65,7 @@ def test_greedy_is_deterministic_and_identical_across_the_group(setup):
     assert a.completion_ids[0] == a.completion_ids[1] and a.completion_ids[4] == a.completion_ids[5]
 
 
+@pytest.mark.slow
 def test_batched_generation_equals_one_prompt_at_a_time(setup):
     processor, model, tokens, batch = setup
     sampling = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)

@@ -42,6 +42,7 @@ def test_static_cache_greedy_ids_and_logprobs_equal_the_dynamic_cache(setup):
     _assert_same(_run(setup, sampling, static_cache=True), _run(setup, sampling, static_cache=False))
 
 
+@pytest.mark.slow
 def test_static_cache_sampling_with_rows_stopping_early_equals_the_dynamic_cache(setup):
     # Many stop ids so that some rows stop early (the static cache then drops their rows) and others run to length.
     sampling = SamplingParams(n=4, max_new_tokens=12, temperature=1.0, stop_token_ids=list(range(40, 140)))
@@ -95,6 +96,7 @@ def test_per_step_processors_give_exactly_the_scores_of_transformers_processor_l
     assert torch.isinf(got[:, [5, 17, 299]]).all()
 
 
+@pytest.mark.slow
 def test_decode_mask_is_prebuilt_for_sdpa_and_left_to_the_model_for_eager_attention(setup, tiny_vlm_dir):
     # SDPA takes the ready boolean 4D mask; eager attention needs its own additive mask, so it gets
     # the 2D padding mask. Both must decode what transformers' generate decodes, padding included.

@@ -168,6 +168,7 @@ def _autocast_steps(text_model, lean, caches: dict, mask: torch.Tensor, last_pos
         yield step, hidden, expected
 
 
+@pytest.mark.slow
 def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it(setup):
     """Under bf16 autocast (float32 weights) the lean step follows transformers' layers: projections cast once,
     float32 residual and rotary, SDPA; its hidden states are at least 20x closer to the text model's under the same
@@ -190,6 +191,7 @@ def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it
             assert (hidden - expected["bf16"]).abs().max() <= precision_gap / 20, step
 
 
+@pytest.mark.slow
 def test_the_engine_samples_under_the_autocast_it_is_given(setup, lean_steps, fixed_rows_steps):
     """HFEngine(autocast=...) (what the trainer passes: its bf16 autocast on GPUs): lean steps, fixed-shape steps
     and transformers' layers (dynamic cache, or the static one CUDA defaults to, which then decodes on a dynamic one)
@@ -231,6 +233,7 @@ def _adapted(model, **kwargs):
 
 
 @pytest.mark.parametrize("layout", ["packed", "in_place"])
+@pytest.mark.slow
 def test_lora_adapters_decode_through_the_lean_step_as_transformers_does(setup, lean_steps, fixed_rows_steps,
                                                                          monkeypatch, layout):
     """A LoRA-wrapped projection is its base weight plus the adapters' delta: the lean steps (and the fixed-shape
@@ -286,6 +289,7 @@ def fixed_rows_steps(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_qwen3_head_norms_apply_to_their_own_heads(setup):
     """Qwen3's q and k head norms (normed as one tensor by the lean step, a weight table of q's heads then k's) with
     weights of their own: ids and logprobs equal transformers' layers (a tiny model's norm weights are all ones)."""
@@ -304,6 +308,7 @@ def test_qwen3_head_norms_apply_to_their_own_heads(setup):
     _assert_same(_run(setup_varied, sampling, lean=True), _run(setup_varied, sampling, lean=False))
 
 
+@pytest.mark.slow
 def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_rows_steps):
     """rollout.compile_decode: the lean step is torch.compile'd (here the fixed-shape one, which CUDA graphs replay)
     and samples the same ids, logprobs within 1e-5. It compiles once: calls of other sizes (every training step's
@@ -333,6 +338,7 @@ def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_ro
     assert counters["stats"]["unique_graphs"] == graphs + 1, "the step compiled again for a call of other sizes"
 
 
+@pytest.mark.slow
 def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monkeypatch):
     """A compile that fails (here after the step had already advanced its state, as a failure at run time would)
     warns once, and the step runs eagerly from where it was: the same samples; later calls do not try again."""
@@ -368,6 +374,7 @@ def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monk
     assert len(attempts) == 1, "a later decode call tried to compile again"
 
 
+@pytest.mark.slow
 def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_rows_steps):
     """rollout.cuda_graph_decode's steps (every row, every position; eager off CUDA) sample what the lean steps
     that drop stopped rows sample: same ids, logprobs within 1e-5."""
@@ -381,6 +388,7 @@ def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_
     _assert_same(fixed, _run(setup, sampling, lean=True))
 
 
+@pytest.mark.slow
 def test_off_cuda_the_default_decodes_with_lean_steps_that_drop_stopped_rows(setup, fixed_rows_steps):
     """rollout.cuda_graph_decode left unset means CUDA graphs on a GPU only: on CPU the fixed-shape steps (slower
     there, every row kept) are not taken."""
@@ -450,6 +458,7 @@ def shared_prompt(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 def test_a_prompt_held_once_per_group_samples_what_transformers_layers_sample(setup, shared_prompt):
     """Sampled (greedy decodes one row per prompt), with and without rows stopping early (their places in the
     prompt-by-prompt layout left empty): the same ids as transformers' layers over per-row caches, logprobs within
@@ -463,6 +472,7 @@ def test_a_prompt_held_once_per_group_samples_what_transformers_layers_sample(se
     assert shared_prompt["after_rows_left"], "no row left the cache, so empty places were not exercised"
 
 
+@pytest.mark.slow
 def test_a_shared_prompt_decodes_the_same_in_fixed_shapes(setup, shared_prompt, fixed_rows_steps):
     """The CUDA graph's fixed-shape steps (eager here) over a shared prompt sample what the lean steps sample."""
     processor, model, tokens, batch = setup

@@ -97,6 +97,7 @@ def _signal_during(monkeypatch, target, attr, when):
     monkeypatch.setattr(target, attr, wrapped)
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_step_finishes_the_step_saves_and_resumes(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     out = tmp_path / "run"
     from vlrft.trainer import trainer as trainer_module
@@ -111,6 +112,7 @@ def test_ctrl_c_mid_step_finishes_the_step_saves_and_resumes(tmp_path, tiny_vlm_
     assert steps(out) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sigterm_mid_step_saves_that_step_exits_143_and_the_run_resumes(tmp_path, tiny_vlm_dir, shapes):
     """A scheduler's preemption notice to a real `vlrft train` process: the step finishes, is saved, exit 128 + 15."""
     import subprocess
@@ -136,6 +138,7 @@ def test_sigterm_mid_step_saves_that_step_exits_143_and_the_run_resumes(tmp_path
     assert steps(out) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_checkpoint_write_completes_it(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     out = tmp_path / "run"
     _signal_during(monkeypatch, ckpt.torch, "save", lambda obj, path, *a: str(path).endswith("optimizer.pt"))
@@ -167,6 +170,7 @@ def test_ctrl_c_without_save_on_interrupt_stops_at_once(tmp_path, tiny_vlm_dir, 
     assert ckpt.list_checkpoints(out) == [] and not (out / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_and_a_restart_from_scratch_duplicate_nothing(tmp_path, tiny_vlm_dir, shapes,
                                                                           monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -352,6 +356,7 @@ def test_tensorboard_shows_every_kept_step_once_whatever_order_event_files_sort_
     assert [e.step for e in events.Tensors("completions/text_summary")] == [2]
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_an_older_checkpoint_keeps_its_own_newest_and_auto_resumes_it(tmp_path, tiny_vlm_dir,
                                                                                        shapes):
     """Resuming from step 2 of a run that went on to step 6 writes a new step 4: keep-last and resume=auto take the

@@ -85,6 +85,7 @@ def _without_times(records):
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_exact(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     # Off-policy PPO epochs, an adaptive KL controller, running reward normalisation and a cosine schedule:
     # every piece of state a resume must restore.
@@ -315,6 +316,7 @@ def test_wandb_without_the_package_says_which_extra(tmp_path, tiny_vlm_dir, shap
         run(cfg)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     """Real wandb, offline: the run and its resumption log to one wandb run, `vlrft-<run id>` (the lineage id every
     checkpoint keeps), where each start made a new run; WANDB_RUN_ID still names another."""
@@ -336,6 +338,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, tiny_vlm_dir, shapes, m
     assert [p.name for p in (folder / "wandb").glob("offline-run-*")][0].endswith("-chosen-by-the-user")
 
 
+@pytest.mark.slow
 def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     """On GPUs the trainer's forward runs under bf16 autocast over float32 weights and the reference is bf16; the hf
     engine samples under the same autocast, not in float32. VLRFT_CPU_MIXED_PRECISION=1 takes those paths on the
@@ -365,6 +368,7 @@ def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny
     assert any(not torch.equal(before[name], after[name]) for name in before), "the step changed no weight"
 
 
+@pytest.mark.slow
 def test_evaluation_wakes_the_engine_like_a_rollout_and_puts_it_back_to_sleep(tmp_path, tiny_vlm_dir, shapes,
                                                                             monkeypatch):
     """A colocated engine (vLLM/SGLang) takes its GPU memory only between wake and sleep, beside the trainer's state
@@ -409,6 +413,7 @@ def _injected_out_of_memory(*args, **kwargs):
 
 
 @pytest.mark.parametrize("phase", ["sampling", "forward", "optimizer", "evaluation", "reference", "wake", "sync"])
+@pytest.mark.slow
 def test_running_out_of_device_memory_names_the_phase_and_the_options_that_fit_it(
         tmp_path, tiny_vlm_dir, shapes, monkeypatch, capsys, phase):
     from vlrft.cli import main
@@ -481,6 +486,7 @@ def test_reward_functions_are_prepared_before_the_first_step(tmp_path, tiny_vlm_
 
 
 @pytest.mark.parametrize("epochs", [1, 2], ids=["on-policy", "old-policy-pass"])
+@pytest.mark.slow
 def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_dir, shapes, epochs):
     """The engines report logprobs of the top-p truncated distribution they sampled from; the trainer compares them
     with its own on the same scale (the kept mass added back), so a rollout of the current policy weighs 1."""

@@ -53,6 +53,7 @@ def _count_sdpa(monkeypatch) -> list[tuple]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_segments_batched_by_length_equal_sdpa_per_segment_in_values_and_gradients(arch, monkeypatch):
     model, pixel_values, grid = _tower(arch)
     stock = vision_module(model)

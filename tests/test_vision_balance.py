@@ -46,6 +46,7 @@ def run(actor: ActorVL, seqs, agree):
 
 
 @pytest.mark.parametrize("rows", [[2], [2, 3], [0, 2, 3]], ids=["text-row", "text-group-shared", "image-and-text"])
+@pytest.mark.slow
 def test_dummy_vision_calls_run_the_tower_and_change_no_value_or_gradient(mixed_batch, rows):
     folder, batch, completions = mixed_batch
     model = load_policy(folder)

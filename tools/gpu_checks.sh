@@ -66,7 +66,7 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
     echo "no CUDA device visible: nothing more to check here"
     exit 1
 fi
-step cuda_tests 120 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
+step cuda_tests 120 "$PYTHON" -m pytest -m "" -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
     tests/test_rollout_engines_gpu.py tests/test_vision_attention.py tests/test_actor.py -k "cuda or gpu"
 step compiled_decode 240 "$PYTHON" -W "error:rollout.compile_decode:RuntimeWarning" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 \
     --layers 24 --tokens 128 --regimes 2 --repeats 2 --prompt-repeat 20 --compile --skip "group, dynamic cache;\
@@ -74,7 +74,7 @@ group, static cache;group, lean step;group, static, compiled;group, lean, compil
 group, lean, shared prompt"  # the lean step compiled inside the CUDA graph vs eager in it (shared ~270-token prompts)
 step train_bench "${TRAIN_SECONDS:-200}" "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
     --micro-batch "$MICRO_BATCH" --out "$OUT/bench" --json "$OUT/gpu_bench.json"
-step offload_sync 100 "$PYTHON" -m pytest -q -x -p no:cacheprovider \
+step offload_sync 100 "$PYTHON" -m pytest -m "" -q -x -p no:cacheprovider \
     tests/test_fsdp2.py::test_an_offloaded_fsdp2_policy_is_gathered_on_the_gpu_for_weight_sync \
     tests/test_rewards_model.py::test_on_a_gpu_the_reward_model_takes_memory_only_while_it_scores
 step long_prompt_decode 100 "$PYTHON" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 \
