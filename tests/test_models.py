@@ -153,3 +153,62 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exact(tiny_vlm_dir, tmp_path):
+    """FSDP2 shards GLM-4.1V by the classes it lists in `_no_split_modules` (its decoder layers and vision blocks,
+    nothing hard-coded per family); wrapped so in one process (gloo, world size 1, not torchrun), its logits and
+    the LM head's gradient equal the unwrapped model's."""
+    from vlrft.dist.fsdp2 import shard_units
+
+    folder = tiny_vlm_dir("glm4v")
+    model = load_policy(folder)
+    assert set(model._no_split_modules) == {"Glm4vTextDecoderLayer", "Glm4vVisionBlock"}
+    units = shard_units(model)
+    assert sorted(type(u).__name__ for u in units) == ["Glm4vTextDecoderLayer"] * 2 + ["Glm4vVisionBlock"] * 2
+    script = textwrap.dedent(f"""
+        import numpy as np, torch, torch.distributed as dist
+        from PIL import Image
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from vlrft.dist.fsdp2 import shard_units
+        from vlrft.models.loading import load_policy, load_processor
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        processor = load_processor({str(folder)!r})
+        img = Image.fromarray((np.random.RandomState(0).rand(56, 84, 3) * 255).astype("uint8"))
+        text = processor.apply_chat_template([{{"role": "user", "content": [{{"type": "image"}},
+                                               {{"type": "text", "text": "What color?"}}]}}], tokenize=False,
+                                             add_generation_prompt=True)
+        inputs = processor(text=[text], images=[img], return_tensors="pt")
+        plain, sharded = load_policy({str(folder)!r}), load_policy({str(folder)!r})
+        for unit in shard_units(sharded):
+            fully_shard(unit)
+        fully_shard(sharded)
+        assert sum(isinstance(m, FSDPModule) for m in sharded.modules()) == 5
+        a, b = plain(**inputs).logits, sharded(**inputs).logits
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+        a.logsumexp(-1).sum().backward()
+        b.logsumexp(-1).sum().backward()
+        grad = sharded.lm_head.weight.grad.full_tensor()
+        assert torch.allclose(plain.lm_head.weight.grad, grad, atol=1e-6)
+        dist.destroy_process_group()
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_glm4v_lora_targets_its_own_layer_names_and_a_name_it_lacks_is_one_line(tiny_vlm_dir):
+    """LoRA on GLM-4.1V: 'all-linear' and its own names (q/k/v/o_proj, the fused gate_up_proj, down_proj) wrap the
+    language model; Qwen's 'gate_proj', which GLM-4.1V has only in its vision tower, is refused when the tower is
+    frozen instead of training on the rest of the list."""
+    from vlrft.models.actor import apply_lora
+
+    adapted = apply_lora(load_policy(tiny_vlm_dir("glm4v")), 4, 8, 0.0, ["all-linear"], exclude_vision=True)
+    wrapped = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in adapted.named_parameters() if ".lora_A." in n}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"}
+    assert not any("visual" in n and "lora_" in n for n, _ in adapted.named_parameters())
+    named = apply_lora(load_policy(tiny_vlm_dir("glm4v")), 4, 8, 0.0, ["q_proj", "gate_up_proj"])
+    assert sum(".lora_A." in n for n, _ in named.named_parameters()) == 2 * 2  # two layers, two names
+    with pytest.raises(UserError, match=r"\['gate_proj'\] name no linear layer of Glm4vForConditionalGeneration "
+                                        r"outside the frozen vision tower; its linear layers are .*'gate_up_proj'"):
+        apply_lora(load_policy(tiny_vlm_dir("glm4v")), 4, 8, 0.0, ["q_proj", "gate_proj"], exclude_vision=True)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from vlrft.errors import MissingDependencyError
+from vlrft.errors import MissingDependencyError, UserError
 from vlrft.models.logprobs import SamplingTruncation, token_logprobs
 from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
@@ -346,9 +346,27 @@ def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_m
     targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
     exclude = None
     vision = vision_module(model) if exclude_vision else None
+    vision_name = None
     if vision is not None:
-        name = next(n for n, m in model.named_modules() if m is vision)
-        exclude = re.escape(name) + r"(\..*)?"  # PEFT full-matches it against each module's name
+        vision_name = next(n for n, m in model.named_modules() if m is vision)
+        exclude = re.escape(vision_name) + r"(\..*)?"  # PEFT full-matches it against each module's name
+    if targets != "all-linear":
+        _check_lora_names(model, targets, vision_name)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
                         exclude_modules=exclude)
     return get_peft_model(model, config)
+
+
+def _check_lora_names(model: nn.Module, targets: list[str], vision_name: str | None) -> None:
+    """Refuse plain module names that wrap no linear layer the adapters may reach (outside the vision tower when it is
+    frozen), naming the model's own: families name their layers differently (GLM-4.1V's text MLP is one fused
+    `gate_up_proj` where Qwen has `gate_proj` and `up_proj`, which in GLM-4.1V only exist in the vision tower), and
+    PEFT trains silently on whatever part of the list matches. Dotted names and patterns are left to PEFT."""
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)
+              and not (vision_name and (name == vision_name or name.startswith(vision_name + ".")))}
+    missing = [t for t in targets if t.isidentifier() and t not in linear]
+    if missing:
+        where = " outside the frozen vision tower" if vision_name else ""
+        raise UserError(f"model.lora.target_modules: {missing} name no linear layer of {type(model).__name__}{where}; "
+                        f"its linear layers are {sorted(linear)} (or use ['all-linear'])")
+
