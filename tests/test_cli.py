@@ -65,6 +65,12 @@ def test_bad_model_folders_are_one_line(tmp_path, tiny_vlm_dir):
     (weird / "config.json").write_text('{"model_type": "bert"}')
     (weird / "preprocessor_config.json").write_text("{}")
     assert_one_line_error(vlrft("generate", weird, "hi"), "unknown architecture 'bert'")
+    other = tmp_path / "gemma3"  # an image-text-to-text family vlrft does not support (yet)
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "gemma3"}')
+    (other / "preprocessor_config.json").write_text("{}")
+    assert_one_line_error(vlrft("generate", other, "hi"), "model family 'gemma3'", "not supported by vlrft yet",
+                          "supported: Qwen2-VL (qwen2_vl)", "GLM-4.1V (glm4v)")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()
     (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())

@@ -115,6 +115,17 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
     (weird / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(UserError, match="unknown architecture 'bert'"):
         load_policy(weird)
+    for family in ("gemma3", "llava_onevision", "qwen3_vl_moe"):  # image-text-to-text, but not (yet) tested here
+        other = tmp_path / family
+        other.mkdir()
+        (other / "config.json").write_text(f'{{"model_type": "{family}"}}')
+        (other / "preprocessor_config.json").write_text("{}")
+        for load in (load_policy, load_processor):
+            with pytest.raises(UserError) as error:
+                load(other)
+            assert str(error.value) == (
+                f"model family '{family}' of '{other}' is not supported by vlrft yet; supported: Qwen2-VL (qwen2_vl), "
+                "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), GLM-4.1V (glm4v); check model.path")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()
     (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())

@@ -1,7 +1,8 @@
 """Load a VLM policy and its processor from a local folder or a Hub-format checkpoint.
 
-Works for any `AutoModelForImageTextToText` model with a processor. Without torchvision the
-processor is built image-only (PIL image backend) and asking it for video raises a clear error.
+Loads the families vlrft is tested with (`SUPPORTED_FAMILIES`); any other is refused in one line naming
+them. Without torchvision the processor is built image-only (PIL image backend) and asking it for video
+raises a clear error.
 Mistakes a user can make (wrong path, a folder without a processor, an unknown architecture)
 raise `UserError` with the fix in the message.
 """
@@ -130,14 +131,29 @@ def model_type_of(path: str | Path) -> str:
     return AutoConfig.from_pretrained(str(path)).model_type
 
 
+# The model families vlrft is tested with end to end (a tiny model of each runs the data layer, the trainer's
+# logprobs against a plain transformers forward, the hf engine and a GRPO run in the tests), by `model_type`.
+SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "glm4v": "GLM-4.1V"}
+
+
+def supported_families() -> str:
+    """'Qwen2-VL (qwen2_vl), ...': the supported families as an error message names them."""
+    return ", ".join(f"{name} ({model_type})" for model_type, name in SUPPORTED_FAMILIES.items())
+
+
 def _check_architecture(path: str | Path) -> str:
+    """The checkpoint's `model_type`, refused in one line unless it is a family vlrft supports: another family fails
+    later and deeper (a processor output no layer knows, placeholder tokens of another kind, positions by another
+    rule), or worse, trains on a silently wrong layout."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     model_type = model_type_of(path)
     if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        known = ", ".join(k for k in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if k.startswith("qwen"))
-        raise UserError(f"unknown architecture '{model_type}' in '{path}': vlrft trains models that "
-                        f"AutoModelForImageTextToText can load (e.g. {known}); check model.path")
+        raise UserError(f"unknown architecture '{model_type}' in '{path}': not an image-text-to-text model; vlrft "
+                        f"trains {supported_families()}; check model.path")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise UserError(f"model family '{model_type}' of '{path}' is not supported by vlrft yet; supported: "
+                        f"{supported_families()}; check model.path")
     return model_type
 
 
@@ -184,6 +200,7 @@ def _image_only_processor_class(cls):
 def load_processor(path: str | Path, trust_remote_code: bool = False):
     """Load the processor saved with a model; image-only (PIL backend) when torchvision is absent."""
     local = _check_model_dir(path)
+    _check_architecture(path)  # before the processor of another family fails in its own way
     if local is not None and adapter_base(local) is not None and not any((local / f).is_file() for f in PROCESSOR_FILES):
         return load_processor(adapter_base(local), trust_remote_code)  # an adapter saved without its processor
     if local is not None and not any((local / f).is_file() for f in PROCESSOR_FILES):
