@@ -166,6 +166,7 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exact(tiny_vlm_dir, tmp_path):
     """FSDP2 shards GLM-4.1V by the classes it lists in `_no_split_modules` (its decoder layers and vision blocks,
     nothing hard-coded per family); wrapped so in one process (gloo, world size 1, not torchrun), its logits and

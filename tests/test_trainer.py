@@ -497,6 +497,7 @@ def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_d
     assert len(weights) == 2 and all(abs(w - 1.0) < 1e-4 for w in weights), weights
 
 
+@pytest.mark.slow
 def test_vlrft_train_runs_three_grpo_steps_on_glm4v(tmp_path, tiny_vlm_dir, shapes):
     """`vlrft train` end to end on a tiny GLM-4.1V: three GRPO steps through the CLI (hf engine, the shared-prompt
     forward, AdamW), metrics for each, the weights moved, and a final checkpoint transformers loads as GLM-4.1V."""
