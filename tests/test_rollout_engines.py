@@ -845,3 +845,22 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
         engine.update_weights(moe)
     for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         assert unsyncable_weights(load_policy(tiny_vlm_dir(arch))) == []
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, tiny_vlm_dir, tiny_processor):
+    """GLM-4.1V trains with the hf engine; vLLM/SGLang (prompt folding, weight names: Qwen's) refuse it before they
+    start, naming the way out, instead of failing inside the server or syncing weights under the wrong names."""
+    from vlrft.errors import UserError
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout import EngineDeps, make_engine
+
+    model = load_policy(tiny_vlm_dir("glm4v"))
+    cfg = Config()
+    cfg.rollout.engine = engine
+    deps = EngineDeps(actor=ActorVL(model, model.config.image_token_id, model.config.video_token_id),
+                      processor=tiny_processor("glm4v"), tokens=None, strategy=None, prompts_per_rank=1)
+    with pytest.raises(UserError, match=f"rollout.engine={engine} is not tested with model family 'glm4v' "
+                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl\); use rollout.engine=hf"):
+        make_engine(cfg, deps)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, EngineDeps, RolloutEngine, Rollouts, SamplingParams
 
 ENGINES = ("hf", "vllm", "sglang")
+# The model families each engine server is tested with (tests/test_engine_contracts.py, tests/test_vllm_executed.py);
+# the hf engine runs every family vlrft loads (vlrft.models.loading.SUPPORTED_FAMILIES).
+SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
@@ -18,8 +21,23 @@ def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
     return engine
 
 
+def _check_engine_family(name: str, actor) -> None:
+    """Refuse a server engine for a family its prompt folding and weight names were never tested with (GLM-4.1V's
+    placeholders and layer names are not Qwen's), in one line naming the way out, before the engine starts."""
+    from vlrft.errors import UserError
+    from vlrft.models.actor import base_of
+
+    model = getattr(actor, "model", None)
+    model_type = getattr(getattr(base_of(model), "config", None), "model_type", None) if model is not None else None
+    tested = SERVER_ENGINE_FAMILIES.get(name)
+    if tested and isinstance(model_type, str) and model_type not in tested:
+        raise UserError(f"rollout.engine={name} is not tested with model family '{model_type}' (only with "
+                        f"{', '.join(tested)}); use rollout.engine=hf")
+
+
 def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
     name = cfg.rollout.engine
+    _check_engine_family(name, getattr(deps, "actor", None))
     if name == "hf":
         from vlrft.rollout.hf import HFEngine
 
