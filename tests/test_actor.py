@@ -274,6 +274,7 @@ def test_critic_values_are_float32_under_the_trainers_autocast(group_batch):
     assert torch.allclose(values, expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_under_gradient_checkpointing_the_rows_copies_of_a_shared_prompt_live_one_layer_at_a_time():
     """Each completion row attends to its prompt's keys/values through a per-row copy. Made inside each layer's call
     (under gradient checkpointing, made again by its replay), the copies of all layers are not held through the whole
@@ -343,6 +344,7 @@ def test_the_critic_runs_each_prompt_once_and_gives_the_values_of_the_full_forwa
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the CUDA variant needs a CUDA device and none is visible"))])
+@pytest.mark.slow
 def test_under_gradient_checkpointing_the_forward_holds_no_low_precision_copy_of_every_weight(monkeypatch, device):
     """On GPUs the trainer's forwards run under bf16 autocast over float32 weights. torch's autocast keeps the bf16
     copy of each weight it casts until its region ends: at the end of a forward, a copy of the whole model (7 GiB for

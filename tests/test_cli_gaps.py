@@ -51,6 +51,7 @@ def lora_checkpoint(tmp_path_factory, tiny_vlm_dir, shapes):
     return model
 
 
+@pytest.mark.slow
 def test_generate_and_export_load_a_lora_checkpoint_merged_into_its_base(tmp_path, lora_checkpoint, tiny_vlm_dir,
                                                                          capsys):
     Image.fromarray(np.full((56, 56, 3), 120, np.uint8)).save(tmp_path / "a.png")

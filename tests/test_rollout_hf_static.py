@@ -37,6 +37,7 @@ def _assert_same(a, b):
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_static_cache_greedy_ids_and_logprobs_equal_the_dynamic_cache(setup):
     sampling = SamplingParams(n=1, max_new_tokens=10, temperature=0.0)
     _assert_same(_run(setup, sampling, static_cache=True), _run(setup, sampling, static_cache=False))

@@ -279,6 +279,7 @@ def test_sampled_eval_reports_pass_at_k(tmp_path, tiny_vlm_dir, shapes):
         assert 0 < h["eval/pass@3"] <= 1  # token parity is right about half the time: some prompt passes
 
 
+@pytest.mark.slow
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_vlm_dir, shapes, monkeypatch):
     from vlrft.trainer import checkpoint
 
@@ -300,6 +301,7 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, tiny_vlm_d
     assert (tmp_path / "run" / "checkpoints" / "step_2" / "optimizer.pt").is_file()
 
 
+@pytest.mark.slow
 def test_keep_last_prunes_old_checkpoints(tmp_path, tiny_vlm_dir, shapes):
     from vlrft.trainer import checkpoint
 
