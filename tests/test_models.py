@@ -159,6 +159,21 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
                 assert "torchvision" in str(exc), exc
             else:
                 raise AssertionError("video without torchvision did not raise")
+        # GLM-4.1V, built and loaded without torchvision: its PIL image processor, and an image fitted by the data
+        # layer to its bound (28 * 28 * 16 pixels, stored doubled for two frames) passes it unchanged
+        from vlrft.config import DataConfig
+        from vlrft.data import PromptEncoder, Sample
+        glm = str(build_tiny_vlm({str(tmp_path / 'glm4v')!r}, TinySpec(arch="glm4v")))
+        proc = load_processor(glm)
+        assert type(proc).__name__ == "Glm4vProcessor" and type(proc.image_processor).__name__ == "Glm4vImageProcessorPil"
+        Image.fromarray((np.random.RandomState(0).rand(256, 256, 3) * 255).astype("uint8")).save({str(tmp_path / 'big.png')!r})
+        batch = PromptEncoder(proc, DataConfig()).encode([Sample("big", "<image>What color?",
+                                                                 images=[{str(tmp_path / 'big.png')!r}])]).batch
+        assert batch.images[0][0].size == (112, 112) and batch.visual.image_grid_thw.tolist() == [[1, 8, 8]]
+        import torch
+        ids = torch.tensor(batch.prompt_ids)
+        load_policy(glm)(input_ids=ids, mm_token_type_ids=(ids == proc.image_token_id).long(),
+                         **batch.visual.model_inputs())
         print("OK")
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
