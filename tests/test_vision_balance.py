@@ -18,7 +18,7 @@ from vlrft.models.vision_balance import VisualKinds
 from vlrft.tokens import TokenSpec
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
@@ -28,7 +28,8 @@ def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     Image.new("RGB", (56, 84), (200, 40, 40)).save(root / "a.png")
     samples = [Sample(id="image", prompt="<image>Color?", images=[str(root / "a.png")]), Sample(id="text", prompt="Hi")]
     batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=6272)).encode(samples).batch
-    completions = [[11, 12, 13], [14, 15], [16], [17, 18]]  # two completions per prompt
+    # two completions per prompt; ordinary text ids past every family's special tokens (GLM-4.1V's <|image|> is 11)
+    completions = [[111, 112, 113], [114, 115], [116], [117, 118]]
     return folder, batch, completions
 
 
@@ -98,10 +99,10 @@ def _multiturn_rows(folder, batch, rows: list[int], tool_image_rows: set[int]):
     merge = batch.visual.merge_size
     completions, visuals = [], []
     for r in range(4):
-        turn = [11 + r, 12]
+        turn = [111 + r, 112]  # text ids past every family's special tokens
         images = [Image.new("RGB", (56, 56), (30, 160, 60 + 40 * r))] if r in tool_image_rows else []
         ids, visual, _ = observations.encode(ToolOutput(text="seen", images=images), turn, merge)
-        completions.append(turn + ids + [13, 14 + r])
+        completions.append(turn + ids + [113, 114 + r])
         visuals.append(visual if images else VisualBatch.empty(1, merge))
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1],
                            TokenSpec.from_model(processor, load_policy(folder).config).pad_id, rows)
