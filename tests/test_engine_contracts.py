@@ -113,7 +113,13 @@ def test_vllm_llm_methods_and_keywords(vllm):
     llm = vllm.LLM
     assert {"prompts", "sampling_params", "use_tqdm"} <= parameters(llm.generate)
     assert "level" in parameters(llm.sleep) and "tags" in parameters(llm.wake_up)
-    assert "func" in parameters(llm.apply_model)
+    # Weight sync: one in-place reload per sync, run by the worker (`VLLMBackend.load`).
+    assert {"method", "kwargs"} <= parameters(llm.collective_rpc)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker  # the CPU worker is a subclass: one reload path on both
+
+    assert callable(Worker.reload_weights)  # forwards to the model runner's
+    assert {"weights_iterator", "is_checkpoint_format"} <= parameters(GPUModelRunner.reload_weights)
     assert inspect.signature(llm.reset_prefix_cache).return_annotation in (bool, "bool")  # we check its answer
     assert inspect.signature(llm.wake_up).return_annotation in (bool, "bool")
     assert callable(llm.reset_mm_cache)
