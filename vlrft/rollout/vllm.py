@@ -216,8 +216,10 @@ class VLLMEngine(ColocatedEngine):
         vllm = require("vllm", "rollout.engine=vllm", extra="vllm")
         strategy = deps.strategy
         layout, comm = tensor_parallel_group(cfg, strategy.rank, strategy.world_size)
-        # Under torchrun the process group exists: vLLM joins it (external launcher) instead of making its own.
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # Under torchrun the process group exists: vLLM joins it (external launcher, which reads RANK / LOCAL_RANK)
+        # instead of making its own. A group without torchrun's variables is one an earlier in-process vLLM made
+        # for itself: a new engine makes its own again.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and "RANK" in os.environ
         # The engine core must live in this process: the policy's tensors are loaded into its model.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
