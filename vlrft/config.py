@@ -539,30 +539,8 @@ class Config:
                   "0 (off: micro-batches of micro_batch_completions_per_rank rows) or a positive token budget")
         _positive("train.ppo_epochs", t.ppo_epochs)
         _positive("data.max_prompt_length", self.data.max_prompt_length)
-        d = self.data
-        _positive("data.min_pixels", d.min_pixels)
-        _positive("data.video_max_frames", d.video_max_frames)
-        _positive("data.max_source_pixels", d.max_source_pixels)
-        if d.max_pixels < d.min_pixels:
-            _fail("data.max_pixels", d.max_pixels, f"at least data.min_pixels={d.min_pixels}")
-        if d.video_fps <= 0:
-            _fail("data.video_fps", d.video_fps, "a number > 0 (frames sampled per second of video)")
-        if d.max_aspect_ratio < 1:
-            _fail("data.max_aspect_ratio", d.max_aspect_ratio, "a number >= 1")
-        if r.engine != "hf":
-            if not 0 < r.gpu_memory_utilization <= 1:
-                _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a fraction in (0, 1]")
-            _positive("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
-            _positive("rollout.tensor_parallel_size", r.tensor_parallel_size)
-            if world % r.tensor_parallel_size:
-                _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
-                      f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
-            if per_node is None:
-                per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this node
-            if per_node % r.tensor_parallel_size:
-                _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
-                      f"a divisor of the processes per node ({per_node}): an engine's group of ranks must stay on "
-                      "one node (torchrun numbers a node's ranks consecutively)")
+        self._validate_data()
+        self._validate_engine(world, per_node)
         if r.global_batch_completions % r.n:
             _fail("rollout.global_batch_completions", r.global_batch_completions,
                   f"a multiple of rollout.n={r.n} (each prompt's group of {r.n} completions stays whole)")
@@ -580,6 +558,60 @@ class Config:
                       f"a divisor of rollout.global_batch_completions={r.global_batch_completions}")
             if mini % world:
                 _fail("train.global_mini_batch_completions", mini, f"a multiple of world_size={world}")
+        self._validate_algorithm()
+        if t.lr <= 0:
+            _fail("train.lr", t.lr, "a number > 0")
+        if len(t.adam_betas) != 2:
+            _fail("train.adam_betas", t.adam_betas, "two numbers, e.g. [0.9, 0.999]")
+        if t.resume not in ("none", "auto") and not Path(t.resume).exists():
+            _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
+        if t.strategy == "single" and world > 1:
+            _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
+        self.reward.validate()
+        if t.fsdp.offload_during_rollout and r.engine == "hf":
+            _fail("train.fsdp.offload_during_rollout", True, "false or null with rollout.engine=hf (the hf engine "
+                  "generates with the trainer's weights, which must stay on the GPU)")
+        if t.deepspeed.zero_stage not in (2, 3):
+            _fail("train.deepspeed.zero_stage", t.deepspeed.zero_stage, "2 or 3")
+        if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:
+            _fail("train.deepspeed.offload_param", True, "false with zero_stage=2 (only ZeRO-3 shards the weights)")
+        return self
+
+    def _validate_data(self) -> None:
+        """The data section: pixel bounds, frame sampling, aspect ratio."""
+        d = self.data
+        _positive("data.min_pixels", d.min_pixels)
+        _positive("data.video_max_frames", d.video_max_frames)
+        _positive("data.max_source_pixels", d.max_source_pixels)
+        if d.max_pixels < d.min_pixels:
+            _fail("data.max_pixels", d.max_pixels, f"at least data.min_pixels={d.min_pixels}")
+        if d.video_fps <= 0:
+            _fail("data.video_fps", d.video_fps, "a number > 0 (frames sampled per second of video)")
+        if d.max_aspect_ratio < 1:
+            _fail("data.max_aspect_ratio", d.max_aspect_ratio, "a number >= 1")
+
+    def _validate_engine(self, world: int, per_node: int | None) -> None:
+        """vLLM / SGLang: memory share, sync buckets, and tensor-parallel groups that fit the processes and nodes."""
+        r = self.rollout
+        if r.engine == "hf":
+            return
+        if not 0 < r.gpu_memory_utilization <= 1:
+            _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a fraction in (0, 1]")
+        _positive("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
+        _positive("rollout.tensor_parallel_size", r.tensor_parallel_size)
+        if world % r.tensor_parallel_size:
+            _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
+                  f"a divisor of the number of processes ({world}); each group of that many ranks shares one engine")
+        if per_node is None:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this node
+        if per_node % r.tensor_parallel_size:
+            _fail("rollout.tensor_parallel_size", r.tensor_parallel_size,
+                  f"a divisor of the processes per node ({per_node}): an engine's group of ranks must stay on "
+                  "one node (torchrun numbers a node's ranks consecutively)")
+
+    def _validate_algorithm(self) -> None:
+        """The algorithm section: clip ranges, estimator names and the numbers each estimator needs."""
+        r, a = self.rollout, self.algorithm
         if not 0 <= a.clip_eps_low < 1:
             _fail("algorithm.clip_eps_low", a.clip_eps_low, "a number in [0, 1)")
         if a.clip_eps_high < 0:
@@ -615,23 +647,6 @@ class Config:
                 _fail(f"algorithm.{key}", getattr(a, key), allowed)
         if a.overlong_buffer >= r.max_new_tokens and a.overlong_buffer > 0:
             _fail("algorithm.overlong_buffer", a.overlong_buffer, f"less than rollout.max_new_tokens={r.max_new_tokens}")
-        if t.lr <= 0:
-            _fail("train.lr", t.lr, "a number > 0")
-        if len(t.adam_betas) != 2:
-            _fail("train.adam_betas", t.adam_betas, "two numbers, e.g. [0.9, 0.999]")
-        if t.resume not in ("none", "auto") and not Path(t.resume).exists():
-            _fail("train.resume", t.resume, "'none', 'auto' or the path of an existing checkpoint folder")
-        if t.strategy == "single" and world > 1:
-            _fail("train.strategy", t.strategy, f"'ddp', 'fsdp2' or 'deepspeed' when running {world} processes")
-        self.reward.validate()
-        if t.fsdp.offload_during_rollout and r.engine == "hf":
-            _fail("train.fsdp.offload_during_rollout", True, "false or null with rollout.engine=hf (the hf engine "
-                  "generates with the trainer's weights, which must stay on the GPU)")
-        if t.deepspeed.zero_stage not in (2, 3):
-            _fail("train.deepspeed.zero_stage", t.deepspeed.zero_stage, "2 or 3")
-        if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:
-            _fail("train.deepspeed.offload_param", True, "false with zero_stage=2 (only ZeRO-3 shards the weights)")
-        return self
 
 
 # (key, test, what is allowed) for numbers whose range no other check covers; every float must also be finite.
