@@ -362,23 +362,10 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     position = positions[:, rows, -1]  # [3, rows]: the last prompt position
     if cuda_graph is None:
         cuda_graph = device.type == "cuda"
-    # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
-    fixed = cuda_graph and max_new > WARMUP_STEPS
-    if use_lean:
-        if autocast_on:
-            # The prefill's weight casts stay in autocast's cache until the region ends; the lean steps cast (and
-            # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
-            torch.clear_autocast_cache()
-        share = sampling.n > 1 and prompt_len >= SHARED_PROMPT_TOKENS
-        decoder = LeanDecoder(backbone.language_model, prefill_cache, rows, mask[rows], position[0], max_new,
-                              fixed_shapes=fixed, share_prompt=share, compiled=compile_step)
-        if fixed:
-            decoder = CudaGraphDecoder(decoder) if device.type == "cuda" else FixedRowsDecoder(decoder)
-    else:
-        decoder = _TransformersDecoder(backbone, prefill_cache, rows, mask[rows], position, max_new, mm.dtype,
-                                       static_cache, compile_step)
-    if not (use_lean and fixed):  # fixed-shape steps keep every row anyway
-        decoder = HalvingRowsDecoder(decoder, len(rows))
+    decoder = _make_decoder(backbone, prefill_cache, rows, mask[rows], position, max_new, mm.dtype,
+                            lean=use_lean, cuda_graph=cuda_graph, autocast_on=autocast_on,
+                            share_prompt=sampling.n > 1 and prompt_len >= SHARED_PROMPT_TOKENS,
+                            static_cache=static_cache, compile_step=compile_step)
     prefill_cache = None  # it now lives in the decoder
     total = len(rows)
     # Buffers for every position the group can reach, written in place: the history (prompt + generated
@@ -390,11 +377,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     lengths = torch.zeros(total, dtype=torch.long, device=device)
     stopped = torch.zeros(total, dtype=torch.bool, device=device)
     processors = step_processors(sampling, suppressed_ids, head.weight.shape[0], device)
-    stop_strings = None
-    if sampling.stop:
-        from transformers import StopStringCriteria
-
-        stop_strings = StopStringCriteria(tokenizer, list(sampling.stop))
+    stop_strings = _stop_string_criteria(tokenizer, sampling.stop)
     stop_tensor = torch.tensor(sorted(stop_ids), device=device)
 
     alive = torch.arange(total, device=device)  # original row of each running row
@@ -409,16 +392,8 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
             scores = processor(seen, scores)
         if step < sampling.min_new_tokens:  # too early to stop
             scores = scores.index_fill(1, stop_tensor, float("-inf"))
-        if sampling.greedy:
-            tokens = scores.argmax(dim=-1)
-        else:
-            tokens = sample_tokens(torch.softmax(scores, dim=-1))
-        # NaN probabilities make the inverse CDF answer `vocab` (out of range): such an id never reaches an index
-        # operation (clamped here, the call refused below); a NaN row's argmax is in range but its logprob is NaN.
-        broken |= (tokens >= vocab).any()
-        tokens = tokens.clamp(max=vocab - 1)
-        token_logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        broken |= token_logprobs.isnan().any()
+        tokens, token_logprobs, not_finite = _next_tokens(scores, sampling.greedy, vocab)
+        broken |= not_finite
         history[:, prompt_len + step] = tokens
         out_ids[alive, step] = tokens
         out_logprobs[alive, step] = token_logprobs
@@ -442,8 +417,58 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
         raise DivergedError("sampling: the policy's next-token distribution is not finite (NaN or inf logits): its "
                             "weights have diverged. Lower train.lr or train.max_grad_norm and resume from the last "
                             "checkpoint saved before it (train.resume=auto, or train.resume=<checkpoint>)")
+    return _decoded_rows(out_ids, out_logprobs, lengths, stopped)
+
+
+def _stop_string_criteria(tokenizer, stop: tuple[str, ...]):
+    """transformers' stop-string matcher over the token history, or None without stop strings."""
+    if not stop:
+        return None
+    from transformers import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, list(stop))
+
+
+def _decoded_rows(out_ids: torch.Tensor, out_logprobs: torch.Tensor, lengths: torch.Tensor,
+                  stopped: torch.Tensor) -> DecodedRows:
+    """Each row's ids and logprobs up to its length, and its finish reason: one host copy of each buffer."""
     ids_out, lp_out = out_ids.tolist(), out_logprobs.tolist()
     lengths_out, stopped_out = lengths.tolist(), stopped.tolist()
     return DecodedRows([row[:k] for row, k in zip(ids_out, lengths_out)],
                        [row[:k] for row, k in zip(lp_out, lengths_out)],
                        [FINISH_STOP if s else FINISH_LENGTH for s in stopped_out])
+
+
+def _make_decoder(backbone, prefill_cache, rows: torch.Tensor, row_mask: torch.Tensor, position: torch.Tensor,
+                  max_new: int, mm_dtype: torch.dtype, *, lean: bool, cuda_graph: bool, autocast_on: bool,
+                  share_prompt: bool, static_cache: bool, compile_step: bool):
+    """The decoder of `decode_groups`: the lean step (fixed shapes under a CUDA graph, or replayed eagerly off CUDA)
+    or transformers' layers, rows that stop dropped by `HalvingRowsDecoder` unless the shapes are fixed."""
+    # The capture's warm-up steps write slots of their own: a call too short for them decodes without a graph.
+    fixed = cuda_graph and max_new > WARMUP_STEPS
+    if lean:
+        if autocast_on:
+            # The prefill's weight casts stay in autocast's cache until the region ends; the lean steps cast (and
+            # concatenate) their own, so drop those: one bf16 copy of the weights while decoding, not two.
+            torch.clear_autocast_cache()
+        decoder = LeanDecoder(backbone.language_model, prefill_cache, rows, row_mask, position[0], max_new,
+                              fixed_shapes=fixed, share_prompt=share_prompt, compiled=compile_step)
+        if fixed:  # fixed-shape steps keep every row anyway
+            return CudaGraphDecoder(decoder) if row_mask.device.type == "cuda" else FixedRowsDecoder(decoder)
+    else:
+        decoder = _TransformersDecoder(backbone, prefill_cache, rows, row_mask, position, max_new, mm_dtype,
+                                       static_cache, compile_step)
+    return HalvingRowsDecoder(decoder, len(rows))
+
+
+def _next_tokens(scores: torch.Tensor, greedy: bool, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's ids and their logprobs from the processed scores, and whether the distribution was not finite.
+
+    NaN probabilities make the inverse CDF answer `vocab` (out of range): such an id never reaches an index
+    operation (clamped here, the call refused by the caller); a NaN row's argmax is in range but its logprob is NaN.
+    """
+    tokens = scores.argmax(dim=-1) if greedy else sample_tokens(torch.softmax(scores, dim=-1))
+    broken = (tokens >= vocab).any()
+    tokens = tokens.clamp(max=vocab - 1)
+    token_logprobs = torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, token_logprobs, broken | token_logprobs.isnan().any()
