@@ -415,7 +415,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     """Per-GPU bytes of `cfg` (a `vlrft.config.Config`) for `shape` on `hardware` under `strategy`, with the
     GPU reward models `reward_models` (`vlrft.plan.reward_models.reward_model_shapes`)."""
     world = hardware.world_size
-    m, r, t, a, d = cfg.model, cfg.rollout, cfg.train, cfg.algorithm, cfg.data
+    m, r, a, d = cfg.model, cfg.rollout, cfg.algorithm, cfg.data
     params = shape.num_parameters
     if m.lora.rank > 0:
         trainable = shape.lora_parameters(m.lora.rank, m.lora.target_modules, exclude_vision=m.freeze_vision_tower)
@@ -423,7 +423,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         trainable = params - (shape.count("vision") if m.freeze_vision_tower else 0)
     hi = 2 if strategy.mixed_precision else 4
     policy = _model_state(params, trainable, shape, strategy, world)
-    both, train, rollout = ("rollout", "train"), ("train",), ("rollout",)
+    both, train = ("rollout", "train"), ("train",)
     # train.fsdp.offload_during_rollout: the shards, moments, reference and critic are in host memory while the
     # engine samples (`host_memory` counts them there)
     resident = train if _offloaded_during_rollout(cfg, strategy) else both
@@ -457,27 +457,9 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     seq_len = d.max_prompt_length + r.tokens_after_prompt  # a trajectory with tools
     patches = prompt_patches(cfg, shape, images_per_prompt, videos_per_prompt)
     media = f"{images_per_prompt} image(s)" + (f" and {videos_per_prompt} video(s)" if videos_per_prompt else "")
-    if t.max_tokens_per_micro_batch > 0:
-        # A token budget bounds the forward's tokens, not its rows (a row longer than the budget runs alone). Each
-        # prompt's vision tokens count in the budget (merge^2 patches each), which so bounds the patches too.
-        tokens = max(t.max_tokens_per_micro_batch, seq_len)
-        prompts = max(1, cfg.prompts_per_step // world)
-        vision = min(prompts * patches, tokens * shape.vision.spatial_merge_size ** 2)
-        what = f"token budget {tokens} tokens per micro-batch (train.max_tokens_per_micro_batch)"
-        completion_tokens = tokens  # short completions of many rows can fill the budget
-        prompt_tokens = min(prompts * d.max_prompt_length, tokens)
-        rows = min(prompts * r.n, tokens)  # at most the rank's rows, one token each at least
-    else:
-        # The shared-prompt forward runs each distinct prompt once and the rows' completions after it; a micro-batch's
-        # rows come from ceil(rows / n) groups, one more when it starts inside a group (rows left out, filtering).
-        rows = t.micro_batch_completions_per_rank
-        prompts = min(rows, -(-rows // max(1, r.n)) + (1 if rows > 1 else 0))
-        tokens = prompts * d.max_prompt_length + rows * r.tokens_after_prompt
-        vision = prompts * patches
-        what = (f"micro-batch of {rows} rows: {prompts} prompt(s) of {d.max_prompt_length} tokens, once each, and "
-                f"{rows} x {r.tokens_after_prompt} after them")
-        completion_tokens = rows * r.tokens_after_prompt
-        prompt_tokens = prompts * d.max_prompt_length
+    batch = micro_batch_size(cfg, shape, world, patches, seq_len)
+    tokens, vision, rows, what = batch.tokens, batch.vision_patches, batch.rows, batch.what
+    completion_tokens, prompt_tokens = batch.completion_tokens, batch.prompt_tokens
     copies = completion_pass_bytes(shape, rows, d.max_prompt_length, completion_tokens, r.tokens_after_prompt,
                                    m.gradient_checkpointing, hi)
     acts = activation_bytes(shape, tokens, vision, m.gradient_checkpointing, hi) + copies
@@ -505,7 +487,72 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
                                "(model.gradient_checkpointing: true keeps one layer's at a time)"))
     comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
+    engine, kv_avail, kv_needed = engine_components(cfg, shape, hardware, strategy, hi, patches, seq_len)
+    comps += engine
+    rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
+    comps += rm_gpu
+    comps.append(Component("cuda_reserve", CUDA_RESERVE, ("load", *both), "CUDA context, NCCL buffers, allocator slack"))
+    plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
+                      hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
+                      engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
+                      host=host_memory(cfg, shape, hardware, strategy, params, trainable) + rm_host)
+    if suggest and not plan.fits:
+        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan, reward_models,
+                                       videos_per_prompt)
+    return plan
+
+
+@dataclass(frozen=True)
+class MicroBatchSize:
+    """What one training micro-batch holds at most, as the activation terms count it."""
+
+    tokens: int  # the forward's tokens
+    vision_patches: int
+    rows: int
+    prompt_tokens: int
+    completion_tokens: int
+    what: str  # how it was bounded, for the plan's notes
+
+
+def micro_batch_size(cfg, shape: ModelShape, world: int, patches: int, seq_len: int) -> MicroBatchSize:
+    """The largest micro-batch a rank trains on: bounded by `train.max_tokens_per_micro_batch` when set, else by
+    `train.micro_batch_completions_per_rank` rows over the prompts they come from. `patches`: vision patches per
+    prompt; `seq_len`: a trajectory's tokens."""
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    if t.max_tokens_per_micro_batch > 0:
+        # A token budget bounds the forward's tokens, not its rows (a row longer than the budget runs alone). Each
+        # prompt's vision tokens count in the budget (merge^2 patches each), which so bounds the patches too.
+        tokens = max(t.max_tokens_per_micro_batch, seq_len)
+        prompts = max(1, cfg.prompts_per_step // world)
+        vision = min(prompts * patches, tokens * shape.vision.spatial_merge_size ** 2)
+        what = f"token budget {tokens} tokens per micro-batch (train.max_tokens_per_micro_batch)"
+        completion_tokens = tokens  # short completions of many rows can fill the budget
+        prompt_tokens = min(prompts * d.max_prompt_length, tokens)
+        rows = min(prompts * r.n, tokens)  # at most the rank's rows, one token each at least
+    else:
+        # The shared-prompt forward runs each distinct prompt once and the rows' completions after it; a micro-batch's
+        # rows come from ceil(rows / n) groups, one more when it starts inside a group (rows left out, filtering).
+        rows = t.micro_batch_completions_per_rank
+        prompts = min(rows, -(-rows // max(1, r.n)) + (1 if rows > 1 else 0))
+        tokens = prompts * d.max_prompt_length + rows * r.tokens_after_prompt
+        vision = prompts * patches
+        what = (f"micro-batch of {rows} rows: {prompts} prompt(s) of {d.max_prompt_length} tokens, once each, and "
+                f"{rows} x {r.tokens_after_prompt} after them")
+        completion_tokens = rows * r.tokens_after_prompt
+        prompt_tokens = prompts * d.max_prompt_length
+    return MicroBatchSize(tokens, vision, rows, prompt_tokens, completion_tokens, what)
+
+
+def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, hi: int, patches: int,
+                      seq_len: int) -> tuple[list[Component], int | None, int | None]:
+    """The rollout engine's memory (its KV cache, weights, prefill), and for vLLM/SGLang the KV bytes it has and
+    needs for one sequence (None for the hf engine). `hi`: bytes of the compute dtype; `patches`: vision patches per
+    prompt; `seq_len`: a trajectory's tokens."""
+    m, r, d = cfg.model, cfg.rollout, cfg.data
+    world, params = hardware.world_size, shape.num_parameters
+    rollout, train = ("rollout",), ("train",)
     kv_avail = kv_needed = None
+    comps: list[Component] = []
     if r.engine == "hf":
         prompts = cfg.prompts_per_step // world
         rows = prompts * r.n
@@ -549,17 +596,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         if not r.sleep_between_steps:
             comps.append(Component("engine_awake_in_training", budget, train,
                                    "rollout.sleep_between_steps=false: the engine keeps its memory while training"))
-    rm_gpu, rm_host = reward_model_components(reward_models, min(hardware.gpus_per_node, world))
-    comps += rm_gpu
-    comps.append(Component("cuda_reserve", CUDA_RESERVE, ("load", *both), "CUDA context, NCCL buffers, allocator slack"))
-    plan = MemoryPlan(model=shape.source, parameters=params, trainable=trainable, strategy=strategy.describe(),
-                      hardware=hardware, gradient_checkpointing=m.gradient_checkpointing, components=comps,
-                      engine_kv_bytes=kv_avail, engine_kv_needed=kv_needed,
-                      host=host_memory(cfg, shape, hardware, strategy, params, trainable) + rm_host)
-    if suggest and not plan.fits:
-        plan.suggestions = suggestions(cfg, shape, hardware, strategy, images_per_prompt, plan, reward_models,
-                                       videos_per_prompt)
-    return plan
+    return comps, kv_avail, kv_needed
 
 
 # ------------------------------------------------------------------ what to change
