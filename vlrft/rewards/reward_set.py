@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlrft.daemon_calls import call_in_daemon_thread
 from vlrft.errors import ConfigError, UserError
 from vlrft.rewards.registry import resolve_reward
 from vlrft.rewards.types import TOTAL_KEY, RewardError, RewardResult, RewardSampleError, RewardStats, reward_metrics
@@ -418,30 +419,7 @@ async def _invoke(c: RewardCallable, completions: list[str], kwargs: dict[str, A
     """
     if c.is_async:
         return await c.fn(completions, **kwargs)
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def deliver(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def target() -> None:
-        try:
-            result = c.fn(completions, **kwargs)
-        except BaseException as exc:  # handed to the event loop, which re-raises it
-            callback = (deliver, future.set_exception, exc)
-        else:
-            callback = (deliver, future.set_result, result)
-        try:
-            loop.call_soon_threadsafe(*callback)
-        except RuntimeError:  # the loop is gone: the call timed out and scoring moved on
-            pass
-
-    thread = threading.Thread(target=target, name=f"vlrft-reward-{c.key}", daemon=True)
-    if started is not None:
-        started.append(thread)
-    thread.start()
-    result = await future
+    result = await call_in_daemon_thread(lambda: c.fn(completions, **kwargs), f"vlrft-reward-{c.key}", started)
     if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
         result = await result
     return result

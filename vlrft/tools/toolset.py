@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from vlrft.daemon_calls import call_in_daemon_thread
 from vlrft.registry import TOOLS
 from vlrft.tools.parsing import MalformedCall
 from vlrft.tools.types import ToolCall, ToolConfigError, ToolContext, ToolOutput, ToolStats
@@ -265,32 +266,16 @@ class _ToolRaised(Exception):
 async def _in_thread(tool_: Tool, call: ToolCall, context: ToolContext, started: list[threading.Thread]) -> Any:
     """The tool's value, computed in a daemon thread (appended to `started`); an async tool (or a sync one returning
     an awaitable) is awaited on an event loop of that thread. A daemon thread, not a ThreadPoolExecutor: a call that
-    hangs past the timeout cannot be killed, and an executor's worker would block the interpreter's exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
+    hangs past the timeout cannot be killed (`vlrft.daemon_calls`)."""
 
-    def deliver(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def target() -> None:
+    def run() -> Any:
         try:
             value = tool_.fn(call, context)
-            if inspect.isawaitable(value):
-                value = asyncio.run(_awaited(value))
+            return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
         except BaseException as exc:  # handed to the rollout's loop, which decides
-            callback = (deliver, future.set_exception, _ToolRaised(exc))
-        else:
-            callback = (deliver, future.set_result, value)
-        try:
-            loop.call_soon_threadsafe(*callback)
-        except RuntimeError:  # the loop is gone: the call timed out and the rollout moved on
-            pass
+            raise _ToolRaised(exc) from None
 
-    thread = threading.Thread(target=target, name=f"vlrft-tool-{tool_.name}", daemon=True)
-    started.append(thread)
-    thread.start()
-    return await future
+    return await call_in_daemon_thread(run, f"vlrft-tool-{tool_.name}", started)
 
 
 async def _awaited(awaitable: Any) -> Any:
