@@ -528,7 +528,7 @@ class Config:
         not given; `per_node` defaults to the whole world when neither is known (one node)."""
         world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         validate_numbers(self)
-        r, t, a = self.rollout, self.train, self.algorithm
+        r, t = self.rollout, self.train
         _positive("rollout.n", r.n)
         _positive("rollout.global_batch_completions", r.global_batch_completions)
         _positive("rollout.max_new_tokens", r.max_new_tokens)
