@@ -473,6 +473,18 @@ def test_the_run_folder_hold_refuses_a_live_owner_and_takes_over_a_stale_one(tmp
         assert messages and f"took over the hold of a run that is gone (pid {live.pid} on host {host}" in messages[0]
         hold.release()
         assert not lock.exists()
+        # the holder ended but its parent has not reaped it yet (a zombie, as workers whose launcher was killed
+        # are until init reaps them): gone, not live
+        lock.write_text(json.dumps({"host": host, "pid": live.pid, "process_start": started, "started": 0,
+                                    "heartbeat": time.time(), "token": "zombie"}))
+        live.kill()
+        deadline = time.time() + 10
+        while run_folder._process_state(live.pid) != "Z" and time.time() < deadline:
+            time.sleep(0.01)
+        assert run_folder._process_state(live.pid) == "Z"
+        messages = []
+        RunHold(folder, messages.append).acquire()
+        assert f"took over the hold of a run that is gone (pid {live.pid} on host {host}" in messages[0]
     finally:
         live.kill()
         live.wait()

@@ -146,8 +146,18 @@ def _alive(pid: int, started: str | None) -> bool:
         return False
     except PermissionError:  # another user's process: it exists
         pass
+    if _process_state(pid) == "Z":  # ended, not yet reaped by its parent: not a live run
+        return False
     now = _process_start(pid)
     return started is None or now is None or now == started
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state in /proc (R, S, T, Z, ...), or None where /proc does not say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 class RunHold:
