@@ -8,7 +8,7 @@ A random Qwen2.5-VL-shaped model (float32; the defaults give about 1.0 B paramet
 of vlrft's 2 GiB shard files) is loaded under `torchrun --nproc_per_node 2` (gloo, CPU) with vlrft's FSDP2 or
 DeepSpeed ZeRO-3 strategy, then written to `model/` in one of two ways, each run in its own torchrun, interleaved:
 
-- `vlrft`: `vlrft.dist.hf_export.save_gathered`, what a vlrft checkpoint does: every rank gathers one
+- `vlrft`: `vlrft.parallel.hf_export.save_gathered`, what a vlrft checkpoint does: every rank gathers one
   bucket (at most 2 GiB) at a time and rank 0 writes it as a shard file;
 - `whole state dict`: every weight gathered into rank 0's memory, then `save_pretrained(state_dict=...)`:
   FSDP2 `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, as TRL/accelerate and verl do;
@@ -89,17 +89,17 @@ def worker(strategy_name: str, model_dir: str, method: str, out_dir: str, result
     import torch
     from transformers import AutoProcessor
 
-    from vlrft.dist.hf_export import save_gathered
-    from vlrft.dist.strategy import ModelSource, rank_info_from_env
-    from vlrft.rollout.weights import policy_module
+    from vlrft.parallel.hf_export import save_gathered
+    from vlrft.parallel.strategy import ModelSource, rank_info_from_env
+    from vlrft.models.weights import policy_module
 
     torch.set_num_threads(1)
     if strategy_name == "deepspeed":
-        from vlrft.dist.deepspeed import DeepSpeedStrategy
+        from vlrft.parallel.deepspeed import DeepSpeedStrategy
 
         strategy = DeepSpeedStrategy(rank_info_from_env(), None)  # ZeRO-3, float32
     else:
-        from vlrft.dist.fsdp2 import FSDP2Strategy
+        from vlrft.parallel.fsdp2 import FSDP2Strategy
 
         strategy = FSDP2Strategy(rank_info_from_env(), None)
     model = strategy.load_model(ModelSource(model_dir), trainable=True)

@@ -47,13 +47,13 @@ def worker(name: str, model_dir: str, out: str) -> None:
     import torch
 
     from vlrft.config import load_config
-    from vlrft.dist.strategy import ModelSource, make_strategy
+    from vlrft.parallel.strategy import ModelSource, make_strategy
 
     kind = "deepspeed" if name.startswith("zero") else name.removesuffix("_read_f32")
     if name.endswith("_read_f32"):
-        import vlrft.dist.fsdp2
+        import vlrft.parallel.fsdp2
 
-        vlrft.dist.fsdp2._read_dtype = lambda source, config: source.dtype
+        vlrft.parallel.fsdp2._read_dtype = lambda source, config: source.dtype
     cfg = load_config(None, [f"train.strategy={kind}", *STRATEGIES[name]], validate=False)
     strategy = make_strategy(kind, cfg)
     # Import what loading imports first, so the figure is memory for weights, not for code.

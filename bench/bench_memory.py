@@ -5,7 +5,7 @@
 
 A random ~125M-parameter Qwen2.5-VL-shaped model (14 decoder layers of 768, a 12-block vision
 tower of 512) trains one step with the real trainer under `torchrun --nproc_per_node 2` for each
-strategy that `vlrft.dist.strategy.make_strategy` accepts (others are skipped with a note).
+strategy that `vlrft.parallel.strategy.make_strategy` accepts (others are skipped with a note).
 Measured per rank:
 
 - parameters, gradients and optimizer state: the bytes of the distinct tensor storages this rank
@@ -169,7 +169,7 @@ def worker(config: str, result: str) -> int:
 
 
 def known_strategies() -> tuple[str, ...]:
-    from vlrft.dist import strategy as module
+    from vlrft.parallel import strategy as module
 
     return tuple(getattr(module, "STRATEGIES", ("single", "ddp")))
 

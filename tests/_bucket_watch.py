@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-from vlrft.rollout.weights import PolicyWeights
+from vlrft.models.weights import PolicyWeights
 
 
 class BucketWatch:

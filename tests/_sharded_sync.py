@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 def assert_lora_sync_merges_the_adapters(sent: dict, single_trainer, base_model: str) -> None:
     """A sharded LoRA policy's weight sync sends W + the trained adapters' delta, as one process merges them
     (`single_trainer`: the same run in one process)."""
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     assert sent["duplicates"] == []
     expected = {name: t for bucket in PolicyWeights(single_trainer.actor, torch.float32).buckets(1 << 30, "cpu")

@@ -15,7 +15,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 # A worker dying of std::terminate in C++ (SIGABRT) after its last line of Python, at the interpreter's teardown
-# (about one launch in 30 here, before the workers exited through vlrft.dist.process_exit; CONTRIBUTING.md).
+# (about one launch in 30 here, before the workers exited through vlrft.parallel.process_exit; CONTRIBUTING.md).
 ABORT = "terminate called without an active exception"
 
 

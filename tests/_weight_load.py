@@ -25,7 +25,7 @@ def policy_buckets(model_dir: str, lora: bool) -> tuple[float, list[tuple[str, t
     """(the base checkpoint's sum, the (name, tensor) pairs vlrft's weight sync sends for the policy in `model_dir`)."""
     from vlrft.models.actor import apply_lora
     from vlrft.models.loading import load_policy
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     policy = load_policy(model_dir, dtype="float32", device="cpu")
     base_sum = float(sum(t.double().sum() for t in policy.state_dict().values()))

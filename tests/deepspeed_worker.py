@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from vlrft.config import load_config
-from vlrft.dist.deepspeed import DeepSpeedStrategy
-from vlrft.dist.process_exit import exit_process
-from vlrft.dist.strategy import StepResult, TrainedModel, rank_info_from_env
+from vlrft.parallel.deepspeed import DeepSpeedStrategy
+from vlrft.parallel.process_exit import exit_process
+from vlrft.parallel.strategy import StepResult, TrainedModel, rank_info_from_env
 from vlrft.trainer.update import parameters_finite, weights_norm_sq
 
 MAX_NORM = 0.05  # small, so clipping is active on every applied step

@@ -6,7 +6,7 @@ import sys
 import torch
 
 from vlrft.config import load_config
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 from vlrft.trainer import Trainer
 
 

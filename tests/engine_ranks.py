@@ -13,7 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from vlrft.rollout.base import SamplingParams
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, RankLayout
 from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import EngineSample
@@ -65,4 +65,4 @@ def worker(rank: int, out_dir: str, every_rank_drives: bool, failing_rank: int) 
     result["ran"] = backend.ran if backend is not None else None
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-    exit_process(0)  # no interpreter teardown: gloo's threads outlive it and can abort (vlrft.dist.process_exit)
+    exit_process(0)  # no interpreter teardown: gloo's threads outlive it and can abort (vlrft.parallel.process_exit)

@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
 
 from vlrft.config import load_config  # noqa: E402
-from vlrft.dist.process_exit import exit_process  # noqa: E402
-from vlrft.dist.strategy import make_strategy  # noqa: E402
+from vlrft.parallel.process_exit import exit_process  # noqa: E402
+from vlrft.parallel.strategy import make_strategy  # noqa: E402
 from vlrft.errors import UserError  # noqa: E402
-from vlrft.rollout.weights import PolicyWeights  # noqa: E402
+from vlrft.models.weights import PolicyWeights  # noqa: E402
 
 
 def sync_weights(trainer, out: Path) -> None:
@@ -167,7 +167,7 @@ def load(folder: str, out: str) -> None:
     """Load `folder` as the float32 policy under FSDP2; rank 0 saves the gathered weights and buffers, and the dtype
     it read the checkpoint in."""
     import vlrft.models.loading as loading
-    from vlrft.dist.strategy import ModelSource
+    from vlrft.parallel.strategy import ModelSource
 
     read = []
     load_policy = loading.load_policy

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from vlrft.config import load_config
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 from vlrft.errors import UserError
 from vlrft.trainer import Trainer
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, RankLayout
 from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import EngineError
@@ -79,4 +79,4 @@ def worker(rank: int, out_dir: str, model_dir: str, fail_update: str) -> None:
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.barrier()  # neither rank tears gloo down while the other may still be using it (seen: SIGABRT under load)
     dist.destroy_process_group()
-    exit_process(0)  # no interpreter teardown: gloo's threads outlive it and can abort (vlrft.dist.process_exit)
+    exit_process(0)  # no interpreter teardown: gloo's threads outlive it and can abort (vlrft.parallel.process_exit)

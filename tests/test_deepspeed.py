@@ -34,7 +34,7 @@ def _deepspeed_import_error() -> str | None:
 
 
 def test_missing_deepspeed_is_one_clear_error(monkeypatch):
-    from vlrft.dist.strategy import make_strategy
+    from vlrft.parallel.strategy import make_strategy
     from vlrft.errors import UserError
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is not installed
@@ -75,7 +75,7 @@ def test_the_deepspeed_config_keeps_the_trainers_autocast_and_a_low_precision_re
     from deepspeed.runtime.config import get_lower_precision_safe_modules, get_torch_autocast_dtype, \
         get_torch_autocast_enabled
 
-    from vlrft.dist.deepspeed import DeepSpeedStrategy
+    from vlrft.parallel.deepspeed import DeepSpeedStrategy
 
     def ds_config(compute_dtype, trainable):
         strategy = SimpleNamespace(stage=3, offload_optimizer=False, offload_param=False, max_grad_norm=1.0,
@@ -192,7 +192,7 @@ def test_zero3_micro_batch_1_and_4_give_the_same_weights(setup, zero):
 
 @torchrun_test
 def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup, zero, single):
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     sent = torch.load(setup["folder"] / "sync.pt")
     assert sent["duplicates"] == []
@@ -210,7 +210,7 @@ def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup
 def test_weight_sync_right_after_a_zero3_load_sends_exactly_the_single_process_state_dict(setup, zero):
     """zero.Init loading and the bucketed gather lose nothing: bitwise the weights one process loads."""
     from vlrft.models.loading import load_policy
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     sent = torch.load(setup["folder"] / "sync_loaded.pt")
     assert sent["duplicates"] == []

@@ -137,7 +137,7 @@ def test_accumulated_gradients_stay_sharded_after_every_micro_batch(sharded):
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup, sharded, single):
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     sent = torch.load(setup["folder"] / "sync.pt")
     assert sent["duplicates"] == []
@@ -348,8 +348,8 @@ def test_the_read_dtype_comes_from_the_tensors_then_from_the_config(tmp_path, ti
 
     from transformers import AutoConfig
 
-    from vlrft.dist.fsdp2 import _read_dtype
-    from vlrft.dist.strategy import ModelSource
+    from vlrft.parallel.fsdp2 import _read_dtype
+    from vlrft.parallel.strategy import ModelSource
 
     folder = Path(tiny_vlm_dir("qwen2_5_vl"))  # float32 tensors
     config = AutoConfig.from_pretrained(folder)

@@ -1,4 +1,4 @@
-"""The streamed Hugging Face export of a sharded policy (`vlrft.dist.hf_export`) is what `save_pretrained` writes."""
+"""The streamed Hugging Face export of a sharded policy (`vlrft.parallel.hf_export`) is what `save_pretrained` writes."""
 
 import contextlib
 import json
@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from _bucket_watch import BucketWatch
-from vlrft.dist.hf_export import INDEX, save_policy_streamed
+from vlrft.parallel.hf_export import INDEX, save_policy_streamed
 from vlrft.models.loading import load_policy, load_processor
-from vlrft.rollout.weights import PolicyWeights
+from vlrft.models.weights import PolicyWeights
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:

@@ -63,3 +63,24 @@ def test_no_module_imports_from_a_layer_above_it():
 def test_the_check_sees_imports_inside_functions():
     nested = PACKAGE / "data" / "processor.py"  # imports vlrft.vision_stack inside a method
     assert any(name == "vlrft.vision_stack" for _, name in imports_of(nested))
+
+
+def test_no_two_units_import_each_other_even_within_a_layer():
+    """Sideways imports within a layer are allowed, cycles are not: the unit graph of vlrft/ (top-level modules and
+    packages) has no cycle, so each unit can be read, tested and replaced below the ones that use it."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _unit(".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"))
+        edges.setdefault(me, set()).update(_unit(name) for _, name in imports_of(path) if _unit(name) != me)
+    cycles = []
+
+    def visit(unit: str, trail: list[str]) -> None:
+        for nxt in sorted(edges.get(unit, ())):
+            if nxt in trail:
+                cycles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif len(trail) < len(edges):
+                visit(nxt, trail + [nxt])
+
+    for unit in sorted(edges):
+        visit(unit, [unit])
+    assert cycles == []

@@ -118,7 +118,7 @@ def test_token_budget_gives_the_same_experience_loss_metrics_and_weights(case, l
     """Against row-count micro-batches each run as one padded call. `split`: completions in classes of similar
     length (`ActorVL.split_completion_widths`). `forwards`: another rank makes every phase run that many forwards
     (more than this rank has rows), so this rank splits its micro-batches and then runs fillers."""
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
 
     model, _, collected, tokens = case
     lengths = RowLengths.of(collected.prompts.prompt_ids, collected.rollouts.completion_ids,
@@ -182,7 +182,7 @@ def test_completions_in_width_classes_equal_one_padded_call_in_values_and_gradie
 @pytest.mark.slow  # a torchrun launch each, 25-40 s on 2 loaded cores
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", *(pytest.param(z, marks=needs_deepspeed) for z in ("zero2", "zero3"))])
 def test_ranks_with_different_micro_batch_counts_train_like_one_process(case, tmp_path, strategy):
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
 
     model, images, collected, tokens = case
     out = tmp_path / "out.pt"
@@ -241,7 +241,7 @@ def test_rows_of_zero_advantage_are_left_out_and_the_update_is_the_same(zero_adv
     """With no KL and no entropy bonus a zero-advantage row's loss and gradient are exactly 0: leaving it out of the
     forward/backward (the loss denominators still count it) gives the weights of training on every row."""
     import vlrft.trainer.update as update_module
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
 
     model, _, collected, tokens = zero_advantage_case
     forwarded = []
@@ -269,7 +269,7 @@ def test_rows_of_zero_advantage_are_left_out_and_the_update_is_the_same(zero_adv
 @pytest.mark.slow
 def test_rows_are_kept_where_a_zero_advantage_row_still_has_a_loss(zero_advantage_case):
     """KL in the loss and an entropy bonus train every row: nothing is left out (train_step's default losses)."""
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
 
     model, _, collected, tokens = zero_advantage_case
     _, stats, _ = train_step(model, collected, tokens, Strategy(), max_tokens=0)
@@ -307,7 +307,7 @@ def test_a_rank_with_only_zero_advantage_rows_keeps_step_and_trains_like_one_pro
     """Rank 0 holds the two zero-advantage groups: it trains no row, yet runs a filler beside each of rank 1's
     micro-batches (no hang: sharded blocks gather on every rank), and the weights equal one process training on
     every row."""
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
 
     model, images, collected, tokens = zero_advantage_case
     out = tmp_path / "out.pt"

@@ -186,7 +186,7 @@ def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exa
     """FSDP2 shards GLM-4.1V by the classes it lists in `_no_split_modules` (its decoder layers and vision blocks,
     nothing hard-coded per family); wrapped so in one process (gloo, world size 1, not torchrun), its logits and
     the LM head's gradient equal the unwrapped model's."""
-    from vlrft.dist.fsdp2 import shard_units
+    from vlrft.parallel.fsdp2 import shard_units
 
     folder = tiny_vlm_dir("glm4v")
     model = load_policy(folder)
@@ -197,7 +197,7 @@ def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exa
         import numpy as np, torch, torch.distributed as dist
         from PIL import Image
         from torch.distributed.fsdp import FSDPModule, fully_shard
-        from vlrft.dist.fsdp2 import shard_units
+        from vlrft.parallel.fsdp2 import shard_units
         from vlrft.models.loading import load_policy, load_processor
         dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
         processor = load_processor({str(folder)!r})

@@ -277,7 +277,7 @@ def test_host_memory_of_the_first_node_follows_the_strategy():
     cfg = load_config(CONFIG_7B, validate=False)
     n, hw = shape.num_parameters, Hardware(gpus_per_node=8, nodes=4, gpu_memory=80 * GiB)
     fsdp = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2"), suggest=False)
-    assert fsdp.host_total("load") == 2 * n  # rank 0 reads the bf16 checkpoint in bf16 (vlrft.dist.fsdp2)
+    assert fsdp.host_total("load") == 2 * n  # rank 0 reads the bf16 checkpoint in bf16 (vlrft.parallel.fsdp2)
     assert fsdp.host_total("rollout") == int((4 * n + 8 * n) / 4)  # vLLM: shards and moments offloaded
     assert fsdp.host_total("train") == 0
     offload = plan_memory(cfg, shape, hw, StrategyChoice("fsdp2", offload_optimizer=True, offload_params=True),
@@ -422,7 +422,7 @@ def test_trainer_stops_at_load_with_one_line_when_the_plan_does_not_fit(monkeypa
     """The trainer's load-time check, with a fake 80 GiB CUDA device (a stand-in: no GPU here)."""
     from types import SimpleNamespace
 
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
     from vlrft.trainer.trainer import Trainer
 
     strategy = Strategy()  # built on the CPU before CUDA is faked

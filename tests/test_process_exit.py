@@ -1,4 +1,4 @@
-"""A torchrun worker leaves through `vlrft.dist.process_exit.exit_process`: the exit code, the atexit handlers and
+"""A torchrun worker leaves through `vlrft.parallel.process_exit.exit_process`: the exit code, the atexit handlers and
 the buffered output all survive skipping the interpreter's teardown."""
 
 import subprocess
@@ -15,7 +15,7 @@ def test_exit_process_runs_atexit_handlers_flushes_output_and_keeps_the_code(tmp
     script = f"""
 import atexit, logging, sys
 from pathlib import Path
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 atexit.register(lambda: Path({str(marker)!r}).write_text("yes"))
 logging.basicConfig(stream=sys.stderr)
 logging.getLogger("run").warning("a log line")
@@ -37,7 +37,7 @@ def test_the_cli_exits_through_exit_process_only_under_torchrun(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("""
 import sys
-import vlrft.dist.process_exit as pe
+import vlrft.parallel.process_exit as pe
 called = []
 pe.exit_process = lambda code: (called.append(code), print("exit_process", code), sys.exit(code))
 from vlrft.cli import main

@@ -127,7 +127,7 @@ def sglang_engine(policy, recorder, sleep=True) -> ColocatedEngine:
 
 
 def test_sglang_weight_update_runs_in_one_session_then_flushes(policy):
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     recorder = RecordingSGLangEngine()
     sglang_engine(policy, recorder).update_weights(policy)
@@ -408,7 +408,7 @@ def test_evaluation_calls_generate_equally_often_on_every_rank(rank, empty_encod
 
 
 def test_collect_generates_even_when_a_rounds_batch_is_empty(empty_encoder):
-    from vlrft.dist.strategy import Strategy
+    from vlrft.parallel.strategy import Strategy
     from vlrft.trainer.collect import CollectDeps, collect
 
     cfg = Config()

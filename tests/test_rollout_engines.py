@@ -37,7 +37,7 @@ from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOu
                                     vllm_requests)
 from vlrft.rollout.sglang import sglang_engine_kwargs, sglang_sampling_params
 from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
-from vlrft.rollout.weights import PolicyWeights, on_mesh_device
+from vlrft.models.weights import PolicyWeights, on_mesh_device
 
 ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 DATA = DataConfig(max_prompt_length=512, video_fps=2.0)
@@ -827,7 +827,7 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
 
     from vlrft.errors import UserError
     from vlrft.models.loading import load_policy
-    from vlrft.rollout.weights import unsyncable_weights
+    from vlrft.models.weights import unsyncable_weights
 
     folder = tiny_vlm_dir("qwen3_vl")
     config = json.loads((folder / "config.json").read_text())

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from vlrft.dist.strategy import RankInfo, TrainedModel
+from vlrft.parallel.strategy import RankInfo, TrainedModel
 
 
 class Block(nn.Module):
@@ -39,7 +39,7 @@ class Net(nn.Module):
 
 @pytest.fixture
 def strategy(monkeypatch):
-    from vlrft.dist.fsdp2 import FSDP2Strategy
+    from vlrft.parallel.fsdp2 import FSDP2Strategy
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

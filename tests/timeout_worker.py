@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from vlrft.config import Config
-from vlrft.dist.process_exit import exit_process
-from vlrft.dist.strategy import make_strategy
+from vlrft.parallel.process_exit import exit_process
+from vlrft.parallel.strategy import make_strategy
 from vlrft.rollout.colocate import tensor_parallel_group
 
 

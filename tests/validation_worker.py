@@ -12,7 +12,7 @@ import torch
 
 from vlrft.config import load_config
 from vlrft.data import validate
-from vlrft.dist.process_exit import exit_process
+from vlrft.parallel.process_exit import exit_process
 from vlrft.trainer import Trainer
 
 

@@ -15,7 +15,7 @@ deepspeed) and prints: rollout tokens/s (completion tokens generated per second,
 training tokens/s (prompt + completion tokens through forward and backward per second), the MFU
 of the training phase (its matmul FLOPs / time / peak bf16 FLOP/s of all GPUs; see `train_flops`),
 and the peak memory per GPU beside the `vlrft plan` figure for the same config. Strategies that
-`vlrft.dist.strategy.make_strategy` does not know are skipped with a note.
+`vlrft.parallel.strategy.make_strategy` does not know are skipped with a note.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def write_config(folder: Path, model: Path, strategy: str, args) -> Path:
 
 def known_strategies() -> tuple[str, ...]:
     """The `train.strategy` names this checkout can run (the config accepts more names than may be built)."""
-    from vlrft.dist import strategy as module
+    from vlrft.parallel import strategy as module
 
     return tuple(getattr(module, "STRATEGIES", ("single", "ddp")))
 

@@ -56,9 +56,9 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; returns its exit code. A torchrun worker exits here instead (`vlrft.dist.process_exit`), and
+    """Run a command; returns its exit code. A torchrun worker exits here instead (`vlrft.parallel.process_exit`), and
     ends with its launcher (a SIGKILLed torchrun leaves no worker training on)."""
-    from vlrft.dist.process_exit import end_with_launcher, exit_process, launched_by_torchrun
+    from vlrft.parallel.process_exit import end_with_launcher, exit_process, launched_by_torchrun
 
     worker = argv is None and launched_by_torchrun()
     if worker:

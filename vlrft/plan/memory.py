@@ -440,7 +440,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         comps.append(Component("gathered_layers", policy.gathered, train, policy.notes["gathered"]))
     if a.kl_coef > 0:
         # DeepSpeed builds the reference as an inference ZeRO-3 engine whatever the policy's stage
-        # (`vlrft.dist.deepspeed`: `ds_config(trainable=False)`)
+        # (`vlrft.parallel.deepspeed`: `ds_config(trainable=False)`)
         sharded = strategy.name in ("fsdp2", "deepspeed")
         ref = hi * params // (world if sharded else 1)
         comps.append(Component("reference", ref, resident, f"{m.dtype if hi == 2 else 'float32'} reference policy, "

@@ -158,7 +158,7 @@ class EngineDeps:
     actor: torch.nn.Module  # the unwrapped policy (`ActorVL`): the engine samples from its weights
     processor: Any  # the model's processor (tokenizer, image processor)
     tokens: TokenSpec  # pad/eos/stop and suppressed token ids
-    strategy: Any  # vlrft.dist Strategy: rank, world_size, device; `generation(actor)` makes weights whole
+    strategy: Any  # vlrft.parallel Strategy: rank, world_size, device; `generation(actor)` makes weights whole
     prompts_per_rank: int  # prompts per step on this rank (the HF engine's batch)
     encoder: PromptEncoder | None = None  # multi-turn (`rollout.tools`) describes the tools in its prompts
     # The trainer's mixed precision (autocast on GPUs, nothing on CPU), under which the hf engine samples

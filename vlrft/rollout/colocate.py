@@ -22,7 +22,7 @@ from vlrft.errors import ConfigError, UserError
 from vlrft.rollout.base import Rollouts, SamplingParams
 from vlrft.rollout.outputs import EngineError, EngineSample, to_rollouts
 from vlrft.rollout.requests import PromptRequest
-from vlrft.rollout.weights import PolicyWeights, policy_module, unsyncable_weights
+from vlrft.models.weights import PolicyWeights, policy_module, unsyncable_weights
 
 if TYPE_CHECKING:
     from vlrft.data import PromptBatch
@@ -122,7 +122,7 @@ class GroupComm:
 def tensor_parallel_group(cfg, rank: int, world_size: int) -> tuple[RankLayout, GroupComm]:
     """This rank's place among the engines' tensor-parallel groups, and its group's object collectives, which take
     the run's collective timeout (`train.dist_timeout_minutes`): members wait in them for their leader's engine."""
-    from vlrft.dist.strategy import collective_timeout
+    from vlrft.parallel.strategy import collective_timeout
 
     layout = RankLayout(rank, world_size, cfg.rollout.tensor_parallel_size)
     return layout, GroupComm(layout, collective_timeout(cfg))

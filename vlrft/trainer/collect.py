@@ -19,7 +19,7 @@ import torch
 from vlrft.algo import clip_rewards, overlong_penalty, zero_variance_groups
 from vlrft.config import AlgorithmConfig, RolloutConfig
 from vlrft.data import PromptBatch, PromptEncoder, PromptSampler
-from vlrft.dist.strategy import Strategy
+from vlrft.parallel.strategy import Strategy
 from vlrft.errors import UserError
 from vlrft.rollout.base import RolloutEngine, Rollouts, SamplingParams
 from vlrft.trainer.experience import Timer, no_timer

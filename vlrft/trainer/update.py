@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss, zero_advantage_rows_add_nothing
 from vlrft.config import AlgorithmConfig
-from vlrft.dist.strategy import Strategy, TrainedModel
+from vlrft.parallel.strategy import Strategy, TrainedModel
 from vlrft.errors import DivergedError
 from vlrft.trainer.experience import Batching, Experience, plan_micro_batches, sequences_for
 from vlrft.trainer.out_of_memory import explain_out_of_memory

@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import save_gathered
-from vlrft.dist.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
+from vlrft.parallel.hf_export import save_gathered
+from vlrft.parallel.strategy import MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, TrainedModel, uses_nccl
 from vlrft.errors import UserError
 from vlrft.models import precision
 
@@ -83,7 +83,7 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 def _hf_model(module: nn.Module) -> nn.Module:
     """The transformers model inside an ActorVL / CriticVL / PEFT wrapper (whose state dict rank 0 loaded)."""
-    from vlrft.rollout.weights import policy_module
+    from vlrft.models.weights import policy_module
 
     if hasattr(module, "actor_like"):  # CriticVL
         module = module.actor_like
@@ -266,7 +266,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
         With `train.fsdp.cpu_offload` they live there already; only the CUDA cache is emptied.
         """
-        from vlrft.dist.offload import RolloutOffload
+        from vlrft.parallel.offload import RolloutOffload
 
         if self.options.cpu_offload:
             if self.device.type == "cuda":

@@ -2,7 +2,7 @@
 
 One code path for one process and many: the trainer only talks to a `Strategy`. `Strategy` is
 the single process; `DDPStrategy` replicates the model under `torchrun` (gloo on CPU, NCCL on
-GPUs); `vlrft.dist.fsdp2.FSDP2Strategy` shards it. The trainer never assumes a plain replicated
+GPUs); `vlrft.parallel.fsdp2.FSDP2Strategy` shards it. The trainer never assumes a plain replicated
 module: it loads through `load_model`, wraps through `prepare_trainable`/`prepare_frozen`, steps
 through `clip_and_step`, gathers weights for generation through `generation`, and checkpoints
 through `save_checkpoint`/`load_checkpoint`.
@@ -400,11 +400,11 @@ def make_strategy(name: str, cfg: Any = None) -> Strategy:
     if name == "ddp":
         return DDPStrategy(info, cfg)
     if name == "fsdp2":
-        from vlrft.dist.fsdp2 import FSDP2Strategy
+        from vlrft.parallel.fsdp2 import FSDP2Strategy
 
         return FSDP2Strategy(info, cfg)
-    if name == "deepspeed":  # vlrft/dist/deepspeed.py (ZeRO-2/3) implements the same interface
-        from vlrft.dist.deepspeed import DeepSpeedStrategy
+    if name == "deepspeed":  # vlrft/parallel/deepspeed.py (ZeRO-2/3) implements the same interface
+        from vlrft.parallel.deepspeed import DeepSpeedStrategy
 
         return DeepSpeedStrategy(info, cfg)
     raise ValueError(f"unknown train.strategy {name!r}; expected one of {', '.join(STRATEGIES)}")

@@ -33,7 +33,7 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     `dtype` (None: their own); every rank calls this together."""
     from safetensors.torch import save_file
 
-    from vlrft.rollout.weights import PolicyWeights
+    from vlrft.models.weights import PolicyWeights
 
     folder = Path(folder)
     if is_main:
@@ -86,7 +86,7 @@ def save_adapter_gathered(hf_model: nn.Module, processor, folder: Path, *, is_ma
                           gather: Callable[[Sequence[torch.Tensor]], ContextManager]) -> None:
     """A LoRA policy: only what PEFT's `save_pretrained` keeps (`lora_*` tensors, `modules_to_save` copies) is
     gathered, on every rank together; rank 0 hands it to PEFT. The frozen base weights are never gathered."""
-    from vlrft.rollout.weights import on_mesh_device
+    from vlrft.models.weights import on_mesh_device
 
     kept = {name: tensor for name, tensor in hf_model.state_dict(keep_vars=True).items()
             if "lora_" in name or ".modules_to_save." in name}

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vlrft.dist.hf_export import save_gathered
-from vlrft.dist.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
+from vlrft.parallel.hf_export import save_gathered
+from vlrft.parallel.strategy import (MakeOptimizer, ModelSource, ProcessGroupStrategy, RankInfo, StepResult,
                                  TrainedModel, collective_timeout)
 from vlrft.errors import UserError
 from vlrft.models import precision
