@@ -549,7 +549,7 @@ def decode_matmul_rate(spec: BenchSpec, repeats: int = 5) -> float:
     x = {into: torch.randn(spec.batch_size, into) for _, into in shapes}
     flops = sum(2 * spec.batch_size * w.shape[0] * w.shape[1] for w in weights)
     kernels = {"mkl": (weights, lambda w: F.linear(x[w.shape[1]], w))}
-    if torch.backends.mkldnn.is_available():  # what the lean decode step uses on CPU (vlrft.rollout.lean_decode)
+    if torch.backends.mkldnn.is_available():  # what the lean decode step uses on CPU (vlrft.decoding.lean_weights)
         packed = [(torch.ops.mkldnn._reorder_linear_weight(w, spec.batch_size), w.shape[1]) for w in weights]
         kernels["onednn"] = (packed, lambda p: torch.ops.mkldnn._linear_pointwise(x[p[1]], p[0], None, "none", [], ""))
     best = float("inf")

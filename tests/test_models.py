@@ -1,4 +1,4 @@
-"""Tiny-VLM toolkit and model/processor loading, for the three Qwen-VL architectures and GLM-4.1V."""
+"""Tiny-VLM toolkit and model/processor loading, for the four Qwen-VL architectures (Qwen3-VL-MoE too) and GLM-4.1V."""
 
 import subprocess
 import sys
@@ -54,7 +54,7 @@ def test_build_is_deterministic_and_seeded(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_processor_rows_and_image_tokens_follow_grid_thw(arch, tiny_processor):
     processor = tiny_processor(arch)
     merge = processor.image_processor.merge_size
@@ -104,6 +104,34 @@ def test_glm4v_folder_has_the_released_layout(tiny_vlm_dir):
     assert tok.convert_ids_to_tokens(ids[:3]) == ["[gMASK]", "<sop>", "<|user|>"]  # no BOS added by the tokenizer
 
 
+def test_qwen3_vl_moe_folder_has_the_released_layout(tiny_vlm_dir):
+    """Qwen3-VL-MoE's tiny folder: its own model class over Qwen3-VL's processor and ChatML template, and a sparse
+    MoE block in every decoder layer (experts as two 3-D tensors, a linear router picking top-k), as the released
+    Qwen3-VL-30B-A3B; routing is per token, so a row's logits do not depend on the other rows of its batch."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tiny_vlm_dir("qwen3_vl_moe")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    assert type(model).__name__ == "Qwen3VLMoeForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    text = model.config.text_config
+    assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size, text.mlp_only_layers) == (4, 2, 32, [])
+    for layer in model.model.language_model.layers:
+        assert type(layer.mlp).__name__ == "Qwen3VLMoeTextSparseMoeBlock"
+        assert tuple(layer.mlp.experts.gate_up_proj.shape) == (4, 2 * 32, 64)
+        assert tuple(layer.mlp.experts.down_proj.shape) == (4, 64, 32)
+        assert tuple(layer.mlp.gate.weight.shape) == (4, 64)
+    assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert image_prompt(processor).startswith("<|im_start|>system\n")
+    one = processor(text=[image_prompt(processor)], images=[image()], return_tensors="pt")
+    two = processor(text=[image_prompt(processor), image_prompt(processor)], images=[image(), image(seed=1)],
+                    return_tensors="pt")
+    with torch.no_grad():
+        alone, batched = model(**one).logits[0], model(**two).logits[0]
+    assert torch.allclose(alone, batched, atol=1e-5)
+
+
 def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
     with pytest.raises(UserError, match="model path '.*missing' is not a folder"):
         load_policy(tmp_path / "missing")
@@ -115,7 +143,7 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
     (weird / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(UserError, match="unknown architecture 'bert'"):
         load_policy(weird)
-    for family in ("gemma3", "llava_onevision", "qwen3_vl_moe"):  # image-text-to-text, but not (yet) tested here
+    for family in ("gemma3", "llava_onevision", "smolvlm"):  # image-text-to-text, but not (yet) tested here
         other = tmp_path / family
         other.mkdir()
         (other / "config.json").write_text(f'{{"model_type": "{family}"}}')
@@ -125,7 +153,8 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
                 load(other)
             assert str(error.value) == (
                 f"model family '{family}' of '{other}' is not supported by vlrft yet; supported: Qwen2-VL (qwen2_vl), "
-                "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), GLM-4.1V (glm4v); check model.path")
+                "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), Qwen3-VL-MoE (qwen3_vl_moe), GLM-4.1V (glm4v); check "
+                "model.path")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()
     (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())

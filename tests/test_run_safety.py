@@ -225,7 +225,7 @@ def test_a_step_that_makes_the_weights_non_finite_stops_the_run_unsaved(tmp_path
 
 def test_a_finite_divergence_stops_the_run_and_leaves_the_last_good_checkpoint(tmp_path, tiny_vlm_dir, shapes):
     """train.lr=1e30: step 1 moved the weights to ~1e30, all finite, so they were saved; step 2's logits were NaN and
-    sampling died in an IndexError (index 512 out of bounds, rollout/decode.py). A step that changes the norm of the
+    sampling died in an IndexError (index 512 out of bounds, vlrft/decoding). A step that changes the norm of the
     trained weights by more than half of it is divergence: stopped before the save, the last good checkpoint stays
     the one train.resume=auto takes."""
     from vlrft.errors import DivergedError
@@ -261,7 +261,7 @@ def test_sampling_from_diverged_weights_is_refused_before_any_out_of_range_id_is
     from vlrft.errors import DivergedError
     from vlrft.models.loading import load_policy
     from vlrft.rollout.base import SamplingParams
-    from vlrft.rollout.decode import decode_groups
+    from vlrft.decoding import decode_groups
     from vlrft.vision import VisualBatch
 
     model = load_policy(tiny_vlm_dir()).eval()

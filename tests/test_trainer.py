@@ -347,17 +347,17 @@ def test_the_hf_engine_samples_under_the_trainers_mixed_precision(tmp_path, tiny
     CPU: every decode call of a training step ran its lean steps in bf16, the reference was loaded in bf16, and the
     step trained the float32 weights."""
     from vlrft.models.precision import CPU_MIXED_PRECISION_ENV
-    from vlrft.rollout import lean_decode
+    from vlrft.decoding import lean
 
     monkeypatch.setenv(CPU_MIXED_PRECISION_ENV, "1")
     compute_dtypes = []
-    init = lean_decode.LeanDecoder.__init__
+    init = lean.LeanDecoder.__init__
 
     def recorded(self, *args, **kwargs):
         init(self, *args, **kwargs)
         compute_dtypes.append(self.compute_dtype)
 
-    monkeypatch.setattr(lean_decode.LeanDecoder, "__init__", recorded)
+    monkeypatch.setattr(lean.LeanDecoder, "__init__", recorded)
     trainer = Trainer(config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes, "model.dtype=bfloat16",
                              "algorithm.kl_coef=0.1", "train.total_steps=1", "train.eval_every=0"))
     assert {p.dtype for p in trainer.ref.parameters()} == {torch.bfloat16}

@@ -133,7 +133,8 @@ def model_type_of(path: str | Path) -> str:
 
 # The model families vlrft is tested with end to end (a tiny model of each runs the data layer, the trainer's
 # logprobs against a plain transformers forward, the hf engine and a GRPO run in the tests), by `model_type`.
-SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "glm4v": "GLM-4.1V"}
+SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
+                      "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V"}
 
 
 def supported_families() -> str:

@@ -1,6 +1,7 @@
 """Build tiny VLMs locally: random weights, a locally trained tokenizer, the family's own chat template.
 
-Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (ChatML, `<|image_pad|>`) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
+Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (ChatML, `<|image_pad|>`; the MoE one with Qwen3-VL's
+vision tower and processor and a sparse-expert MLP in every decoder layer, as the released Qwen3-VL-30B-A3B) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
 `<|begin_of_image|><|image|><|end_of_image|>`, GLM-4's pre-tokenizer, `<|endoftext|>` / `<|user|>` /
 `<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does).
 
@@ -22,8 +23,8 @@ import torch
 from vlrft.models.chat_template import GLM4V_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE
 from vlrft.vision_stack import has_torchvision
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"]
-ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v")
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"]
+ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -95,15 +96,20 @@ class TinySpec:
     max_pixels: int = 28 * 28 * 16
     seed: int = 0
     tie_word_embeddings: bool = False
+    # Qwen3-VL-MoE's experts: every decoder layer's MLP is `num_experts` SiLU-gated experts of
+    # `moe_intermediate_size`, `num_experts_per_tok` of them picked per token by a linear router.
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
     extra: dict = field(default_factory=dict)
 
     @property
     def patch_size(self) -> int:
-        return 16 if self.arch == "qwen3_vl" else 14
+        return 16 if self.arch in ("qwen3_vl", "qwen3_vl_moe") else 14
 
     @property
     def family(self) -> str:
-        """'glm4v' or 'qwen' (the tokenizer, chat template and special tokens the three Qwen families share)."""
+        """'glm4v' or 'qwen' (the tokenizer, chat template and special tokens the four Qwen families share)."""
         return "glm4v" if self.arch == "glm4v" else "qwen"
 
     @property
@@ -211,6 +217,7 @@ def build_processor(spec: TinySpec = TinySpec()):
         return _build_glm4v_processor(spec)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
+    qwen3 = spec.arch in ("qwen3_vl", "qwen3_vl_moe")  # Qwen3-VL-MoE ships Qwen3-VL's processor
     tokenizer = build_tokenizer(spec.vocab_size)
     size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
     vision = dict(patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2)
@@ -218,14 +225,15 @@ def build_processor(spec: TinySpec = TinySpec()):
         from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor, Qwen3VLVideoProcessor
 
         image_processor = Qwen2VLImageProcessor(size=size, **vision)
-        video_cls = Qwen3VLVideoProcessor if spec.arch == "qwen3_vl" else Qwen2VLVideoProcessor
+        video_cls = Qwen3VLVideoProcessor if qwen3 else Qwen2VLVideoProcessor
         video_processor = video_cls(size=size, **vision)
     else:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         image_processor = Qwen2VLImageProcessorPil(size=size, **vision)
         video_processor = None
-    processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[spec.arch]
+    processor_cls = (Qwen3VLProcessor if qwen3
+                     else {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}[spec.arch])
     if video_processor is None:
         from vlrft.models.loading import _image_only_processor_class
 
@@ -269,7 +277,7 @@ def build_config(spec: TinySpec, tokenizer):
     """The transformers config for `spec`, with token ids taken from the tokenizer."""
     if spec.family == "glm4v":
         return _build_glm4v_config(spec, tokenizer)
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
         ("image_token_id", "<|image_pad|>"),
@@ -313,6 +321,10 @@ def build_config(spec: TinySpec, tokenizer):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section,
                                    "mrope_interleaved": True}
         cls = Qwen3VLConfig
+        if spec.arch == "qwen3_vl_moe":  # the released 30B-A3B's layout: experts in every layer, top-k renormalised
+            text.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                        moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1, mlp_only_layers=[])
+            cls = Qwen3VLMoeConfig
     return cls(text_config=text, vision_config=vision, tie_word_embeddings=spec.tie_word_embeddings, **ids, **spec.extra)
 
 

@@ -13,6 +13,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+# SamplingParams and the finish reasons live below every engine and the decoder (vlrft.sampling)
+from vlrft.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams  # noqa: F401
 from vlrft.tokens import TokenSpec  # noqa: F401  the token ids every engine is built with (vlrft.tokens)
 
 if TYPE_CHECKING:
@@ -20,38 +22,6 @@ if TYPE_CHECKING:
 
     from vlrft.config import RolloutConfig
     from vlrft.data import PromptBatch, PromptEncoder
-
-FINISH_STOP = "stop"  # an EOS / stop token or stop string ended the completion
-FINISH_LENGTH = "length"  # max_new_tokens reached: the completion is truncated
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample; every field maps one-to-one onto each engine's own sampling options."""
-
-    n: int = 1
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0  # stop tokens cannot be sampled before this many tokens
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @classmethod
-    def from_config(cls, cfg: "RolloutConfig", **overrides) -> "SamplingParams":
-        params = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-                      temperature=cfg.temperature, top_p=cfg.top_p,
-                      top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
-                      stop=tuple(cfg.stop), stop_token_ids=tuple(cfg.stop_token_ids))
-        params.update(overrides)
-        return cls(**params)
 
 
 @dataclass
