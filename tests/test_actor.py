@@ -126,7 +126,7 @@ def _plain_transformers_logprobs(model, processor, prompts, completions, row_pro
     return [row.detach() for row in rows], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
     """ActorVL, with the prompt shared by its group's rows and without, against each row run alone through the
     family's own processor and a plain transformers forward: logprobs and every parameter's gradient within 1e-5."""
@@ -134,7 +134,7 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
 
     folder = tiny_vlm_dir(arch)
     processor = load_processor(folder)
-    grid = 32 if arch == "qwen3_vl" else 28  # images on the patch grid: the data layer leaves them as they are
+    grid = 32 if arch.startswith("qwen3_vl") else 28  # images on the patch grid: the data layer leaves them as they are
     red, blue = Image.new("RGB", (2 * grid, 3 * grid), (200, 40, 40)), Image.new("RGB", (3 * grid, 2 * grid), (40, 40, 200))
     red.save(tmp_path / "red.png")
     blue.save(tmp_path / "blue.png")
@@ -169,7 +169,7 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
             assert torch.allclose(grads[name], expected, atol=1e-5), (share, name, (grads[name] - expected).abs().max())
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path):
     from PIL import Image
 
@@ -202,7 +202,7 @@ def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_d
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path,
                                                                               monkeypatch):
     """Real configs enable gradient checkpointing; the shared-prompt forward must still be taken and be exact."""
