@@ -500,21 +500,24 @@ def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_d
 
 
 @pytest.mark.slow
-def test_vlrft_train_runs_three_grpo_steps_on_glm4v(tmp_path, tiny_vlm_dir, shapes):
-    """`vlrft train` end to end on a tiny GLM-4.1V: three GRPO steps through the CLI (hf engine, the shared-prompt
-    forward, AdamW), metrics for each, the weights moved, and a final checkpoint transformers loads as GLM-4.1V."""
+@pytest.mark.parametrize("arch,model_class", [("glm4v", "Glm4vForConditionalGeneration"),
+                                              ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")])
+def test_vlrft_train_runs_three_grpo_steps(arch, model_class, tmp_path, tiny_vlm_dir, shapes):
+    """`vlrft train` end to end on a tiny GLM-4.1V and a tiny Qwen3-VL-MoE: three GRPO steps through the CLI (hf
+    engine, the shared-prompt forward, AdamW), metrics for each, the weights moved (the MoE's experts and routers
+    too), and a final checkpoint transformers loads as the same family."""
     from transformers import AutoModelForImageTextToText
 
     from vlrft.cli import main
 
-    folder = tiny_vlm_dir("glm4v")
+    folder = tiny_vlm_dir(arch)
     overrides = [f"model.path={folder}", "model.dtype=float32", f"data.train_files=[{shapes['train']}]",
                  "data.min_pixels=784", "data.max_pixels=3136", "algorithm.advantage=grpo", "rollout.n=4",
                  "rollout.global_batch_completions=16", "rollout.max_new_tokens=5",
                  f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
                  "train.total_steps=3", "train.lr=1e-2", "train.micro_batch_completions_per_rank=8",
                  "train.eval_every=0", "train.save_every=3", "logging.progress=false"]
-    config_file = tmp_path / "glm4v.yaml"
+    config_file = tmp_path / f"{arch}.yaml"
     config_file.write_text("{}\n")  # everything is in the overrides
     assert main(["train", str(config_file), *overrides]) == 0
     out = tmp_path / "run"
@@ -523,7 +526,10 @@ def test_vlrft_train_runs_three_grpo_steps_on_glm4v(tmp_path, tiny_vlm_dir, shap
     assert all(math.isfinite(m["entropy"]) and m["completions/mean_length"] <= 5 for m in metrics)
     trained = AutoModelForImageTextToText.from_pretrained(out / "checkpoints" / "step_3" / "model")
     start = AutoModelForImageTextToText.from_pretrained(folder)
-    assert type(trained).__name__ == "Glm4vForConditionalGeneration"
+    assert type(trained).__name__ == model_class
     moved = [k for k, v in start.state_dict().items() if not torch.equal(v, trained.state_dict()[k])]
     assert any(k.startswith("lm_head") for k in moved) and any("language_model.layers" in k for k in moved)
     assert any(k.startswith("model.visual.") for k in moved)  # the vision tower trains too
+    if arch == "qwen3_vl_moe":  # experts (3-D tensors, not linear layers) and routers train like any weight
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in moved)
+        assert any(k.endswith("mlp.gate.weight") for k in moved)
