@@ -141,7 +141,7 @@ class Comparison:
 
 def build_assets(spec: BenchSpec) -> None:
     """Tiny Qwen2-VL and the shapes data, shared by both frameworks."""
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
     pixels = spec.image_size * spec.image_size

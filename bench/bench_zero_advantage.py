@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from vlrft.config import load_config
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
     from vlrft.trainer import Trainer
 

@@ -3,8 +3,8 @@
 
     python bench/zoom_demo.py [--output-dir runs/zoom_bench] [overrides ...]
 
-1. the data (`datasets/make_zoom_marks.py`) if it is missing; the starting model is built once (zoom-demo recipe,
-   timed on its own);
+1. the data (`datasets/make_zoom_marks.py`) if it is missing; the starting model is built once
+   (examples/demo_models.py:build_zoom_demo, timed on its own);
 2. `vlrft train configs/zoom_demo.yaml`: the model may say "zoom" and read the image's centre at a higher resolution;
 3. the control: the same config with `rollout.max_turns=1` (same model and prompts, calls never answered);
 4. held-out accuracy before and after, tool calls per trajectory and wall time of each, as one table (`--json`).
@@ -54,9 +54,9 @@ def main() -> int:
         run("datasets/make_zoom_marks.py")
     overrides = [f"model.path={args.output_dir}/base_model", "logging.progress=false",
                  "train.overwrite=true", *args.overrides]  # a re-run replaces the last one's runs
-    start = time.perf_counter()  # the starting model, built once for both runs (recipe zoom-demo)
+    start = time.perf_counter()  # the starting model, built once for both runs (build_zoom_demo)
     built = run("-c", f"from vlrft.models.recipes import ensure_model; ensure_model({str(out / 'base_model')!r}, "
-                "'zoom-demo')")
+                "'examples/demo_models.py:build_zoom_demo')")
     if built.returncode != 0:
         sys.exit(f"building the starting model failed:\n{built.stderr[-3000:]}")
     build_seconds = time.perf_counter() - start

@@ -1,9 +1,15 @@
-"""The CPU zoom demo's starting model (`model.build_recipe: zoom-demo`, configs/zoom_demo.yaml).
+"""The CPU demos' starting models, named by `model.build_recipe` in configs/demo.yaml and configs/zoom_demo.yaml.
 
-A tiny Qwen2-VL (as the shapes demo) with a supervised warm start (`zoom_warm_start`): both answer
-formats (at once, or "zoom" then answer) on images without a mark, and colour naming on close-ups
-shown as the prompt's image. It lives in the rollout layer because the two-turn sequences are built
-with the multi-turn rollout's own observation template and training layout.
+Each demo needs a policy that already answers in the task's format but does not yet know the answer:
+- `build_shapes_demo`: a tiny Qwen2-VL (random weights, local tokenizer) with a short supervised *format*
+  warm start on a warm-up split (disjoint from train/test) of blank images with balanced answers, so it
+  learns to reply with one colour word and stop, while the image-to-answer link is left for RL to find
+  (it starts at chance, 1/number of colours);
+- `build_zoom_demo`: the same tiny model with a warm start on both answer formats (at once, or "zoom"
+  then answer) on images without a mark, and colour naming on close-ups shown as the prompt's image.
+  The two-turn sequences are built with the multi-turn rollout's own observation template and layout.
+Everything is seeded: the same recipe gives the same weights. Demo code, not library code: vlrft itself
+only calls the function a config names.
 """
 
 from __future__ import annotations
@@ -11,12 +17,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vlrft.models.recipes import WarmStart, supervised_step
+if __package__ != "examples":  # loaded by path from a config: make `examples` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.shapes import ShapesSpec, make_split  # noqa: E402
+from examples.zoom_marks import make_zoom_marks  # noqa: E402
+from vlrft.models.recipes import WarmStart, supervised_step, supervised_warm_start  # noqa: E402
 
 WARM_START_STEPS = 600  # alternating format / colour-naming steps of 16 sequences
 
@@ -95,10 +107,9 @@ def zoom_warm_start(model_dir: Path, samples: list, closeups: list, settings: Wa
 
 
 def build_zoom_demo(out_dir: Path) -> Path:
-    """Tiny Qwen2-VL (as shapes-demo) + the format and colour-naming warm start of `zoom_warm_start`."""
+    """Tiny Qwen2-VL (as build_shapes_demo) + the format and colour-naming warm start of `zoom_warm_start`."""
     from vlrft.config import DataConfig
     from vlrft.data import read_samples
-    from vlrft.data.zoom_marks import make_zoom_marks
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -112,4 +123,25 @@ def build_zoom_demo(out_dir: Path) -> Path:
                               DataConfig(min_pixels=56 * 56, max_pixels=56 * 56), tool_max_pixels=112 * 112)
     shutil.rmtree(warmup_dir)
     (out_dir / "vlrft_recipe.json").write_text(json.dumps({"recipe": "zoom-demo", **metrics}, indent=1))
+    return out_dir
+
+
+def build_shapes_demo(out_dir: Path) -> Path:
+    """Tiny Qwen2-VL + format warm start on shuffled-answer shapes (see the module docstring)."""
+    from vlrft.config import DataConfig
+    from vlrft.data import read_samples
+    from vlrft.models.tiny import TinySpec, build_tiny_vlm
+
+    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=1024,
+                    seed=0)
+    build_tiny_vlm(out_dir, spec)
+    warmup_dir = out_dir / "warmup_data"
+    # Blank images with balanced answers: the model learns to answer with one colour word and stop,
+    # and cannot learn which colour (every image is the same), so it starts at chance.
+    path = make_split(warmup_dir, ShapesSpec(seed=1, blank_images=True), "warmup", 128)
+    samples = read_samples(path)
+    metrics = supervised_warm_start(out_dir, samples, WarmStart(), DataConfig(min_pixels=56 * 56, max_pixels=56 * 56))
+    shutil.rmtree(warmup_dir)
+    (out_dir / "vlrft_recipe.json").write_text(json.dumps({"recipe": "shapes-demo", **metrics}, indent=1))
     return out_dir

@@ -1,6 +1,7 @@
 """A synthetic visual task whose answers need the image: coloured shapes on a plain background.
 
-`make_shapes(out_dir, ShapesSpec(...))` writes PNG files and native-layout JSONL splits
+`make_shapes(out_dir, ShapesSpec(...))` (or `python datasets/make_shapes.py OUT [--tasks color,count ...]`) writes
+PNG files and native-layout JSONL splits
 (`train.jsonl`, `test.jsonl`). Task types (the sample's `label`):
 
 - color: "What color is the shape?" -> one of the spec's colours (one shape)
@@ -205,3 +206,36 @@ def embed_as_parquet(jsonl: str | Path, parquet: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), target, compression="zstd")
     return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python datasets/make_shapes.py OUT [options]`: write the shapes task (PNG files + train/test JSONL)."""
+    import argparse
+    import shutil
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="make_shapes.py", description=main.__doc__)
+    parser.add_argument("out_dir", metavar="OUT")
+    parser.add_argument("--tasks", help="comma-separated subset of color,shape,count,position (default: color)")
+    for name in ("num_colors", "num_shapes", "max_count", "image_size", "train_size", "test_size", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
+    parser.add_argument("--blank-images", action="store_true", help="same questions and answers over empty images")
+    parser.add_argument("--parquet", action="store_true",
+                        help="write train.parquet/test.parquet with the images embedded instead of JSONL + PNG files")
+    args = parser.parse_args(argv)
+    fields = {name: getattr(args, name) for name in ("num_colors", "num_shapes", "max_count", "image_size",
+                                                     "train_size", "test_size", "seed")}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if args.tasks:
+        fields["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    spec = ShapesSpec(**fields, blank_images=args.blank_images)
+    if args.parquet:
+        with tempfile.TemporaryDirectory() as tmp:
+            made = make_shapes(tmp, spec)
+            paths = {split: embed_as_parquet(made[split], Path(args.out_dir) / f"{split}.parquet") for split in made}
+            shutil.copy(Path(tmp) / "spec.json", Path(args.out_dir) / "spec.json")
+    else:
+        paths = make_shapes(args.out_dir, spec)
+    print(f"wrote {spec.train_size} train and {spec.test_size} test samples ({', '.join(spec.tasks)}) to "
+          f"{paths['train']} and {paths['test']}")
+    return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vlrft.data.synthetic import COLORS, _balanced
+from examples.shapes import COLORS, _balanced
 
 MARK_COLORS = ("red", "green", "blue", "yellow")
 QUESTION = "What color is the small mark? Answer with one word."

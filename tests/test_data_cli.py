@@ -1,4 +1,4 @@
-"""`vlrft data check|convert|synth` end to end through the real CLI entry point."""
+"""`vlrft data check|convert` end to end through the real CLI entry point."""
 
 import json
 
@@ -126,15 +126,6 @@ def test_convert_skips_or_fails_on_bad_rows(tmp_path, capsys):
     assert "src.jsonl line 1 (id 'src-0'), field 'images[0]': image file not found" in capsys.readouterr().err
     assert main(["data", "convert", str(src), str(tmp_path / "o.jsonl"), "--skip-bad"]) == 0
     assert "1 rows, 0 media files, 1 rows skipped" in capsys.readouterr().out
-
-
-def test_synth_writes_the_shapes_task(tmp_path, capsys):
-    assert main(["data", "synth", str(tmp_path), "--tasks", "color,count", "--train-size", "4", "--test-size", "2",
-                 "--image-size", "56"]) == 0
-    assert "wrote 4 train and 2 test samples (color, count)" in capsys.readouterr().out
-    train = read_samples(tmp_path / "train.jsonl")
-    assert [s.label for s in train] == ["color", "count", "color", "count"]
-    assert np.asarray(Image.open(train[0].images[0])).shape == (56, 56, 3)
 
 
 def test_convert_of_a_verl_file_writes_native_columns(tmp_path, capsys):

@@ -97,7 +97,7 @@ def torchrun_test(test):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_vlm_dir):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     folder = tmp_path_factory.mktemp("deepspeed")
     data = make_shapes(folder / "data", ShapesSpec(train_size=16, test_size=4))

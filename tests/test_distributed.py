@@ -27,7 +27,7 @@ logging: {{{logging}}}
 
 
 def test_ddp_training_keeps_ranks_identical_and_reduces_metrics(tmp_path, tiny_vlm_dir):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=6))
     cfg = ddp_config(tmp_path, tiny_vlm_dir, data, reward="text_hash",
@@ -62,7 +62,7 @@ def test_two_ranks_give_the_weights_of_one_process_with_the_same_global_batch(tm
     from safetensors.torch import load_file
 
     from vlrft.config import load_config
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
     from vlrft.trainer import Trainer
 
     data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=4))
@@ -117,7 +117,7 @@ def test_a_reward_failing_on_one_rank_stops_every_rank_with_its_message(tmp_path
     """With reward.on_error=raise, a reward that fails on rank 1 alone is raised on every rank, naming the rank and
     the function, instead of rank 0 waiting in the next collective until the launcher stops it without a word; in
     a training step's scoring and in evaluation alike."""
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     data = make_shapes(tmp_path / "data", ShapesSpec(train_size=16, test_size=4))
     cfg = ddp_config(tmp_path, tiny_vlm_dir, data, reward="broken_on_rank_1",

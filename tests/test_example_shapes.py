@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlrft.data.synthetic import COLORS, POSITIONS, ShapesSpec, chance_accuracy, make_shapes
+from examples.shapes import COLORS, POSITIONS, ShapesSpec, chance_accuracy, make_shapes
 from vlrft.errors import UserError
 
 SPEC = ShapesSpec(tasks=("color", "shape", "count", "position"), num_colors=4, num_shapes=3, max_count=4,
@@ -103,3 +103,33 @@ def test_blank_images_keep_questions_and_answers(tmp_path):
 def test_invalid_spec():
     with pytest.raises(UserError, match=r"tasks \['size'\] must be a non-empty subset"):
         make_shapes("/nonexistent", ShapesSpec(tasks=("size",)))
+
+
+def test_the_make_shapes_script_writes_the_task_as_jsonl_or_parquet(tmp_path):
+    """`python datasets/make_shapes.py OUT ...` from any working directory (it finds examples/ itself)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vlrft.data import read_samples
+
+    script = Path(__file__).resolve().parents[1] / "datasets" / "make_shapes.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "jsonl"), "--tasks", "color,count",
+                           "--train-size", "4", "--test-size", "2", "--image-size", "56"],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "wrote 4 train and 2 test samples (color, count)" in done.stdout
+    train = read_samples(tmp_path / "jsonl" / "train.jsonl")
+    assert [s.label for s in train] == ["color", "count", "color", "count"]
+    assert np.asarray(Image.open(train[0].images[0])).shape == (56, 56, 3)
+    # --parquet: the same samples, images embedded (as the shipped datasets/shapes_demo)
+    for name, extra in (("plain", []), ("pq", ["--parquet"])):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / name), "--train-size", "4", "--test-size",
+                               "2", *extra], cwd=tmp_path, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    plain, embedded = read_samples(tmp_path / "plain" / "train.jsonl"), read_samples(tmp_path / "pq" / "train.parquet")
+    assert [s.answer for s in embedded] == [s.answer for s in plain] and len(plain) == 4
+    from vlrft.data.media import load_image
+
+    for a, b in zip(plain, embedded):
+        assert np.array_equal(np.asarray(load_image(a.images[0])), np.asarray(load_image(b.images[0])))

@@ -107,7 +107,7 @@ def ctrl_c_during_step(config: Path, nth: int) -> str:
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
 

@@ -21,7 +21,7 @@ REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     return make_shapes(tmp_path_factory.mktemp("shapes"), ShapesSpec(train_size=16, test_size=4))
 

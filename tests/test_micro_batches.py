@@ -205,7 +205,7 @@ def test_trainer_step_with_a_token_budget_equals_the_row_count_step(tmp_path, ti
     """The config key reaches the trainer's phases: one `Trainer.train_step` (real hf rollouts) gives the update
     of row-count micro-batches."""
     import vlrft.trainer.experience as experience
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
     from test_invariance import assert_same_step, one_step
 
     plans = []

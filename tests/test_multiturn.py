@@ -223,7 +223,7 @@ def _config(tmp_path, model_dir, shapes, *overrides):
 
 
 def test_two_training_steps_with_a_tool(tmp_path, tiny_vlm_dir, monkeypatch):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
     from vlrft.trainer import Trainer, trainer as trainer_module
 
     shapes = make_shapes(tmp_path / "shapes", ShapesSpec(train_size=8, test_size=2))
@@ -274,7 +274,7 @@ def test_ranks_with_different_turn_counts_stay_in_step(tmp_path, tiny_vlm_dir):
     import json
 
     from _torchrun import failure_output, torchrun
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     shapes = make_shapes(tmp_path / "shapes", ShapesSpec(train_size=8, test_size=2))
     cfg = _config(tmp_path, tiny_vlm_dir("qwen2_vl"), shapes)

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_vlm_dir):
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
+    from examples.shapes import ShapesSpec, make_shapes
 
     folder = tmp_path_factory.mktemp("mt_sharded")
     data = make_shapes(folder / "data", ShapesSpec(train_size=8, test_size=2))

@@ -128,7 +128,7 @@ def test_the_zoom_demo_mark_is_a_speck_at_prompt_resolution_and_plain_after_zoom
     import numpy as np
 
     from vlrft.data.media import PixelBounds, fit_image
-    from vlrft.data.zoom_marks import render_mark
+    from examples.zoom_marks import render_mark
 
     prompt_bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=3136)
     tool_bounds = PixelBounds(factor=28, min_pixels=3136, max_pixels=12544)

@@ -65,8 +65,9 @@ class ModelConfig:
     """The policy, and the reference and critic models derived from it."""
 
     path: str = option("", "the policy: a local folder (or Hub-format checkpoint) with weights and a processor")
-    build_recipe: str | None = option(None, "build model.path with this recipe when it does not exist yet, e.g. "
-                                      "'shapes-demo' (vlrft.models.recipes)")
+    build_recipe: str | None = option(None, "build model.path with this function ('module:function' or "
+                                      "'path/to/file.py:function', given the folder to fill) when it does not exist "
+                                      "yet, e.g. examples/demo_models.py:build_shapes_demo")
     dtype: Literal["float32", "bfloat16", "float16"] = option(
         "bfloat16", "compute dtype on GPU: the reference model's weights, the policy's autocast in training and in the "
         "hf engine's sampling, FSDP2's gathers (the policy's weights and optimizer stay float32); CPU computes in "

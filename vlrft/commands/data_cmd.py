@@ -1,4 +1,4 @@
-"""Check, convert, prepare or generate datasets: `vlrft data check|convert|prepare|synth`.
+"""Check, convert or prepare datasets: `vlrft data check|convert|prepare`.
 
   vlrft data check train.jsonl --model runs/tiny     every bad row with its reason, then a summary;
                                                       exit code 1 when any row is bad
@@ -8,8 +8,6 @@
                                                       a public dataset's raw release -> native splits
                                                       + summary.json (tasks: geometry3k, mathvista,
                                                       clevr, refcoco, chartqa, videoqa; docs/prepare.md)
-  vlrft data synth data/shapes --tasks color --num-colors 4
-                                                      the synthetic shapes task (train/test splits)
 
 Layouts (--format): auto, native, easyr1, verl, trl, openrlhf; see vlrft/data/presets.py.
 """
@@ -82,19 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a release with one split (SuperCLEVR's 'new', a Video-R1 file): write train and val, "
                               "F of the images/videos (with all their questions) in val, the same on every run")
 
-    # Defaults live in vlrft.data.synthetic.ShapesSpec (not imported here: parsers stay light).
-    synth = sub.add_parser("synth", help="generate the synthetic shapes task (PNG files + train/test JSONL)")
-    synth.add_argument("out_dir", metavar="OUT")
-    synth.add_argument("--tasks", help="comma-separated subset of color,shape,count,position (default: color)")
-    for name in ("num_colors", "num_shapes", "max_count", "image_size", "train_size", "test_size", "seed"):
-        synth.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int)
-    synth.add_argument("--blank-images", action="store_true", help="same questions and answers over empty images")
-    synth.add_argument("--parquet", action="store_true",
-                       help="write train.parquet/test.parquet with the images embedded instead of JSONL + PNG files")
-
 
 def run(args: argparse.Namespace) -> int:
-    return {"check": _check, "convert": _convert, "prepare": _prepare, "synth": _synth}[args.data_command](args)
+    return {"check": _check, "convert": _convert, "prepare": _prepare}[args.data_command](args)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -156,31 +144,4 @@ def _prepare(args: argparse.Namespace) -> int:
                       templates=args.templates, processor=processor, model=model, data=data)
     print(summary.text())
     print(f"  summary: {Path(args.out) / 'summary.json'}")
-    return 0
-
-
-def _synth(args: argparse.Namespace) -> int:
-    from vlrft.data.synthetic import ShapesSpec, make_shapes
-
-    fields = {name: getattr(args, name) for name in ("num_colors", "num_shapes", "max_count", "image_size",
-                                                     "train_size", "test_size", "seed")}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    if args.tasks:
-        fields["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-    spec = ShapesSpec(**fields, blank_images=args.blank_images)
-    if args.parquet:
-        import shutil
-        import tempfile
-        from pathlib import Path
-
-        from vlrft.data.synthetic import embed_as_parquet
-
-        with tempfile.TemporaryDirectory() as tmp:
-            made = make_shapes(tmp, spec)
-            paths = {split: embed_as_parquet(made[split], Path(args.out_dir) / f"{split}.parquet") for split in made}
-            shutil.copy(Path(tmp) / "spec.json", Path(args.out_dir) / "spec.json")
-    else:
-        paths = make_shapes(args.out_dir, spec)
-    print(f"wrote {spec.train_size} train and {spec.test_size} test samples ({', '.join(spec.tasks)}) to "
-          f"{paths['train']} and {paths['test']}")
     return 0

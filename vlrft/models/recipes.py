@@ -1,20 +1,16 @@
 """Model recipes: build a starting policy that does not exist yet (`model.build_recipe` in the config).
 
-The CPU demo needs a policy that already answers in the task's format but does not yet know the
-answer: `shapes-demo` builds a tiny Qwen2-VL (random weights, local tokenizer) and gives it a short
-supervised *format* warm start on a warm-up split disjoint from train/test made of blank images
-with balanced answers, so it learns to reply with one colour word and stop, while the
-image-to-answer link is left for RL to find (it starts at chance, 1/number of colours).
-Everything is seeded: the same recipe gives the same weights.
+`model.build_recipe` names a function ('module:function' or 'path/to/file.py:function') that fills a
+model folder; `ensure_model` calls it once, when `model.path` does not exist yet. The pieces a recipe
+uses to give a fresh model a short supervised warm start (`supervised_warm_start`, `supervised_step`)
+live here; the CPU demos' recipes are in examples/demo_models.py.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -72,48 +68,19 @@ def supervised_step(actor, optimizer: torch.optim.Optimizer, seqs) -> float:
     return float(loss.detach())
 
 
-def build_shapes_demo(out_dir: Path) -> Path:
-    """Tiny Qwen2-VL + format warm start on shuffled-answer shapes (see the module docstring)."""
-    from vlrft.config import DataConfig
-    from vlrft.data import read_samples
-    from vlrft.data.synthetic import ShapesSpec, make_split
-    from vlrft.models.tiny import TinySpec, build_tiny_vlm
-
-    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                    vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=1024,
-                    seed=0)
-    build_tiny_vlm(out_dir, spec)
-    warmup_dir = out_dir / "warmup_data"
-    # Blank images with balanced answers: the model learns to answer with one colour word and stop,
-    # and cannot learn which colour (every image is the same), so it starts at chance.
-    path = make_split(warmup_dir, ShapesSpec(seed=1, blank_images=True), "warmup", 128)
-    samples = read_samples(path)
-    metrics = supervised_warm_start(out_dir, samples, WarmStart(), DataConfig(min_pixels=56 * 56, max_pixels=56 * 56))
-    shutil.rmtree(warmup_dir)
-    (out_dir / "vlrft_recipe.json").write_text(json.dumps({"recipe": "shapes-demo", **metrics}, indent=1))
-    return out_dir
-
-
-RECIPES: dict[str, Callable[[Path], Path]] = {"shapes-demo": build_shapes_demo}
-# Recipes built with layers above the models (the multi-turn zoom demo needs the rollout layer), named by
-# 'module:function' and imported only when used, so this layer never imports upward.
-RECIPE_REFERENCES: dict[str, str] = {"zoom-demo": "vlrft.rollout.zoom_demo:build_zoom_demo"}
-
-
 def ensure_model(path: str, recipe: str | None) -> None:
-    """Build `path` with `recipe` when the folder does not exist yet (no-op otherwise)."""
+    """Build `path` with `recipe` ('module:function' or 'path/to/file.py:function', called with the folder to
+    fill) when the folder does not exist yet (no-op otherwise). The folder appears whole or not at all."""
     target = Path(path)
     if recipe is None or (target / "config.json").is_file():
         return
-    if recipe not in RECIPES and recipe not in RECIPE_REFERENCES:
-        raise UserError(f"config: model.build_recipe={recipe!r} is not a known recipe; expected one of "
-                        f"{', '.join(sorted([*RECIPES, *RECIPE_REFERENCES]))} or null")
-    if recipe in RECIPE_REFERENCES:
-        from vlrft.registry import load_reference
+    if ":" not in recipe:
+        raise UserError(f"config: model.build_recipe={recipe!r} is not a reference; give 'module:function' or "
+                        "'path/to/file.py:function' (a function that writes a model folder, e.g. "
+                        "examples/demo_models.py:build_shapes_demo), or null")
+    from vlrft.registry import load_reference
 
-        builder = load_reference(RECIPE_REFERENCES[recipe], f"model.build_recipe={recipe!r}")
-    else:
-        builder = RECIPES[recipe]
+    builder = load_reference(recipe, f"model.build_recipe={recipe!r}")
     tmp = target.with_name(target.name + ".building")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
