@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_7B = REPO / "configs" / "qwen2_5_vl_7b_grpo_geometry3k.yaml"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, tied, tiny_vlm_dir):
     from vlrft.models.loading import load_policy
@@ -32,7 +32,7 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     assert {t.name: t.shape for t in shape.tensors()} == names  # every tensor, by name and shape
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
     mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
@@ -55,7 +55,9 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
 @pytest.mark.parametrize("name,published,within", [
     ("Qwen/Qwen2.5-VL-3B-Instruct", 3.75e9, 0.006e9), ("Qwen/Qwen2.5-VL-7B-Instruct", 8.29e9, 0.006e9),
     ("Qwen/Qwen2.5-VL-32B-Instruct", 33.45e9, 0.006e9), ("Qwen/Qwen3-VL-4B-Instruct", 4.44e9, 0.006e9),
-    ("Qwen/Qwen2.5-VL-72B-Instruct", 73.4e9, 0.05e9)])  # the 72B model card rounds to 0.1 B
+    ("Qwen/Qwen2.5-VL-72B-Instruct", 73.4e9, 0.05e9),  # the 72B model card rounds to 0.1 B
+    # released safetensors: 31,070,754,032 parameters (model card: 31.1 B; 3 B of them active per token)
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 1)])
 def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(name, published, within):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -64,6 +66,47 @@ def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(n
     with torch.device("meta"):  # the real transformers model, without memory
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(shipped_config_path(name))))
     assert shape.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_vl_moe_counts_every_expert_and_the_active_share_as_released():
+    """Qwen3-VL-30B-A3B: 128 experts of 768 in each of its 48 layers, 8 picked per token. The count is every expert
+    (what the memory plan holds: weights, gradients, optimizer state); `active_parameters` counts the picked 8 of
+    128, 3.35 B in the language model (the model card's "A3B", 3.3 B activated) plus the vision tower."""
+    shape = load_model_shape("Qwen/Qwen3-VL-30B-A3B-Instruct")
+    t = shape.text
+    assert (len(t.sparse_layers), t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (48, 128, 8, 768)
+    h, v = 2048, 151936
+    attention = h * 32 * 128 * 2 + h * 4 * 128 * 2 + 2 * 128  # q, o; k, v; q/k head norms
+    experts = 128 * 3 * 768 * h
+    layer = attention + experts + 128 * h + 2 * h  # router, two norms
+    assert shape.count("text") + shape.count("head") == 48 * layer + 2 * v * h + h == 30_532_122_624  # Qwen3-30B-A3B
+    assert shape.count("vision") == 538_631_408
+    active_text = 48 * (layer - experts + experts * 8 // 128) + 2 * v * h + h
+    assert active_text == 3_353_032_704
+    assert shape.active_parameters == active_text + 538_631_408
+    assert t.intermediate_size == 8 * 768 == 6144  # per token: the picked experts' width, as the activations count it
+    dense = load_model_shape("Qwen/Qwen3-VL-4B-Instruct")
+    assert dense.active_parameters == dense.num_parameters and dense.text.intermediate_size == 9728
+
+
+def test_dense_and_sparse_layers_of_a_moe_config_follow_transformers():
+    """mlp_only_layers and decoder_sparse_step choose which layers get experts, as transformers builds them."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = json.loads(shipped_config_path("Qwen/Qwen3-VL-30B-A3B-Instruct").read_text())
+    config["text_config"].update(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], num_experts=4,
+                                 hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 intermediate_size=96, moe_intermediate_size=16, num_experts_per_tok=2, vocab_size=100)
+    config["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                   deepstack_visual_indexes=[0], num_position_embeddings=16)
+    shape = shape_from_config(config)
+    assert shape.text.sparse_layers == (1, 5)  # layers 2, 4, 6 by the step; the 4th one (index 3) is dense
+    assert shape.text.intermediate_size == 96  # the dense layers' MLP is wider than 2 experts of 16
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**config))
+    assert {t.name: t.shape for t in shape.tensors()} == {n: tuple(p.shape) for n, p in model.named_parameters()}
+    experts = 2 * 4 * 3 * 16 * 64
+    assert shape.active_parameters == shape.num_parameters - experts // 2
 
 
 def _tiny_shape():
@@ -378,6 +421,19 @@ def test_plan_command_exit_status_and_json(vlrft):
     assert zero3.returncode == 0 and json.loads(zero3.stdout)["strategy"] == "deepspeed (ZeRO-3)"
     bad = vlrft("plan", CONFIG_7B, "--gpu-memory", "lots")
     assert bad.returncode == 2 and "--gpu-memory" in bad.stderr
+
+
+def test_plan_command_says_how_many_of_a_moe_models_parameters_a_token_runs_through(vlrft):
+    """Qwen3-VL-30B-A3B: the plan holds all 31.07 B parameters (every expert is a weight, a gradient and AdamW
+    state); the JSON and the table also give the 3.89 B one token's forward runs through."""
+    moe = ["model.path=Qwen/Qwen3-VL-30B-A3B-Instruct", "rollout.engine=hf", "--gpus", "8"]
+    figures = json.loads(vlrft("plan", CONFIG_7B, *moe, "--json").stdout)
+    assert figures["parameters"] == 31_070_754_032 and figures["active_parameters"] == 3_891_664_112
+    table = vlrft("plan", CONFIG_7B, *moe).stdout
+    assert "3.892 B of the 31.071 B parameters active per token (8 of 128 experts in 48 layers)" in table
+    dense = json.loads(vlrft("plan", CONFIG_7B, "--json").stdout)
+    assert dense["active_parameters"] == dense["parameters"]
+    assert "active per token" not in vlrft("plan", CONFIG_7B).stdout
 
 
 def test_plan_command_refuses_an_engine_group_that_would_span_nodes(vlrft, monkeypatch):

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vlrft.config import load_config
-    from vlrft.plan import GiB, Hardware, format_plan, host_memory_warning, plan_for_config, strategy_from_config
+    from vlrft.plan import (GiB, Hardware, format_plan, host_memory_warning, load_model_shape, plan_for_config,
+                            strategy_from_config)
 
     cfg = load_config(args.config, args.overrides, validate=False)
     strategy = strategy_from_config(cfg, args.strategy, args.zero_stage, args.offload)
@@ -75,13 +76,20 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_for_config(cfg, hardware, strategy, args.model_config, args.images_per_prompt,
                            args.videos_per_prompt)
     host_warning = host_memory_warning(plan, node_memory) if node_memory is not None else None
+    shape = load_model_shape(cfg.model.path, args.model_config)
     if args.json:
         figures = plan.to_json()
+        figures["active_parameters"] = shape.active_parameters  # a MoE model's per-token share; else all of them
         if node_memory is not None:
             figures.update(host_memory=node_memory, host_fits=host_warning is None)
         print(json.dumps(figures, indent=2))
     else:
         print(format_plan(plan))
+        if shape.text.sparse_layers:  # memory holds every expert; a token's forward runs through its router's picks
+            t = shape.text
+            print(f"experts      {shape.active_parameters / 1e9:.3f} B of the {shape.num_parameters / 1e9:.3f} B "
+                  f"parameters active per token ({t.num_experts_per_tok} of {t.num_experts} experts in "
+                  f"{len(t.sparse_layers)} layers); the memory above holds all of them")
         if node_memory is not None:
             print(host_warning or f"host memory: the first node's largest phase fits in {node_memory / GiB:.1f} GiB")
     return 0 if plan.fits and host_warning is None else 1

@@ -3,7 +3,8 @@
 The memory plan needs exact parameter counts (per part: language model, vision tower, LM head)
 and the sizes that drive activations and the KV cache. Reading `config.json` instead of
 instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
-Supported: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense), the model types vlrft trains.
+Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its experts counted whole, and the
+parameters one token runs through as `active_parameters`).
 
 Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
 of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
@@ -18,8 +19,9 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower and text attention; the MoE one has experts as MLPs
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,16 @@ class Tensor:
 
     @property
     def is_linear_weight(self) -> bool:
-        return len(self.shape) == 2 and not self.name.endswith(("embed_tokens.weight", "pos_embed.weight"))
+        """A weight of an `nn.Linear` (what LoRA's "all-linear" wraps): 2-D, not an embedding table, not a MoE router
+        (`mlp.gate`, a bare parameter) nor its experts (3-D)."""
+        return len(self.shape) == 2 and not self.name.endswith(("embed_tokens.weight", "pos_embed.weight",
+                                                                 "mlp.gate.weight"))
 
 
 @dataclass(frozen=True)
 class TextShape:
     hidden_size: int
-    intermediate_size: int
+    dense_intermediate_size: int  # config.json `intermediate_size`: a dense layer's MLP width
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -53,10 +58,24 @@ class TextShape:
     vocab_size: int
     attention_bias: bool  # q/k/v biases (Qwen2 family)
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3 family)
+    # Mixture of experts (Qwen3-VL-MoE): the layers whose MLP is `num_experts` SiLU-gated experts of
+    # `moe_intermediate_size` with a linear router picking `num_experts_per_tok` per token; none for a dense model.
+    sparse_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP width one token runs through, as the activation estimate counts it: a dense layer's, or the
+        picked experts' together (num_experts_per_tok x moe_intermediate_size; the released Qwen3-VL-MoE configs make
+        it equal to their unused `intermediate_size`), the wider of the two when the model has both kinds."""
+        dense = self.dense_intermediate_size if len(self.sparse_layers) < self.num_layers else 0
+        return max(dense, self.num_experts_per_tok * self.moe_intermediate_size if self.sparse_layers else 0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +111,16 @@ class ModelShape:
     @property
     def num_parameters(self) -> int:
         return self.count()
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward runs through: all of a dense model; of a MoE model, each sparse layer's
+        experts counted for the `num_experts_per_tok` of `num_experts` its router picks (the model card's "A3B")."""
+        t = self.text
+        if not t.sparse_layers:
+            return self.num_parameters
+        experts = sum(x.numel for x in self.tensors() if ".mlp.experts." in x.name)
+        return self.num_parameters - experts + experts * t.num_experts_per_tok // t.num_experts
 
     def blocks(self) -> dict[str, int]:
         """Parameters per unit a sharded strategy gathers at once: each decoder layer and vision block, and the
@@ -131,10 +160,17 @@ def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
         if t.qk_norm:
             out += [Tensor(f"{p}self_attn.q_norm.weight", (t.head_dim,), "text"),
                     Tensor(f"{p}self_attn.k_norm.weight", (t.head_dim,), "text")]
-        out += [Tensor(f"{p}mlp.gate_proj.weight", (t.intermediate_size, h), "text"),
-                Tensor(f"{p}mlp.up_proj.weight", (t.intermediate_size, h), "text"),
-                Tensor(f"{p}mlp.down_proj.weight", (h, t.intermediate_size), "text"),
-                Tensor(f"{p}input_layernorm.weight", (h,), "text"),
+        if i in t.sparse_layers:  # experts as two 3-D tensors (gate and up fused), the router a bare [E, h] weight
+            e, mi = t.num_experts, t.moe_intermediate_size
+            out += [Tensor(f"{p}mlp.experts.gate_up_proj", (e, 2 * mi, h), "text"),
+                    Tensor(f"{p}mlp.experts.down_proj", (e, h, mi), "text"),
+                    Tensor(f"{p}mlp.gate.weight", (e, h), "text")]
+        else:
+            i_size = t.dense_intermediate_size
+            out += [Tensor(f"{p}mlp.gate_proj.weight", (i_size, h), "text"),
+                    Tensor(f"{p}mlp.up_proj.weight", (i_size, h), "text"),
+                    Tensor(f"{p}mlp.down_proj.weight", (h, i_size), "text")]
+        out += [Tensor(f"{p}input_layernorm.weight", (h,), "text"),
                 Tensor(f"{p}post_attention_layernorm.weight", (h,), "text")]
     out.append(Tensor("model.language_model.norm.weight", (h,), "text"))
     if not tied:
@@ -156,7 +192,7 @@ def _vision_tensors(v: VisionShape) -> list[Tensor]:
     patch = (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
     out = [Tensor(f"{p}patch_embed.proj.weight", patch, "vision")]
     layer_norm = v.kind != "qwen2_5_vl"  # Qwen2.5-VL uses RMSNorm (no bias) in the vision tower
-    if v.kind == "qwen3_vl":
+    if v.kind in QWEN3_VL:
         out.append(Tensor(f"{p}patch_embed.proj.bias", (h,), "vision"))
         out.append(Tensor(f"{p}pos_embed.weight", (v.num_position_embeddings, h), "vision"))
     for i in range(v.depth):
@@ -170,7 +206,7 @@ def _vision_tensors(v: VisionShape) -> list[Tensor]:
                     + _linear(f"{b}mlp.down_proj", h, v.intermediate_size))
         else:
             out += _linear(f"{b}mlp.linear_fc1", v.intermediate_size, h) + _linear(f"{b}mlp.linear_fc2", h, v.intermediate_size)
-    if v.kind == "qwen3_vl":
+    if v.kind in QWEN3_VL:
         mergers = [(f"{p}merger", h)] + [(f"{p}deepstack_merger_list.{i}", m) for i in range(v.deepstack_layers)]
         for name, norm_dim in mergers:
             out += (_norm(f"{name}.norm", norm_dim, True) + _linear(f"{name}.linear_fc1", m, m)
@@ -204,17 +240,29 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
     w = source
     hidden = int(_get(text_cfg, "hidden_size", where=w))
     heads = int(_get(text_cfg, "num_attention_heads", where=w))
-    qwen3 = model_type == "qwen3_vl"
+    qwen3 = model_type in QWEN3_VL
+    layers = int(_get(text_cfg, "num_hidden_layers", where=w))
+    experts = int(text_cfg.get("num_experts") or text_cfg.get("num_local_experts") or 0) \
+        if model_type == "qwen3_vl_moe" else 0
+    step = int(text_cfg.get("decoder_sparse_step") or 1)
+    dense_layers = set(text_cfg.get("mlp_only_layers") or [])
+    # transformers' Qwen3VLMoeTextDecoderLayer: experts where the layer is not in mlp_only_layers and
+    # (index + 1) % decoder_sparse_step == 0
+    sparse = tuple(i for i in range(layers) if experts and i not in dense_layers and (i + 1) % step == 0)
     text = TextShape(
         hidden_size=hidden,
-        intermediate_size=int(_get(text_cfg, "intermediate_size", where=w)),
-        num_layers=int(_get(text_cfg, "num_hidden_layers", where=w)),
+        dense_intermediate_size=int(_get(text_cfg, "intermediate_size", where=w)),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_get(text_cfg, "num_key_value_heads", default=heads)),
         head_dim=int(text_cfg.get("head_dim") or hidden // heads) if qwen3 else hidden // heads,
         vocab_size=int(_get(text_cfg, "vocab_size", where=w)),
         attention_bias=bool(text_cfg.get("attention_bias", False)) if qwen3 else True,
         qk_norm=qwen3,
+        sparse_layers=sparse,
+        num_experts=experts,
+        num_experts_per_tok=int(_get(text_cfg, "num_experts_per_tok", where=w)) if sparse else 0,
+        moe_intermediate_size=int(_get(text_cfg, "moe_intermediate_size", where=w)) if sparse else 0,
     )
     if model_type == "qwen2_vl":
         vh = int(_get(vision_cfg, "embed_dim", where=w + " vision_config"))
