@@ -211,17 +211,21 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
 
 
 @pytest.mark.slow
-def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exact(tiny_vlm_dir, tmp_path):
-    """FSDP2 shards GLM-4.1V by the classes it lists in `_no_split_modules` (its decoder layers and vision blocks,
-    nothing hard-coded per family); wrapped so in one process (gloo, world size 1, not torchrun), its logits and
-    the LM head's gradient equal the unwrapped model's."""
+@pytest.mark.parametrize("arch,layer,block", [("glm4v", "Glm4vTextDecoderLayer", "Glm4vVisionBlock"),
+                                              ("qwen3_vl_moe", "Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeVisionBlock")])
+def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arch, layer, block, tiny_vlm_dir,
+                                                                              tmp_path):
+    """FSDP2 shards GLM-4.1V and Qwen3-VL-MoE by the classes they list in `_no_split_modules` (decoder layers and
+    vision blocks, nothing hard-coded per family; a MoE layer's experts and router shard with their layer); wrapped so
+    in one process (gloo, world size 1, not torchrun), the logits and the LM head's and first layer's MLP gradients
+    equal the unwrapped model's."""
     from vlrft.parallel.fsdp2 import shard_units
 
-    folder = tiny_vlm_dir("glm4v")
+    folder = tiny_vlm_dir(arch)
     model = load_policy(folder)
-    assert set(model._no_split_modules) == {"Glm4vTextDecoderLayer", "Glm4vVisionBlock"}
+    assert set(model._no_split_modules) == {layer, block}
     units = shard_units(model)
-    assert sorted(type(u).__name__ for u in units) == ["Glm4vTextDecoderLayer"] * 2 + ["Glm4vVisionBlock"] * 2
+    assert sorted(type(u).__name__ for u in units) == [layer] * 2 + [block] * 2
     script = textwrap.dedent(f"""
         import numpy as np, torch, torch.distributed as dist
         from PIL import Image
@@ -246,11 +250,36 @@ def test_glm4v_fsdp2_units_are_its_no_split_modules_and_a_sharded_forward_is_exa
         b.logsumexp(-1).sum().backward()
         grad = sharded.lm_head.weight.grad.full_tensor()
         assert torch.allclose(plain.lm_head.weight.grad, grad, atol=1e-6)
+        mlp = [(n, p) for n, p in sharded.model.language_model.layers[0].mlp.named_parameters()]
+        plain_mlp = dict(plain.model.language_model.layers[0].mlp.named_parameters())
+        assert mlp and all(torch.allclose(plain_mlp[n].grad, p.grad.full_tensor(), atol=1e-6) for n, p in mlp)
         dist.destroy_process_group()
         print("OK")
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_qwen3_vl_moe_lora_wraps_attention_and_a_name_of_its_experts_is_one_line(tiny_vlm_dir):
+    """LoRA on Qwen3-VL-MoE: its experts are two 3-D parameters per layer and its router a bare weight, none of them a
+    linear layer, so 'all-linear' wraps the attention projections (q/k/v/o_proj) and, unless frozen, the vision tower;
+    the experts and routers stay frozen. A dense Qwen's 'gate_proj' or the experts' names are refused in one line
+    saying so, rather than training the rest of the list."""
+    from vlrft.models.actor import apply_lora
+
+    folder = tiny_vlm_dir("qwen3_vl_moe")
+    adapted = apply_lora(load_policy(folder), 4, 8, 0.0, ["all-linear"], exclude_vision=True)
+    wrapped = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in adapted.named_parameters() if ".lora_A." in n}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n and "self_attn" in n for n in trained)
+    with_tower = apply_lora(load_policy(folder), 4, 8, 0.0, ["all-linear"])
+    assert any(".visual." in n and ".lora_A." in n for n, _ in with_tower.named_parameters())
+    for names in (["q_proj", "gate_proj"], ["q_proj", "experts"], ["gate_up_proj"]):
+        with pytest.raises(UserError, match=r"name no linear layer of Qwen3VLMoeForConditionalGeneration outside the "
+                                            r"frozen vision tower; its linear layers are \['k_proj', 'lm_head', "
+                                            r"'o_proj', 'q_proj', 'v_proj'\] .*its MoE experts are 3-D parameters"):
+            apply_lora(load_policy(folder), 4, 8, 0.0, names, exclude_vision=True)
 
 
 def test_glm4v_lora_targets_its_own_layer_names_and_a_name_it_lacks_is_one_line(tiny_vlm_dir):

@@ -367,6 +367,10 @@ def _check_lora_names(model: nn.Module, targets: list[str], vision_name: str | N
     missing = [t for t in targets if t.isidentifier() and t not in linear]
     if missing:
         where = " outside the frozen vision tower" if vision_name else ""
+        # Qwen3-VL-MoE: experts are 3-D parameters (gate_up_proj, down_proj) and the router a bare weight
+        experts = any(name.endswith(".experts") for name, _ in model.named_modules())
+        moe = (" (its MoE experts are 3-D parameters and its routers bare weights, not linear layers: LoRA does not "
+               "reach them, full fine-tuning trains them)") if experts else ""
         raise UserError(f"model.lora.target_modules: {missing} name no linear layer of {type(model).__name__}{where}; "
-                        f"its linear layers are {sorted(linear)} (or use ['all-linear'])")
+                        f"its linear layers are {sorted(linear)} (or use ['all-linear']){moe}")
 
