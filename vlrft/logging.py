@@ -167,7 +167,7 @@ def _completion_cell(record: dict) -> str:
 
 
 def trajectory_lines(steps: list[dict], width: int = 300) -> list[str]:
-    """A multi-turn trajectory (`vlrft.rollout.multiturn.Trajectories.transcripts`) as readable lines: each model turn,
+    """A multi-turn trajectory (`vlrft.rollout.Rollouts.transcripts`) as readable lines: each model turn,
     each tool call with its status, its images as [image] placeholders and the text the model read."""
     lines = []
     for step in steps:

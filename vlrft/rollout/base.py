@@ -8,6 +8,7 @@ logprobs and why it finished. Completions of one prompt are contiguous: completi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -20,24 +21,53 @@ from vlrft.tokens import TokenSpec  # noqa: F401  the token ids every engine is 
 if TYPE_CHECKING:
     import torch
 
+    from vlrft.batch import SequenceBatch
     from vlrft.config import RolloutConfig
     from vlrft.data import PromptBatch, PromptEncoder
+    from vlrft.tools.types import ToolStats
+    from vlrft.vision import VisualBatch
 
 
 @dataclass
 class Rollouts:
-    """Completions for a PromptBatch: `n` per prompt, prompt `p`'s group at rows `p*n .. p*n+n-1`."""
+    """Completions for a PromptBatch: `n` per prompt, prompt `p`'s group at rows `p*n .. p*n+n-1`.
+
+    Every row is a trajectory: the model's turns and, with tools (`vlrft.rollout.multiturn`), the observations
+    between them. The multi-turn fields below hold one entry per row; None means each row is a trajectory of one
+    turn (every completion token sampled, no tool images, rewards or counters), and the accessors under them give the
+    trainer the same values for both, so it has one path for single- and multi-turn rows.
+    """
 
     n: int
     completion_ids: list[list[int]]  # generated ids up to and including the stop token; never padding
-    finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH
+    finish_reasons: list[str]  # FINISH_STOP or FINISH_LENGTH (multi-turn also "max_turns")
     logprobs: list[list[float]] | None = None  # engine logprob of each generated id (same lengths); None if not asked
     texts: list[str] = field(default_factory=list)  # decoded completions (special tokens removed), filled by the engine
+    # Multi-turn: 1 on model-sampled tokens, 0 on observation text, templates and image placeholders (same lengths as
+    # completion_ids); only sampled tokens train, and `logprobs` there are 0
+    sampled_mask: list[list[int]] | None = None
+    observation_visual: list[VisualBatch | None] | None = None  # multi-turn: the tool images' tensors; None: no images
+    observation_images: list[list[Any]] | None = None  # multi-turn: the tool images as processed (PIL), in order
+    turns: list[int] | None = None  # multi-turn: model turns
+    tool_rewards: list[float] | None = None  # multi-turn: summed reward parts of the row's tool outputs
+    tool_stats: list[ToolStats] | None = None  # multi-turn: what the row's tool calls did (vlrft.tools.ToolStats)
+    # Multi-turn, when recorded (completions.jsonl, TensorBoard): per row, what happened turn by turn. A model turn is
+    # {"role": "assistant", "text", "finish"}; a call {"role": "tool", "call": {"name", "arguments"} or None, "status",
+    # "text", "images", "reward", "shown"} (status "ok", a tools/* counter name, "unanswered" or "cut")
+    transcripts: list[list[dict]] | None = None
+
+    # Per-row fields that may be None; `texts` is left out: [] is its "not filled"
+    _OPTIONAL_ROWS = ("logprobs", "sampled_mask", "observation_visual", "observation_images", "turns", "tool_rewards",
+                      "tool_stats", "transcripts")
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.finish_reasons) or len(self.completion_ids) % self.n:
             raise ValueError(f"rollouts: {len(self.completion_ids)} completions, {len(self.finish_reasons)} finish "
                              f"reasons, group size {self.n}")
+        for name in self._OPTIONAL_ROWS:
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.completion_ids):
+                raise ValueError(f"rollouts: {len(self.completion_ids)} completions but {len(values)} {name}")
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -54,30 +84,93 @@ class Rollouts:
     def truncated(self) -> list[bool]:
         return [reason == FINISH_LENGTH for reason in self.finish_reasons]
 
+    def sampled_row(self, row: int) -> list[int]:
+        """1 on each token of the row the model sampled (the tokens that train): all of a single-turn completion."""
+        return self.sampled_mask[row] if self.sampled_mask is not None else [1] * len(self.completion_ids[row])
+
+    @property
+    def sampled(self) -> list[list[int]]:
+        """`sampled_row` of every row."""
+        return [self.sampled_row(r) for r in range(len(self))]
+
+    def with_tool_rewards(self, total: "torch.Tensor") -> "torch.Tensor":
+        """`total` [N] (the reward functions' combined reward) plus the reward parts the row's tools returned; without
+        tools `total` itself (not `total + 0`, which would turn a -0.0 into 0.0)."""
+        if self.tool_rewards is None:
+            return total
+        import torch
+
+        return total + torch.tensor(self.tool_rewards, dtype=total.dtype)
+
     def select_groups(self, groups: list[int]) -> "Rollouts":
         """Keep whole groups (prompt indices), in the order given."""
         rows = [g * self.n + j for g in groups for j in range(self.n)]
-        return Rollouts(
-            n=self.n,
-            completion_ids=[self.completion_ids[r] for r in rows],
-            finish_reasons=[self.finish_reasons[r] for r in rows],
-            logprobs=None if self.logprobs is None else [self.logprobs[r] for r in rows],
-            texts=[self.texts[r] for r in rows] if self.texts else [],
-        )
+        optional = {name: None if getattr(self, name) is None else [getattr(self, name)[r] for r in rows]
+                    for name in self._OPTIONAL_ROWS}
+        return type(self)(n=self.n, completion_ids=[self.completion_ids[r] for r in rows],
+                          finish_reasons=[self.finish_reasons[r] for r in rows],
+                          texts=[self.texts[r] for r in rows] if self.texts else [], **optional)
 
     @classmethod
     def concat(cls, parts: list["Rollouts"]) -> "Rollouts":
+        """The rows of `parts` in order; an optional field is kept when every part has it (a multi-turn field when
+        one part has it and another not is an error: the parts came from different engines)."""
         n = parts[0].n
         if any(p.n != n for p in parts):
             raise ValueError("cannot concatenate rollouts with different group sizes")
-        has_logprobs = all(p.logprobs is not None for p in parts)
-        return cls(
-            n=n,
-            completion_ids=[c for p in parts for c in p.completion_ids],
-            finish_reasons=[f for p in parts for f in p.finish_reasons],
-            logprobs=[lp for p in parts for lp in p.logprobs] if has_logprobs else None,
-            texts=[t for p in parts for t in p.texts] if all(p.texts for p in parts) else [],
-        )
+        optional = {}
+        for name in cls._OPTIONAL_ROWS:
+            present = [getattr(p, name) is not None for p in parts]
+            if name not in ("logprobs", "transcripts") and any(present) and not all(present):
+                raise ValueError(f"cannot concatenate rollouts with and without {name} (single- and multi-turn)")
+            optional[name] = [v for p in parts for v in getattr(p, name)] if all(present) else None
+        return cls(n=n, completion_ids=[c for p in parts for c in p.completion_ids],
+                   finish_reasons=[f for p in parts for f in p.finish_reasons],
+                   texts=[t for p in parts for t in p.texts] if all(p.texts for p in parts) else [], **optional)
+
+    def metrics(self) -> dict[str, tuple[float, float]]:
+        """Tool metrics as (sum, count), so ranks can add them: per-trajectory means of turns, tool calls and each
+        failure kind, and the fraction of tokens sampled. Empty without tools."""
+        if self.tool_stats is None:
+            return {}
+        from vlrft.tools.types import ToolStats
+
+        rows = float(len(self))
+        total = sum(self.tool_stats, ToolStats())
+        out = {name: (value, rows) for name, value in total.as_dict().items()}
+        out["tools/turns"] = (float(sum(self.turns or [])), rows)
+        sampled = self.sampled
+        out["tools/sampled_token_frac"] = (float(sum(sum(m) for m in sampled)),
+                                           float(max(1, sum(len(m) for m in sampled))))
+        return out
+
+    def sequences(self, prompts: "PromptBatch", rows: list[int], pad_id: int) -> "SequenceBatch":
+        """Training rows `rows` in the shared-prompt layout (`vlrft.batch`): the completion mask is the sampled mask,
+        and tool images ride along per row (`completion_visual`, None when no row has one)."""
+        import torch
+
+        from vlrft.batch import build_sequences
+        from vlrft.vision import VisualBatch
+
+        seqs = build_sequences(prompts.prompt_ids, prompts.visual, self.completion_ids, self.prompt_index, pad_id, rows)
+        mask = torch.zeros_like(seqs.completion_mask)
+        for i, r in enumerate(rows):
+            sampled = self.sampled_row(r)
+            mask[i, :len(sampled)] = torch.as_tensor(sampled, dtype=mask.dtype)
+        visual = self.observation_visual or [None] * len(self)
+        extra = None
+        if any(visual[r] is not None for r in rows):
+            merge = prompts.visual.merge_size
+            extra = VisualBatch.concat([visual[r] or VisualBatch.empty(1, merge) for r in rows])
+        return dataclasses.replace(seqs, completion_mask=mask, completion_visual=extra)
+
+    def row_visual(self, prompts: "PromptBatch", row: int) -> "VisualBatch":
+        """The row's visual tensors as one sample: the prompt's images, then the tools' in arrival order."""
+        from vlrft.batch import join_samples
+
+        own = prompts.visual.select([self.prompt_index[row]])
+        extra = None if self.observation_visual is None else self.observation_visual[row]
+        return own if extra is None else join_samples([own, extra])
 
 
 def cut_at_stop(ids: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[list[int], str]:

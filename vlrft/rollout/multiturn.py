@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from vlrft.batch import SequenceBatch, build_sequences, join_samples
+from vlrft.batch import join_samples
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, engine_state, load_engine_state
 from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
 from vlrft.tools.toolset import ToolSet
@@ -96,71 +96,9 @@ class ObservationTemplate:
         return ids, visual, images
 
 
-@dataclass
-class Trajectories(Rollouts):
-    """Rollouts whose completions are whole trajectories (model turns + observations).
-
-    `completion_ids` hold everything after the prompt; `sampled_mask` is 1 on model-sampled tokens;
-    `logprobs` are the engine's on sampled tokens and 0 elsewhere.
-    """
-
-    sampled_mask: list[list[int]] = field(default_factory=list)
-    observation_visual: list[VisualBatch | None] = field(default_factory=list)  # per row; None: no tool images
-    observation_images: list[list[Any]] = field(default_factory=list)  # per row, PIL as processed
-    turns: list[int] = field(default_factory=list)  # model turns per row
-    tool_rewards: list[float] = field(default_factory=list)  # summed reward parts of the row's tool outputs
-    tool_stats: list[ToolStats] = field(default_factory=list)  # per row
-    # per row, what happened turn by turn (completions.jsonl, TensorBoard): {"role": "assistant", "text", "finish"} for
-    # a model turn; {"role": "tool", "call": {"name", "arguments"} or None, "status", "text", "images", "reward",
-    # "shown"} for a call (status "ok", a tools/* counter name, "unanswered" or "cut"). Empty when not recorded.
-    transcripts: list[list[dict]] = field(default_factory=list)
-
-    _ROW_FIELDS = ("completion_ids", "finish_reasons", "texts", "sampled_mask", "observation_visual",
-                   "observation_images", "turns", "tool_rewards", "tool_stats", "transcripts")
-
-    def _rows(self, rows: list[int]) -> "Trajectories":
-        fields = {name: [getattr(self, name)[r] for r in rows] if getattr(self, name) else []
-                  for name in self._ROW_FIELDS}
-        return Trajectories(n=self.n, logprobs=None if self.logprobs is None else [self.logprobs[r] for r in rows],
-                            **fields)
-
-    def select_groups(self, groups: list[int]) -> "Trajectories":
-        return self._rows([g * self.n + j for g in groups for j in range(self.n)])
-
-    @classmethod
-    def concat(cls, parts: list["Trajectories"]) -> "Trajectories":
-        fields = {name: [v for p in parts for v in getattr(p, name)] for name in cls._ROW_FIELDS}
-        has_logprobs = all(p.logprobs is not None for p in parts)
-        return cls(n=parts[0].n, logprobs=[lp for p in parts for lp in p.logprobs] if has_logprobs else None,
-                   **fields)
-
-    def metrics(self) -> dict[str, tuple[float, float]]:
-        """Per-trajectory means as (sum, count), so ranks can add them: turns, tool calls and each failure kind."""
-        rows = float(len(self))
-        total = sum(self.tool_stats, ToolStats())
-        out = {name: (value, rows) for name, value in total.as_dict().items()}
-        out["tools/turns"] = (float(sum(self.turns)), rows)
-        out["tools/sampled_token_frac"] = (float(sum(sum(m) for m in self.sampled_mask)),
-                                           float(max(1, sum(len(m) for m in self.sampled_mask))))
-        return out
-
-    def sequences(self, prompts: "PromptBatch", rows: list[int], pad_id: int) -> SequenceBatch:
-        """Training rows in the shared-prompt layout; tool images ride along per row (`completion_visual`)."""
-        seqs = build_sequences(prompts.prompt_ids, prompts.visual, self.completion_ids, self.prompt_index, pad_id, rows)
-        mask = torch.zeros_like(seqs.completion_mask)
-        for i, r in enumerate(rows):
-            mask[i, :len(self.sampled_mask[r])] = torch.as_tensor(self.sampled_mask[r], dtype=mask.dtype)
-        extra = None
-        if any(self.observation_visual[r] is not None for r in rows):
-            merge = prompts.visual.merge_size
-            extra = VisualBatch.concat([self.observation_visual[r] or VisualBatch.empty(1, merge) for r in rows])
-        return dataclasses.replace(seqs, completion_mask=mask, completion_visual=extra)
-
-    def row_visual(self, prompts: "PromptBatch", row: int) -> VisualBatch:
-        """The row's visual tensors as one sample: the prompt's images, then the tools' in arrival order."""
-        own = prompts.visual.select([self.prompt_index[row]])
-        extra = self.observation_visual[row]
-        return own if extra is None else join_samples([own, extra])
+# A multi-turn engine's rollouts: completions are whole trajectories (model turns + observations), with the multi-turn
+# fields of `Rollouts` filled (`sampled_mask`, tool images, turns, tool rewards and counters, transcripts).
+Trajectories = Rollouts
 
 
 @dataclass
@@ -176,7 +114,7 @@ class _Row:
     images: list[Any] = field(default_factory=list)  # the prompt's, then the tools'
     tool_images: list[Any] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)  # each model turn, decoded without special tokens
-    transcript: list[dict] = field(default_factory=list)  # `Trajectories.transcripts`
+    transcript: list[dict] = field(default_factory=list)  # `Rollouts.transcripts`
     turns: int = 0
     reward: float = 0.0
     stats: ToolStats = field(default_factory=ToolStats)
@@ -439,7 +377,7 @@ class MultiTurnEngine:
 
 
 def _tool_step(call: ToolCall | MalformedCall, status: str, output: ToolOutput, images: int, shown: bool) -> dict:
-    """A tool call's entry in a transcript (`Trajectories.transcripts`); JSON-ready for completions.jsonl."""
+    """A tool call's entry in a transcript (`Rollouts.transcripts`); JSON-ready for completions.jsonl."""
     import json
 
     arguments = call.arguments if isinstance(call, ToolCall) else None

@@ -150,9 +150,7 @@ def collect(deps: CollectDeps, step: int) -> Collected:
             continue
         for key in reward_errors:
             reward_errors[key] += int(result.stats[key].errors) if key in result.stats else 0
-        total = result.total
-        if hasattr(rollouts, "tool_rewards"):  # multi-turn: reward parts returned by tools (vlrft.rollout.multiturn)
-            total = total + torch.tensor(rollouts.tool_rewards, dtype=total.dtype)
+        total = rollouts.with_tool_rewards(result.total)  # multi-turn: reward parts returned by tools
         rewards = shape_rewards(total, rollouts, deps.algo, deps.rollout)
         zero = zero_variance_groups(rewards, n)
         groups_seen += len(batch)
@@ -196,5 +194,5 @@ def _assemble(parts, need: int, n: int, groups_seen: int, zero_groups: int, fill
     names = sorted({name for f in functions for name in f})
     per_function = {name: torch.cat([f.get(name, torch.full((len(r),), float("nan")))
                                      for f, r in zip(functions, rewards)]) for name in names}
-    return Collected(PromptBatch.concat(batches), type(rollouts[0]).concat(rollouts), torch.cat(rewards), per_function,
+    return Collected(PromptBatch.concat(batches), Rollouts.concat(rollouts), torch.cat(rewards), per_function,
                      groups_seen, zero_groups, filled, skipped, rounds)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vlrft.algo import compute_advantages, kl_reward_penalty
-from vlrft.batch import SequenceBatch, build_sequences
+from vlrft.batch import SequenceBatch
 from vlrft.config import AlgorithmConfig
 from vlrft.trainer.micro_batches import MicroBatch, RowLengths, by_row_count, by_token_budget, padded_to_count
 
@@ -124,12 +124,8 @@ def plan_micro_batches(batching: Batching, collected, rows: list[int], spare: li
 
 
 def sequences_for(batching: Batching, collected, rows: list[int]) -> SequenceBatch:
-    """Training rows `rows` of this step, on this rank's device."""
-    if hasattr(collected.rollouts, "sequences"):  # multi-turn trajectories (vlrft.rollout.multiturn)
-        return collected.rollouts.sequences(collected.prompts, rows, batching.pad_id).to(batching.device)
-    return build_sequences(collected.prompts.prompt_ids, collected.prompts.visual,
-                           collected.rollouts.completion_ids, collected.rollouts.prompt_index,
-                           batching.pad_id, rows).to(batching.device)
+    """Training rows `rows` of this step, on this rank's device (`Rollouts.sequences`: single- and multi-turn)."""
+    return collected.rollouts.sequences(collected.prompts, rows, batching.pad_id).to(batching.device)
 
 
 @torch.no_grad()
@@ -187,9 +183,8 @@ def make_experience(deps: ExperienceDeps, collected) -> Experience:
     algo = deps.algo
     rollouts = collected.rollouts
     token_mask, mask = training_masks(rollouts.completion_ids, rollouts.truncated, algo.mask_truncated)
-    if hasattr(rollouts, "sampled_mask"):  # multi-turn: tool outputs, images and templates never train
-        sampled = padded(rollouts.sampled_mask, token_mask.shape[1])
-        token_mask, mask = token_mask * sampled, mask * sampled
+    sampled = padded(rollouts.sampled, token_mask.shape[1])  # multi-turn: tool outputs and templates never train
+    token_mask, mask = token_mask * sampled, mask * sampled
     width = token_mask.shape[1]
     temperature = deps.temperature
     # Through __call__ (= logprobs): a sharded module gathers its root parameters in forward hooks.

@@ -29,7 +29,7 @@ from vlrft.models.loading import DTYPES, load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import EngineDeps, SamplingParams, engine_state, load_engine_state
+from vlrft.rollout.base import EngineDeps, Rollouts, SamplingParams, engine_state, load_engine_state
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
@@ -502,7 +502,7 @@ class Trainer:
         stats.add("data/skipped_prompts", float(collected.skipped_prompts))
         stats.add("rollout/rounds", float(collected.rounds))
         stats.add("optimizer/skipped_steps", float(skipped))
-        for name, (total, count) in getattr(collected.rollouts, "metrics", dict)().items():  # multi-turn tools
+        for name, (total, count) in collected.rollouts.metrics().items():  # multi-turn: tools (none without them)
             stats.add(name, total, count)
         error_keys = [f"reward/{name}/errors" for name in collected.reward_errors]  # failures under on_error=none
         for key, count in zip(error_keys, collected.reward_errors.values()):
@@ -537,7 +537,7 @@ class Trainer:
             extra = {"reward": _float_or_none(collected.rewards[r]),
                      "finish_reason": collected.rollouts.finish_reasons[r],
                      "answer": collected.prompts.samples[p].answer}
-            if getattr(collected.rollouts, "transcripts", None):  # multi-turn: the whole trajectory, turn by turn
+            if collected.rollouts.transcripts:  # multi-turn: the whole trajectory, turn by turn
                 extra.update(self._trajectory_record(collected.rollouts, r, image_dir))
             rows.append(CompletionRow(
                 prompt=_readable_prompt(collected.prompts.prompt_texts[p]),
@@ -548,7 +548,7 @@ class Trainer:
                 extra=extra))
         return rows
 
-    def _trajectory_record(self, rollouts, r: int, image_dir: Path) -> dict:
+    def _trajectory_record(self, rollouts: Rollouts, r: int, image_dir: Path) -> dict:
         """Row `r`'s turns, tool calls and observations; the tool images the model saw as thumbnails next to the
         table (each tool step's `image_files`)."""
         images = iter(rollouts.observation_images[r])
