@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--prompt-repeat", type=int, default=1, help="repeat each prompt's question this many times (long "
                    "prompts; adds the variants 'prompt per row' and 'shared prompt', the lean step's prompt KV cache "
                    "forced either way, eagerly and in fixed shapes: by default it is shared from "
-                   "decode.SHARED_PROMPT_TOKENS tokens)")
+                   "vlrft.sampling.SHARED_PROMPT_TOKENS tokens)")
     p.add_argument("--skip", default="", help="variants to leave out, separated by ';' (e.g. 'group, static cache'); "
                    "'generate' is the baseline and stays")
     p.add_argument("--autocast", default=None, help="sample under autocast in this dtype (e.g. bfloat16): the "
@@ -147,31 +147,31 @@ def main() -> None:
 @contextlib.contextmanager
 def unpacked(active: bool):
     """The lean step with the model's weights read in place (as on CUDA), not packed for oneDNN (CPU float32)."""
-    from vlrft.rollout import lean_decode
+    from vlrft.decoding import lean
 
-    packing_applies = lean_decode.packing_applies
+    packing_applies = lean.packing_applies
     if active:
-        lean_decode.packing_applies = lambda weight: False
+        lean.packing_applies = lambda weight: False
     try:
         yield
     finally:
-        lean_decode.packing_applies = packing_applies
+        lean.packing_applies = packing_applies
 
 
 @contextlib.contextmanager
 def prompt_kv(variant: str):
     """The "prompt per row" / "shared prompt" variants: the lean decoder's prompt KV layout forced either way."""
-    from vlrft.rollout import decode
+    import vlrft.sampling as limits
 
-    threshold = decode.SHARED_PROMPT_TOKENS
+    threshold = limits.SHARED_PROMPT_TOKENS
     if variant.endswith("prompt per row"):
-        decode.SHARED_PROMPT_TOKENS = 1 << 40
+        limits.SHARED_PROMPT_TOKENS = 1 << 40
     elif variant.endswith("shared prompt"):
-        decode.SHARED_PROMPT_TOKENS = 0
+        limits.SHARED_PROMPT_TOKENS = 0
     try:
         yield
     finally:
-        decode.SHARED_PROMPT_TOKENS = threshold
+        limits.SHARED_PROMPT_TOKENS = threshold
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
     from vlrft.config import DataConfig
     from vlrft.data import PromptEncoder, Sample
     from vlrft.models.loading import load_policy, load_processor
-    from vlrft.rollout import decode as decode_module
+    from vlrft.decoding.lean import LeanDecoder
+    from vlrft.decoding.transformers_layers import TransformersDecoder
     from vlrft.rollout.base import SamplingParams
     from vlrft.rollout.hf import HFEngine
     from vlrft.tokens import TokenSpec
@@ -131,15 +132,15 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
 
     counted_step = 3  # a step well inside the call (not the first, which may set things up)
     if lean:
-        step = decode_module.LeanDecoder.step
+        step = LeanDecoder.step
 
         def lean_step(self, new, index):
             with Count() if index == counted_step else contextlib.nullcontext():
                 return step(self, new, index)
 
-        decode_module.LeanDecoder.step = lean_step
+        LeanDecoder.step = lean_step
     else:
-        forward = decode_module._TransformersDecoder._eager
+        forward = TransformersDecoder._eager
         calls = []
 
         def transformers_step(self, *args):
@@ -147,16 +148,16 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
             with Count() if len(calls) == counted_step + 1 else contextlib.nullcontext():
                 return forward(self, *args)
 
-        decode_module._TransformersDecoder._eager = transformers_step
+        TransformersDecoder._eager = transformers_step
     engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=lean,
                       cuda_graph_decode=False, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     try:
         engine.generate(batch, SamplingParams(n=4, max_new_tokens=8, min_new_tokens=8))
     finally:  # the next count wraps the step afresh
         if lean:
-            decode_module.LeanDecoder.step = step
+            LeanDecoder.step = step
         else:
-            decode_module._TransformersDecoder._eager = forward
+            TransformersDecoder._eager = forward
     return sum(ops.values())
 
 

@@ -5,7 +5,7 @@
 
 A random Qwen2-VL (hidden 256, 4 layers; `--hidden`, `--layers`) decodes one token for each of text prompts of
 `--lengths` tokens (random ids), once with the padded prefill in one call (its attention mask is [prompts, 1, P, P])
-and once prefilled one length at a time, unpadded (`decode.PREFILL_MASK_ELEMENTS`, what the engine does from 2**26
+and once prefilled one length at a time, unpadded (`vlrft.sampling.PREFILL_MASK_ELEMENTS`, what the engine does from 2**26
 mask elements). Each run is a fresh process (interleaved, `--repeats` each); it prints the process's peak RSS above
 its RSS after building the model, and the call's wall time: min / median / max per variant.
 """
@@ -32,7 +32,7 @@ def run_one(folder: str, lengths: list[int], threshold: int) -> dict:
     import torch
 
     from vlrft.models.loading import load_policy
-    from vlrft.rollout import decode
+    from vlrft.decoding import decode_groups, prefill
     from vlrft.rollout.base import SamplingParams
     from vlrft.vision import VisualBatch
 
@@ -41,11 +41,11 @@ def run_one(folder: str, lengths: list[int], threshold: int) -> dict:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 400, (n,), generator=generator).tolist() for n in lengths]
     visual = VisualBatch(None, None, None, None, (0,) * len(prompts), (0,) * len(prompts), merge_size=2)
-    decode.PREFILL_MASK_ELEMENTS = threshold
+    prefill.PREFILL_MASK_ELEMENTS = threshold
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    decode.decode_groups(model, prompts, visual, SamplingParams(n=1, max_new_tokens=1, temperature=1.0), pad_id=0,
-                         stop_ids=set(), image_token_id=-1, video_token_id=-1)
+    decode_groups(model, prompts, visual, SamplingParams(n=1, max_new_tokens=1, temperature=1.0), pad_id=0,
+                  stop_ids=set(), image_token_id=-1, video_token_id=-1)
     elapsed = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_mib": (peak - before) / 1024, "seconds": elapsed}

@@ -57,8 +57,8 @@ def sync_weights(trainer, out: Path) -> None:
 
 
 def _count_lean_decode_steps() -> list[int]:
-    """Counts the hf engine's lean decode steps (vlrft.rollout.lean_decode), to show which decode path a run took."""
-    from vlrft.rollout.lean_decode import LeanDecoder
+    """Counts the hf engine's lean decode steps (vlrft.decoding.lean), to show which decode path a run took."""
+    from vlrft.decoding.lean import LeanDecoder
 
     counter = [0]
     step = LeanDecoder.step

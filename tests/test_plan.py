@@ -171,10 +171,7 @@ def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision
     SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group (not with tools: later turns decode
     each row alone); transformers' layers keep float32 keys and every row's copy of its prompt."""
     from vlrft.config import ToolConfig
-    from vlrft.plan.memory import PREFILL_TOKENS, SHARED_PROMPT_TOKENS
-    from vlrft.rollout import decode
-
-    assert SHARED_PROMPT_TOKENS == decode.SHARED_PROMPT_TOKENS and PREFILL_TOKENS == decode.PREFILL_TOKENS
+    from vlrft.sampling import SHARED_PROMPT_TOKENS  # the decoder's and the plan's one constant
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     hw, cfg = Hardware(), load_config(CONFIG_7B, ["rollout.engine=hf"], validate=False)
     prompts = cfg.prompts_per_step // hw.world_size
@@ -673,10 +670,11 @@ def test_a_generate_call_of_the_hf_engine_stays_within_the_plans_rollout_figures
     from _rollout_helpers import engine_setup
 
     from vlrft.data import Sample
-    from vlrft.rollout import SamplingParams, lean_decode
+    from vlrft.decoding import lean
+    from vlrft.rollout import SamplingParams
     from vlrft.rollout.hf import HFEngine
 
-    monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
+    monkeypatch.setattr(lean, "packing_applies", lambda weight: False)
     samples = [Sample(id=str(i), prompt=f"Question {i}: describe the shape. " * 24) for i in range(4)]
     processor, model, tokens, batch = engine_setup(tiny_vlm_dir("qwen2_vl"), samples)
     longest, group, new = max(len(ids) for ids in batch.prompt_ids), 4, 16

@@ -100,7 +100,7 @@ def test_every_vision_special_token_is_suppressed_including_vision_pad(tiny_vlm_
 
 
 def test_sample_tokens_draws_each_row_from_its_own_distribution_never_a_zero_probability_token():
-    from vlrft.rollout.decode import sample_tokens
+    from vlrft.decoding import sample_tokens
 
     torch.manual_seed(0)
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],  # zeros at both ends and between

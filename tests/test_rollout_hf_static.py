@@ -82,7 +82,7 @@ def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
 def test_per_step_processors_give_exactly_the_scores_of_transformers_processor_list(options):
     # The decode loop calls its processors directly with a precomputed suppression mask; the scores
     # (hence the sampled ids and the recorded logprobs) must be bit-identical to transformers' list.
-    from vlrft.rollout.decode import sampling_processors, step_processors
+    from vlrft.decoding import sampling_processors, step_processors
 
     vocab, suppressed = 300, (5, 17, 299, 1000)  # an id past the vocabulary is ignored, as transformers does
     sampling = SamplingParams(n=2, max_new_tokens=4, **options)
@@ -102,13 +102,13 @@ def test_decode_mask_is_prebuilt_for_sdpa_and_left_to_the_model_for_eager_attent
     # SDPA takes the ready boolean 4D mask; eager attention needs its own additive mask, so it gets
     # the 2D padding mask. Both must decode what transformers' generate decodes, padding included.
     from vlrft.models.actor import split_head
-    from vlrft.rollout.decode import _step_mask_buffer
+    from vlrft.decoding.transformers_layers import step_mask_buffer
 
     processor, sdpa_model, tokens, batch = setup
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    assert _step_mask_buffer(split_head(sdpa_model)[0], prompt_mask, 5).shape == (2, 1, 1, 5)
+    assert step_mask_buffer(split_head(sdpa_model)[0], prompt_mask, 5).shape == (2, 1, 1, 5)
     eager_model = load_policy(tiny_vlm_dir("qwen2_5_vl"), attn_implementation="eager").eval()
-    assert _step_mask_buffer(split_head(eager_model)[0], prompt_mask, 5).tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    assert step_mask_buffer(split_head(eager_model)[0], prompt_mask, 5).tolist() == [[0, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
     sampling = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
     for static in (False, True):
         ours = HFEngine(lambda: eager_model, processor, tokens, share_prompts=True, static_cache=static,

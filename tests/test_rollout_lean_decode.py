@@ -1,4 +1,4 @@
-"""The lean decode step (vlrft.rollout.lean_decode) computes what transformers' layers compute, per architecture."""
+"""The lean decode step (vlrft.decoding.lean) computes what transformers' layers compute, per architecture."""
 
 import math
 import warnings
@@ -7,12 +7,18 @@ import pytest
 import torch
 
 from _rollout_helpers import engine_setup, solid_png
+import vlrft.sampling as sampling_module
 from vlrft.data import Sample
+from vlrft.decoding import graph as graph_module
+from vlrft.decoding import lean as lean_module
+from vlrft.decoding import prefill, table
+from vlrft.decoding.lean import LeanDecoder
+from vlrft.decoding.lean_weights import unsupported_reason
+from vlrft.decoding.shared_prompt import SharedPrompt
+from vlrft.decoding.transformers_layers import TransformersDecoder
 from vlrft.models.actor import apply_lora, split_head
-from vlrft.rollout import decode as decode_module
 from vlrft.rollout.base import FINISH_STOP, SamplingParams
 from vlrft.rollout.hf import HFEngine
-from vlrft.rollout.lean_decode import unsupported_reason
 
 ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -63,13 +69,13 @@ def _prefill(setup):
 def lean_steps(monkeypatch):
     """Counts the lean decoder's steps, so a test cannot pass by silently decoding through transformers."""
     calls = []
-    step = decode_module.LeanDecoder.step
+    step = LeanDecoder.step
 
     def counted(self, tokens, index):
         calls.append(len(tokens))
         return step(self, tokens, index)
 
-    monkeypatch.setattr(decode_module.LeanDecoder, "step", counted)
+    monkeypatch.setattr(LeanDecoder, "step", counted)
     return calls
 
 
@@ -101,7 +107,7 @@ def test_stopped_rows_leave_the_kv_cache_only_once_half_of_its_rows_have_stopped
     half of its rows are still running: a decode call copies it at most log2(rows) times, not once per step in
     which some row stopped. What is sampled is what transformers' layers sample (the test above)."""
     drops: list[tuple[int, int]] = []  # (rows in the cache, rows kept)
-    decoder = decode_module.LeanDecoder if lean else decode_module._TransformersDecoder
+    decoder = LeanDecoder if lean else TransformersDecoder
     keep = decoder.keep
 
     def counted(self, index):
@@ -122,14 +128,12 @@ def test_stopped_rows_leave_the_kv_cache_only_once_half_of_its_rows_have_stopped
 def test_lean_hidden_states_equal_the_text_model_at_every_step(setup, packed, monkeypatch):
     """Step by step against the text model with its own KV cache: new tokens' hidden states within 1e-5,
     with the projections packed for oneDNN (CPU float32) and with the weights read in place (as on CUDA)."""
-    from vlrft.rollout import lean_decode
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     text_model, out, mask, positions = _prefill(setup)
     with torch.no_grad():
         rows = torch.arange(len(mask))
         if not packed:
-            monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
+            monkeypatch.setattr(lean_module, "packing_applies", lambda weight: False)
         lean = LeanDecoder(text_model, out.past_key_values, rows, mask, positions[0, :, -1], max_new_tokens=5)
         assert (lean.layers[0].qkv.packed is not None) == packed
         cache, attention, position = out.past_key_values, mask.clone(), positions[:, :, -1:].clone()
@@ -173,7 +177,6 @@ def test_lean_steps_under_autocast_compute_what_the_text_model_computes_under_it
     """Under bf16 autocast (float32 weights) the lean step follows transformers' layers: projections cast once,
     float32 residual and rotary, SDPA; its hidden states are at least 20x closer to the text model's under the same
     autocast than those are to float32's (a rotary table in bf16 instead of float32 measured 0.6-0.9x)."""
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     with _bf16_autocast():
         text_model, out, mask, positions = _prefill(setup)
@@ -240,10 +243,9 @@ def test_lora_adapters_decode_through_the_lean_step_as_transformers_does(setup, 
     steps a CUDA graph replays) sample what PEFT's layers sample through transformers, and the adapter matters.
     Packed (CPU float32) or cast (bf16 autocast over float32 weights), the weights are copies with the delta merged;
     read in place (a GPU, FSDP2's bf16 weights), the delta goes through the adapter's two small matrices."""
-    from vlrft.rollout import lean_decode
 
     if layout == "in_place":
-        monkeypatch.setattr(lean_decode, "packing_applies", lambda weight: False)
+        monkeypatch.setattr(lean_module, "packing_applies", lambda weight: False)
     _, model, _, _ = setup
     adapted = _adapted(model, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     backbone, _ = split_head(adapted)
@@ -276,16 +278,14 @@ def test_a_lora_variant_the_lean_step_cannot_read_as_one_weight_decodes_through_
 @pytest.fixture
 def fixed_rows_steps(monkeypatch):
     """Counts the fixed-row decoder's steps (the CUDA graph path's row bookkeeping, eager on CPU)."""
-    from vlrft.rollout.graph_decode import FixedRowsDecoder
-
     calls = []
-    step = FixedRowsDecoder.step
+    step = graph_module.FixedRowsDecoder.step
 
     def counted(self, tokens, index):
         calls.append(len(tokens))
         return step(self, tokens, index)
 
-    monkeypatch.setattr(FixedRowsDecoder, "step", counted)
+    monkeypatch.setattr(graph_module.FixedRowsDecoder, "step", counted)
     return calls
 
 
@@ -342,7 +342,6 @@ def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_ro
 def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monkeypatch):
     """A compile that fails (here after the step had already advanced its state, as a failure at run time would)
     warns once, and the step runs eagerly from where it was: the same samples; later calls do not try again."""
-    from vlrft.rollout import lean_decode
 
     processor, model, tokens, batch = setup
     sampling = SamplingParams(n=2, max_new_tokens=5)
@@ -364,7 +363,7 @@ def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monk
 
     eager = run(compiled=False)
     monkeypatch.setattr(torch, "compile", no_compiler)
-    monkeypatch.setattr(lean_decode, "_compile_failed", False)
+    monkeypatch.setattr(lean_module, "_compile_failed", False)
     with pytest.warns(RuntimeWarning, match="compile_decode: torch.compile failed .*no C\\+\\+ compiler"):
         fallen_back = run(compiled=True)
     _assert_same(eager, fallen_back)
@@ -404,7 +403,6 @@ def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypat
     """What the CUDA graph capture relies on: every step runs on the same shapes, steps after restore() repeat
     the steps before it exactly (the slot, positions and mask advance in place), and a fixed-shape decoder
     cannot change its row count."""
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     text_model, out, mask, positions = _prefill(setup)
     with torch.no_grad():
@@ -441,20 +439,18 @@ def test_fixed_shape_lean_steps_restore_and_refuse_to_drop_rows(setup, monkeypat
 
 @pytest.fixture
 def shared_prompt(monkeypatch):
-    """Every prompt's KV held once per group (decode.SHARED_PROMPT_TOKENS = 0); counts the shared attention's calls,
-    and those made after rows stopped and left the cache (`slots` set)."""
-    from vlrft.rollout.lean_decode import _SharedPrompt
-
-    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", 0)
+    """Every prompt's KV held once per group (vlrft.sampling.SHARED_PROMPT_TOKENS = 0); counts the shared attention's
+    calls, and those made after rows stopped and left the cache (`slots` set)."""
+    monkeypatch.setattr(sampling_module, "SHARED_PROMPT_TOKENS", 0)
     calls = {"all": 0, "after_rows_left": 0}
-    attend = _SharedPrompt.attend
+    attend = SharedPrompt.attend
 
     def counted(self, *args, **kwargs):
         calls["all"] += 1
         calls["after_rows_left"] += self.slots is not None
         return attend(self, *args, **kwargs)
 
-    monkeypatch.setattr(_SharedPrompt, "attend", counted)
+    monkeypatch.setattr(SharedPrompt, "attend", counted)
     return calls
 
 
@@ -490,7 +486,6 @@ def test_a_shared_prompt_under_autocast_is_as_close_to_float32_as_transformers_l
     autocast, so the check is precision. At every step its hidden states (2 rows per prompt, different tokens) are
     about as far from the float32 text model's as transformers' layers under the same autocast are (L2 distance,
     measured 0.99-1.15x on the three architectures; bound 1.5x)."""
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     group = 2
     with _bf16_autocast():
@@ -529,7 +524,6 @@ def test_a_shared_prompt_is_not_copied_per_row(setup):
     """What a decode call's KV cache holds beyond the prefill's: per row, every row's copy of its prompt plus its
     generated positions; shared, the generated positions only (the prefill's cache is read in place). 4 rows per
     prompt here."""
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     text_model, out, mask, positions = _prefill(setup)
     group, max_new = 4, 6
@@ -555,14 +549,13 @@ def test_a_shared_prompt_is_not_copied_per_row(setup):
                          ids=["at_the_threshold", "under_it", "one_row_per_prompt"])
 def test_the_default_shares_prompts_from_the_threshold_length_and_groups_of_two(setup, monkeypatch, prompt_offset, n,
                                                                                 shared):
-    from vlrft.rollout.lean_decode import _SharedPrompt
 
     _, _, _, batch = setup
     longest = max(len(ids) for ids in batch.prompt_ids)  # the padded length
-    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", longest + prompt_offset)
+    monkeypatch.setattr(sampling_module, "SHARED_PROMPT_TOKENS", longest + prompt_offset)
     made = []
-    of = _SharedPrompt.of
-    monkeypatch.setattr(_SharedPrompt, "of", classmethod(lambda cls, *a: made.append(1) or of(*a)))
+    of = SharedPrompt.of
+    monkeypatch.setattr(SharedPrompt, "of", classmethod(lambda cls, *a: made.append(1) or of(*a)))
     _run(setup, SamplingParams(n=n, max_new_tokens=3, temperature=1.0), lean=True)
     assert bool(made) == shared
 
@@ -584,10 +577,10 @@ def test_ragged_prompts_prefilled_one_length_at_a_time_sample_what_one_padded_pr
 
     sampling = SamplingParams(n=3, max_new_tokens=8, temperature=1.0, stop_token_ids=list(range(40, 80)))
     one_call = _run(setup, sampling, lean=lean)
-    monkeypatch.setattr(decode_module, "PREFILL_MASK_ELEMENTS", 0)
+    monkeypatch.setattr(prefill, "PREFILL_MASK_ELEMENTS", 0)
     monkeypatch.setattr(type(backbone), "forward", counted)
     for shared in (0, 1 << 30):
-        monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", shared)
+        monkeypatch.setattr(sampling_module, "SHARED_PROMPT_TOKENS", shared)
         calls.clear()
         _assert_same(_run(setup, sampling, lean=lean), one_call)
         prefills = [call for call in calls if call[0][1] > 1]  # not the decode steps (one token each)
@@ -615,7 +608,7 @@ def test_a_call_prefills_its_prompts_a_token_budget_at_a_time(setup, monkeypatch
     one_call = _run(setup, sampling, lean=True)
     lengths = sorted(len(ids) for ids in batch.prompt_ids)
     budget = lengths[-1] + lengths[0]  # the longest prompt with the shortest, not with the middle one
-    monkeypatch.setattr(decode_module, "PREFILL_TOKENS", budget)
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS", budget)
     monkeypatch.setattr(type(backbone), "forward", counted)
     _assert_same(_run(setup, sampling, lean=True), one_call)
     prefills = [shape for shape in calls if shape[1] > 1]
@@ -632,17 +625,15 @@ def on_gpu(setup, monkeypatch):
     of each decoder a CUDA graph was captured for."""
     import copy
 
-    from vlrft.rollout import graph_decode
-
     processor, model, tokens, batch = setup
     captures = []
-    init = graph_decode.CudaGraphDecoder.__init__
+    init = graph_module.CudaGraphDecoder.__init__
 
     def counted(self, decoder):
         init(self, decoder)
         captures.append(decoder.compute_dtype)
 
-    monkeypatch.setattr(graph_decode.CudaGraphDecoder, "__init__", counted)
+    monkeypatch.setattr(graph_module.CudaGraphDecoder, "__init__", counted)
     return processor, copy.deepcopy(model).cuda().eval(), tokens, batch, captures
 
 
@@ -715,8 +706,6 @@ def test_on_cuda_a_lora_model_decodes_through_a_cuda_graph_as_through_eager_lean
 def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_gpu, monkeypatch):
     """On a GPU under the trainer's mixed precision (bf16 autocast over float32 weights): replaying the captured
     graph samples what the same fixed-shape steps sample eagerly (greedy: same ids, logprobs within 1e-3)."""
-    from vlrft.rollout import graph_decode
-
     processor, gpu_model, tokens, batch, captures = on_gpu
     sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0, stop_token_ids=list(range(40, 80)))
 
@@ -727,7 +716,7 @@ def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_
 
     replayed = run()
     assert captures == [torch.bfloat16], "no CUDA graph was captured under bf16 autocast"
-    monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)  # the same steps, eager
+    monkeypatch.setitem(table.VARIANTS, "cuda_graph", table.VARIANTS["fixed_rows"])  # the same steps, eager
     _assert_same(replayed, run(), atol=1e-3)
 
 
@@ -735,10 +724,8 @@ def test_cuda_graph_decoding_under_bf16_autocast_equals_the_same_steps_eager(on_
 def test_cuda_graph_decoding_of_shared_prompts_under_bf16_autocast_equals_the_same_steps_eager(on_gpu, monkeypatch):
     """On a GPU: prompts held once per group (their attention in float32 from the bf16 cache), replayed as a graph,
     sample what the same fixed-shape steps sample eagerly (greedy per row is not shared: sampled, same seed)."""
-    from vlrft.rollout import graph_decode
-
     processor, gpu_model, tokens, batch, captures = on_gpu
-    monkeypatch.setattr(decode_module, "SHARED_PROMPT_TOKENS", 0)
+    monkeypatch.setattr(sampling_module, "SHARED_PROMPT_TOKENS", 0)
     sampling = SamplingParams(n=3, max_new_tokens=16, temperature=1.0, stop_token_ids=list(range(40, 80)))
 
     def run():
@@ -749,7 +736,7 @@ def test_cuda_graph_decoding_of_shared_prompts_under_bf16_autocast_equals_the_sa
 
     replayed = run()
     assert captures == [torch.bfloat16]
-    monkeypatch.setattr(decode_module, "CudaGraphDecoder", graph_decode.FixedRowsDecoder)
+    monkeypatch.setitem(table.VARIANTS, "cuda_graph", table.VARIANTS["fixed_rows"])
     _assert_same(replayed, run(), atol=1e-3)
 
 
@@ -762,7 +749,6 @@ def test_lora_weights_read_in_place_are_not_copied_for_decoding(setup):
 
     from _live_bytes import LiveBytes
 
-    from vlrft.rollout.lean_decode import LeanDecoder
 
     processor, model, tokens, batch = setup
     made = {}

@@ -1,6 +1,6 @@
 """M-RoPE positions of a prompt and of the tokens after it, in one place for the trainer and the rollouts.
 
-The trainer's shared-prompt forward (`ActorVL`) and the rollout group decoder (`vlrft.rollout.decode`)
+The trainer's shared-prompt forward (`ActorVL`) and the rollout group decoder (`vlrft.decoding`)
 both run a prompt once and continue it from its KV cache; both must place the continuation exactly
 where a full forward would, or the logprobs of rollout and training differ.
 """

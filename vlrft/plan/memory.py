@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.reward_models import RewardModelShape
+from vlrft.sampling import LEAN_ATTENTION, PREFILL_TOKENS, shares_prompt  # the hf decoder's, not copies
 
 GiB = 1 << 30
 CUDA_RESERVE = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
@@ -38,9 +39,6 @@ LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so l
 LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
 DEEPSPEED_BUCKET_ELEMENTS = 5 * 10 ** 8  # DeepSpeed's default reduce_bucket_size / allgather_bucket_size
 STRATEGIES = ("single", "ddp", "fsdp2", "deepspeed")
-SHARED_PROMPT_TOKENS = 128  # vlrft.rollout.decode's: from this prompt length the hf engine holds a prompt's KV once
-# `vlrft.rollout.decode.PREFILL_TOKENS`: the hf engine prefills a call's prompts this many padded tokens at a time
-PREFILL_TOKENS = 1 << 15
 # "load": before the first step (host memory: the checkpoint read; on the GPU only the reserve then)
 PHASES = ("load", "rollout", "train")
 
@@ -557,12 +555,12 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
         prompts = cfg.prompts_per_step // world
         rows = prompts * r.n
         # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
-        # keys in float32 (values bf16), so those count as float32. The lean step does not run with a compiled step
-        # or attention other than SDPA/eager (`vlrft.rollout.lean_decode.unsupported_reason`; plain LoRA it reads).
-        lean = r.lean_decode and not r.compile_decode and m.attn_implementation in ("sdpa", "eager")
+        # keys in float32 (values bf16), so those count as float32. The lean step takes SDPA/eager attention only
+        # (`vlrft.decoding.lean_weights.unsupported_reason`); with a compiled step the plan counts float32 (an upper bound).
+        lean = r.lean_decode and not r.compile_decode and m.attn_implementation in LEAN_ATTENTION
         kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
         # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
-        if lean and r.n > 1 and d.max_prompt_length >= SHARED_PROMPT_TOKENS and not r.tools:
+        if lean and shares_prompt(r.n, d.max_prompt_length) and not r.tools:
             kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * kv_bytes_per_token(shape, kv_dtype[1])
             what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
                     f"{r.tokens_after_prompt} tokens each")

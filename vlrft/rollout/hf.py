@@ -81,12 +81,12 @@ class HFEngine:
         self.tokens = tokens
         self.max_batch_prompts = max_batch_prompts
         self.record_logprobs = record_logprobs
-        self.share_prompts = share_prompts  # None: when the model supports it (vlrft.rollout.decode)
-        # Group decoder only: a preallocated KV cache (None: when compiling or on CUDA; on CPU eager it measured
-        # no faster than the dynamic cache, bench/bench_decode.py), and a torch.compile'd decode step.
+        self.share_prompts = share_prompts  # None: when the model supports it (vlrft.decoding)
+        # Group decoder only (vlrft.decoding chooses the decoder from these): a preallocated KV cache for
+        # transformers' layers (None: when compiling or on CUDA), and a torch.compile'd decode step.
         self.static_cache = static_cache
         self.compile_decode = compile_decode
-        self.lean_decode = lean_decode  # Qwen-family decode steps without transformers' modules (rollout.lean_decode)
+        self.lean_decode = lean_decode  # Qwen-family decode steps without transformers' modules
         # lean steps replayed as a CUDA graph (rollout.cuda_graph_decode; None: on a CUDA device)
         self.cuda_graph_decode = cuda_graph_decode
 
@@ -150,7 +150,7 @@ class HFEngine:
         from transformers import LogitsProcessorList
 
         from vlrft.models.actor import supports_prompt_sharing
-        from vlrft.rollout.decode import sampling_warpers
+        from vlrft.decoding import sampling_warpers
         from vlrft.vision import mm_token_type_ids
 
         model = self._get_model()
@@ -199,8 +199,8 @@ class HFEngine:
                         logprobs=logprobs if self.record_logprobs else None, texts=texts)
 
     def _generate_groups(self, model, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
-        """Each prompt prefilled once, its cache shared by the group (vlrft.rollout.decode)."""
-        from vlrft.rollout.decode import decode_groups
+        """Each prompt prefilled once, its cache shared by the group (vlrft.decoding)."""
+        from vlrft.decoding import decode_groups
 
         was_training = model.training
         model.eval()
@@ -218,7 +218,7 @@ class HFEngine:
                                      image_token_id=self.tokens.image_token_id,
                                      video_token_id=self.tokens.video_token_id,
                                      suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer,
-                                     static_cache=self._static_cache(device), compile_step=self.compile_decode,
+                                     static_cache=self.static_cache, compile_step=self.compile_decode,
                                      lean_step=self.lean_decode, cuda_graph=self.cuda_graph_decode)
                 ids.extend(rows.ids)
                 logprobs.extend(rows.logprobs)
@@ -228,11 +228,6 @@ class HFEngine:
         texts = self.processor.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return Rollouts(n=sampling.n, completion_ids=ids, finish_reasons=reasons,
                         logprobs=logprobs if self.record_logprobs else None, texts=texts)
-
-    def _static_cache(self, device: torch.device) -> bool:
-        if self.static_cache is not None:
-            return self.static_cache
-        return self.compile_decode or device.type == "cuda"
 
     def _cut_at_stop_string(self, ids: list[int], sampling: SamplingParams, reason: str) -> tuple[list[int], str]:
         """Cut after the first token whose prefix text contains a stop string (generate pads past it)."""

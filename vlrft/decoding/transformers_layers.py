@@ -1,0 +1,102 @@
+"""Decode steps through transformers' own layers: any model the lean step does not take (GLM-4.1V, DoRA, shards)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep only `index` rows of a KV cache (static layers have no batch_select_indices of their own)."""
+    from transformers import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        cache.batch_select_indices(index)
+        return
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+            layer.batch_size = len(index)
+
+
+class TransformersDecoder:
+    """Decode steps through transformers' layers (any model), optionally `torch.compile`d.
+
+    Holds what the steps carry: the group's KV cache, the attention mask buffer and the rows' M-RoPE
+    positions. The same interface as `LeanDecoder` (`keep`, `step`). Falls back to eager if compiling fails.
+    """
+
+    def __init__(self, backbone, cache, rows: torch.Tensor, prompt_mask: torch.Tensor, position: torch.Tensor,
+                 max_new_tokens: int, mm_dtype: torch.dtype, static_cache: bool, compile_step: bool):
+        self.backbone = backbone
+        # A decode step carries no image or video: the multimodal wrapper would only embed the ids and
+        # pass them on, so the text decoder is called directly (same modules, one wrapper less per token).
+        self.text_model = getattr(backbone, "language_model", None)
+        self.cache, self.static_cache = cache, static_cache
+        select_rows(cache, rows)
+        self.prompt_len = prompt_mask.shape[1]
+        # With a static cache the model attends over every preallocated position (future ones masked);
+        # a dynamic one holds exactly the positions so far.
+        self.attention = step_mask_buffer(backbone, prompt_mask, self.prompt_len + max_new_tokens)
+        self.position = position  # [3, rows]: the last position; each new token adds 1 on all axes
+        self.mm = torch.zeros(len(rows), 1, dtype=mm_dtype, device=position.device)
+        self.compiled = None
+        if compile_step:
+            try:
+                self.compiled = torch.compile(self._eager, dynamic=True)
+            except Exception as error:  # noqa: BLE001 - no compiler / unsupported platform: decode eagerly
+                _warn_compile(error)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Drop every row not in `index` (rows that stopped)."""
+        select_rows(self.cache, index)
+        self.attention, self.position, self.mm = self.attention[index], self.position[:, index], self.mm[:len(index)]
+
+    def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """Feed `tokens` [rows] as generated token number `step` (0-based); the new hidden states [rows, hidden]."""
+        self.position += 1  # as vlrft.models.positions.positions_after places them
+        self.attention[..., self.prompt_len + step] = True
+        mask = self.attention if self.static_cache else self.attention[..., :self.prompt_len + step + 1]
+        args = (tokens[:, None], mask, self.position[:, :, None], self.mm, self.cache)
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - e.g. inductor without a C++ compiler
+                _warn_compile(error)
+                self.compiled = None
+        return self._eager(*args)
+
+    def _eager(self, tokens, attention, position, mm, cache):
+        if self.text_model is not None:
+            out = self.text_model(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                  past_key_values=cache, use_cache=True)
+        else:
+            out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
+                                past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
+        return out.last_hidden_state[:, -1]
+
+
+def _warn_compile(error: Exception) -> None:
+    import warnings
+
+    warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
+                  "decoding eagerly", RuntimeWarning, stacklevel=3)
+
+
+def step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The decode steps' attention mask over `length` positions, the prompt's filled in.
+
+    With SDPA it is kept in the boolean [rows, 1, 1, length] form the attention layers take, which
+    transformers passes through as it is, so no mask is built at each step (the same values it
+    would build). Other kernels (eager's additive mask, flash-attention's padding mask) get the
+    2D padding mask and build their own.
+    """
+    rows, prompt_len = prompt_mask.shape
+    config = getattr(getattr(backbone, "language_model", backbone), "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        buffer = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=prompt_mask.device)
+        buffer[:, 0, 0, :prompt_len] = prompt_mask.bool()
+        return buffer
+    buffer = torch.zeros(rows, length, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    buffer[:, :prompt_len] = prompt_mask
+    return buffer

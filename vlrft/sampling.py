@@ -1,0 +1,60 @@
+"""What sampling is, below every engine: `SamplingParams`, finish reasons, and the group decoder's sizes.
+
+The sizes and rules here are the hf engine's decoder's (`vlrft.decoding`, docs/decoding.md) that the memory plan
+counts (`vlrft.plan.memory`): both import them from this module, so the plan cannot drift from the decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vlrft.config import RolloutConfig
+
+FINISH_STOP = "stop"  # an EOS / stop token or stop string ended the completion
+FINISH_LENGTH = "length"  # max_new_tokens reached: the completion is truncated
+
+# A decode call prefills its prompts this many padded tokens at a time at most (a prefill holds a layer's activations
+# of every token it runs; docs/decoding.md, "Prefill"). A longer prompt runs alone.
+PREFILL_TOKENS = 1 << 15
+# Prompts of different lengths whose padded prefill mask would reach this many elements prefill one length at a time.
+PREFILL_MASK_ELEMENTS = 1 << 26
+# From this many padded prompt tokens the lean decoder holds a prompt's KV once per group, not once per row.
+SHARED_PROMPT_TOKENS = 128
+# The attention implementations whose layers the lean decode step reproduces (it computes with SDPA or baddbmm).
+LEAN_ATTENTION = ("sdpa", "eager")
+
+
+def shares_prompt(n: int, prompt_tokens: int) -> bool:
+    """Whether the lean decoder holds each prompt's KV cache once for its group of `n` rows."""
+    return n > 1 and prompt_tokens >= SHARED_PROMPT_TOKENS
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; every field maps one-to-one onto each engine's own sampling options."""
+
+    n: int = 1
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0  # stop tokens cannot be sampled before this many tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @classmethod
+    def from_config(cls, cfg: "RolloutConfig", **overrides) -> "SamplingParams":
+        params = dict(n=cfg.n, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+                      temperature=cfg.temperature, top_p=cfg.top_p,
+                      top_k=cfg.top_k, min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                      stop=tuple(cfg.stop), stop_token_ids=tuple(cfg.stop_token_ids))
+        params.update(overrides)
+        return cls(**params)
