@@ -202,6 +202,55 @@ def test_prompt_computed_once_per_group_equals_the_full_forward(arch, tiny_vlm_d
         assert torch.allclose(shared_grads[name], full_grads[name], atol=1e-4, rtol=1e-3), name
 
 
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_video_rows_equal_a_plain_per_row_forward(arch, tiny_vlm_dir):
+    """Qwen3-VL and Qwen3-VL-MoE with a video (Qwen3-VL's processor: timestamped frames, each its own vision block):
+    ActorVL's logprobs and gradients, prompt shared and not, equal each row's plain transformers forward on the data
+    layer's ids and video tensors within 1e-5."""
+    import numpy as np
+    from PIL import Image
+
+    pytest.importorskip("torchvision")
+    rng = np.random.default_rng(0)
+    video = [Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)) for _ in range(4)]
+    folder = tiny_vlm_dir(arch)
+    processor = load_processor(folder)
+    samples = [Sample(id="video", prompt="<video>What happens?", videos=[video]), Sample(id="text", prompt="Hi there")]
+    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=4096, video_fps=2.0)).encode(samples).batch
+    assert batch.visual.model_inputs()["video_grid_thw"].shape[0] == 1
+    completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14, 15], [16], [17, 18, 19]]]
+    row_prompt = [0, 0, 1, 1]
+    model = load_policy(folder)
+    model.zero_grad()
+    reference = []
+    for r, completion in enumerate(completions):
+        prompt = batch.prompt_ids[row_prompt[r]]
+        ids = torch.tensor([list(prompt) + completion])
+        types = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+        visual = batch.visual.select([row_prompt[r]]).model_inputs() if row_prompt[r] == 0 else {}
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **visual).logits[0]
+        logprobs = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
+        reference.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
+    sum(row.sum() for row in reference).backward()
+    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(".visual." in n for n in reference_grads)
+    tokens = TokenSpec.from_model(processor, model.config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
+    for share in (True, False):
+        actor.share_prompts = share
+        model.zero_grad()
+        out = actor.logprobs(seqs)
+        out.logprobs.sum().backward()
+        for r, expected in enumerate(reference):
+            got = out.logprobs[r, :len(expected)].detach()
+            assert torch.allclose(got, expected.detach(), atol=1e-5), (share, r, (got - expected).abs().max())
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == reference_grads.keys()
+        for name, expected in reference_grads.items():
+            assert torch.allclose(grads[name], expected, atol=1e-5), (share, name, (grads[name] - expected).abs().max())
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward(arch, tiny_vlm_dir, tmp_path,
                                                                               monkeypatch):
