@@ -18,7 +18,7 @@ from vlrft.models.vision_balance import VisualKinds
 from vlrft.tokens import TokenSpec
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
