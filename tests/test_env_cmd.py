@@ -17,6 +17,12 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert Version(versions["torch"]).public == Version(torch.__version__).public  # with or without +cpu / +cu13x
     assert Version(versions["transformers"]) == Version(transformers.__version__)
     assert report["torch"]["cuda_available"] == torch.cuda.is_available()
+    # the tested model families, each with what is tested, exactly those loading accepts
+    from vlrft.models.loading import SUPPORTED_FAMILIES
+
+    assert list(report["families"]) == list(SUPPORTED_FAMILIES)
+    assert report["families"]["qwen3_vl_moe"].startswith("Qwen3-VL-MoE: images and videos; engine hf")
+    assert report["families"]["glm4v"].startswith("GLM-4.1V: images (videos refused); engine hf")
     # CI installs a coherent stack (constraints.txt): no requirement among the installed packages is broken.
     assert report["problems"] == [] and code == 0, report["problems"]
 

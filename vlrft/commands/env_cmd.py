@@ -1,5 +1,7 @@
 """Print this machine's stack (torch, CUDA and GPUs, transformers, engines) and what in it does not fit together.
 
+It also names the model families vlrft is tested with and what is tested for each (any other is refused at load).
+
 For bug reports and before a GPU run: every package vlrft uses, its version, whether it imports, and
 every version requirement among them that the installed versions break (vlrft's own, and those of
 vLLM, SGLang, DeepSpeed, torchvision and PEFT on torch and transformers), each with the fix. Exit
@@ -47,6 +49,7 @@ class Report:
     packages: list[Package]
     torch: dict = field(default_factory=dict)  # CUDA build, GPUs, bf16, NCCL
     problems: list[str] = field(default_factory=list)
+    families: dict = field(default_factory=dict)  # model_type -> "Name: what the tests run with it"
 
 
 def installed_version(name: str) -> str | None:
@@ -127,7 +130,10 @@ def collect_report() -> Report:
             problems.append(f"{problem}; {fix}")
     facts = torch_facts() if versions["torch"] and not next(p for p in packages if p.name == "torch").import_error \
         else {}
-    return Report(sys.version.split()[0], platform.platform(), __version__, packages, facts, problems)
+    from vlrft.models.loading import FAMILY_SCOPE, SUPPORTED_FAMILIES
+
+    families = {kind: f"{name}: {FAMILY_SCOPE[kind]}" for kind, name in SUPPORTED_FAMILIES.items()}
+    return Report(sys.version.split()[0], platform.platform(), __version__, packages, facts, problems, families)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {p.name:<14} {state}")
     for key, value in report.torch.items():
         print(f"  torch.{key:<13} {value}")
+    print("model families (each tested end to end; any other is refused at load):")
+    for kind, scope in report.families.items():
+        print(f"  {kind:<14} {scope}")
     if report.problems:
         print(f"{len(report.problems)} problem(s):")
         for problem in report.problems:

@@ -137,6 +137,20 @@ SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3
                       "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V"}
 
 
+# What the tests run for each family beyond the common part (its tiny model and processor, the data layer, ActorVL's
+# logprobs and gradients against a plain per-sample forward, prompt sharing, the hf engine, a GRPO run, FSDP2 units,
+# LoRA names); `vlrft env` prints it.
+FAMILY_SCOPE = {
+    "qwen2_vl": "images and videos; engines hf, vllm, sglang; FSDP2 and ZeRO on two ranks under torchrun",
+    "qwen2_5_vl": "images and videos; engines hf, vllm, sglang",
+    "qwen3_vl": "images and videos; engines hf, vllm (images; its videos refused there), sglang",
+    "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 in one process; LoRA on "
+                    "attention and the vision tower, experts and routers by full fine-tuning only; no router "
+                    "auxiliary loss",
+    "glm4v": "images (videos refused); engine hf (vLLM/SGLang refused); FSDP2 in one process",
+}
+
+
 def supported_families() -> str:
     """'Qwen2-VL (qwen2_vl), ...': the supported families as an error message names them."""
     return ", ".join(f"{name} ({model_type})" for model_type, name in SUPPORTED_FAMILIES.items())
