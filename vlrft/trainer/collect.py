@@ -10,6 +10,7 @@ budget runs out, zero-variance groups fill the gap: they get zero advantage, nev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ContextManager
@@ -120,13 +121,45 @@ def score_on_every_rank(reward_set, prompts: PromptBatch, rollouts: Rollouts, st
     return result
 
 
+@dataclass(frozen=True)
+class ScoredGroups:
+    """One round's prompts, rollouts and shaped rewards, and which of its groups (prompt indices) to use, in order."""
+
+    prompts: PromptBatch
+    rollouts: Rollouts
+    rewards: torch.Tensor  # [N] shaped reward per completion of the round
+    per_function: dict[str, torch.Tensor]  # [N] raw reward per function
+    groups: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RoundCounts:
+    """What a step's rounds counted, reported in `Collected` beside its rows."""
+
+    groups_seen: int
+    zero_std_groups: int
+    filled_zero_std: int
+    skipped_prompts: int
+    rounds: int
+    reward_errors: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What `collect` hands `_assemble`: the scored groups to take, in order, until `need` groups; the counts."""
+
+    parts: tuple[ScoredGroups, ...]
+    need: int
+    counts: RoundCounts
+
+
 def collect(deps: CollectDeps, step: int) -> Collected:
     """Generate and score until this rank has `prompts_per_rank` usable groups (see the module docstring)."""
     n = deps.rollout.n
     need = deps.prompts_per_rank
     dynamic = deps.algo.dynamic_sampling
-    kept: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
-    spare: list[tuple[PromptBatch, Rollouts, torch.Tensor, dict, list[int]]] = []
+    kept: list[ScoredGroups] = []
+    spare: list[ScoredGroups] = []
     have = groups_seen = zero_groups = skipped = rounds = 0
     reward_errors = dict.fromkeys(deps.rewards.keys, 0)
     max_rounds = (1 + deps.algo.max_refill_rounds) if dynamic else MAX_ROUNDS_FOR_SKIPS
@@ -155,44 +188,49 @@ def collect(deps: CollectDeps, step: int) -> Collected:
         zero = zero_variance_groups(rewards, n)
         groups_seen += len(batch)
         zero_groups += int(zero.sum())
-        good = [g for g in range(len(batch)) if not (dynamic and bool(zero[g]))]
-        bad = [g for g in range(len(batch)) if dynamic and bool(zero[g])]
-        part = (batch, rollouts, rewards, result.per_function)
+        good = tuple(g for g in range(len(batch)) if not (dynamic and bool(zero[g])))
+        bad = tuple(g for g in range(len(batch)) if dynamic and bool(zero[g]))
+        scored = ScoredGroups(prompts=batch, rollouts=rollouts, rewards=rewards, per_function=result.per_function,
+                              groups=good)
         if good:
-            kept.append((*part, good))
+            kept.append(scored)
             have += len(good)
         if bad:
-            spare.append((*part, bad))
+            spare.append(dataclasses.replace(scored, groups=bad))
     filled = 0
     if have < need:
-        available = sum(len(s[-1]) for s in spare)
+        available = sum(len(s.groups) for s in spare)
         if have + available < need:
             raise UserError(f"could not collect {need} usable prompts for this rank in {rounds} rounds "
                             f"({skipped} prompts skipped as bad); check the data with `vlrft data check` or set "
                             "data.on_bad_sample=error to see why")
         filled = need - have
         kept.extend(spare)
-    collected = _assemble(kept, need, n, groups_seen, zero_groups, filled, skipped, rounds)
-    collected.reward_errors = reward_errors
-    return collected
+    counts = RoundCounts(groups_seen=groups_seen, zero_std_groups=zero_groups, filled_zero_std=filled,
+                         skipped_prompts=skipped, rounds=rounds, reward_errors=reward_errors)
+    return _assemble(Selection(parts=tuple(kept), need=need, counts=counts))
 
 
-def _assemble(parts, need: int, n: int, groups_seen: int, zero_groups: int, filled: int, skipped: int,
-              rounds: int) -> Collected:
+def _assemble(selection: Selection) -> Collected:
+    """The first `selection.need` groups of its parts as one batch."""
     batches, rollouts, rewards, functions = [], [], [], []
-    left = need
-    for batch, ro, rw, per_fn, groups in parts:
-        groups = groups[:left]
+    left = selection.need
+    for part in selection.parts:
+        groups = list(part.groups[:left])
         if not groups:
             break
         left -= len(groups)
+        n = part.rollouts.n
         rows = torch.tensor([g * n + j for g in groups for j in range(n)])
-        batches.append(batch.select(groups))
-        rollouts.append(ro.select_groups(groups))
-        rewards.append(rw[rows])
-        functions.append({name: values[rows] for name, values in per_fn.items()})
+        batches.append(part.prompts.select(groups))
+        rollouts.append(part.rollouts.select_groups(groups))
+        rewards.append(part.rewards[rows])
+        functions.append({name: values[rows] for name, values in part.per_function.items()})
     names = sorted({name for f in functions for name in f})
     per_function = {name: torch.cat([f.get(name, torch.full((len(r),), float("nan")))
                                      for f, r in zip(functions, rewards)]) for name in names}
-    return Collected(PromptBatch.concat(batches), Rollouts.concat(rollouts), torch.cat(rewards), per_function,
-                     groups_seen, zero_groups, filled, skipped, rounds)
+    counts = selection.counts
+    return Collected(prompts=PromptBatch.concat(batches), rollouts=Rollouts.concat(rollouts),
+                     rewards=torch.cat(rewards), per_function=per_function, groups_seen=counts.groups_seen,
+                     zero_std_groups=counts.zero_std_groups, filled_zero_std=counts.filled_zero_std,
+                     skipped_prompts=counts.skipped_prompts, rounds=counts.rounds, reward_errors=counts.reward_errors)
