@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Tokens/s of the hf engine's group decoder (static or dynamic KV cache, optionally compiled) vs `model.generate`.
+"""Tokens/s of the hf engine's group decoder variants (vlrft.decoding.table) vs `model.generate`.
 
-    python bench/bench_decode.py [--repeats 3] [--tokens 64] [--compile]
+    python bench/bench_decode.py [--repeats 3] [--tokens 64]
     python bench/bench_decode.py --device cuda --dtype bfloat16 --hidden 896 --layers 24 --tokens 256
     python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 --tokens 256
 
@@ -43,7 +43,6 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="also time rollout.compile_decode=true")
     p.add_argument("--regimes", default="all", help="comma-separated indices into the regime list, or 'all'")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default="float32", help="the model's dtype (e.g. bfloat16 on a GPU)")
@@ -92,12 +91,6 @@ def main() -> None:
         variants["group, lean, fixed shapes, shared prompt"] = dict(lean_decode=True, cuda_graph_decode=True)
     if cuda or args.autocast:  # nothing is packed on CUDA or under autocast
         del variants["group, lean, unpacked"]
-    if args.compile:  # compiling takes long: minutes for the dynamic-length lean step on CPU
-        variants["group, static, compiled"] = dict(static_cache=True, lean_decode=False, compile_decode=True,
-                                                   cuda_graph_decode=False)  # transformers' step compiled
-        variants["group, lean, compiled"] = dict(lean_decode=True, compile_decode=True, cuda_graph_decode=False)
-        variants["group, lean, fixed shapes, compiled"] = dict(lean_decode=True, compile_decode=True,
-                                                               cuda_graph_decode=True)  # on CUDA: in the graph
     for name in filter(None, (v.strip() for v in args.skip.split(";"))):
         if name == "generate" or name not in variants:
             raise SystemExit(f"--skip {name!r}: not a variant that can be left out ({'; '.join(list(variants)[1:])})")
@@ -115,7 +108,7 @@ def main() -> None:
         autocast = None if args.autocast is None else (
             lambda: torch.autocast(torch.device(args.device).type, dtype=getattr(torch, args.autocast)))
         engines = {v: HFEngine(lambda: model, processor, tokens, autocast=autocast, **opts) for v, opts in variants.items()}
-        for variant, engine in engines.items():  # warm-up (and compile) outside the timing
+        for variant, engine in engines.items():  # warm-up outside the timing
             with unpacked(variant.endswith("unpacked")), prompt_kv(variant):
                 engine.generate(batch, sampling)
         rates: dict[str, list[float]] = {v: [] for v in engines}

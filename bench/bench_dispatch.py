@@ -140,7 +140,7 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
 
         LeanDecoder.step = lean_step
     else:
-        forward = TransformersDecoder._eager
+        forward = TransformersDecoder._forward
         calls = []
 
         def transformers_step(self, *args):
@@ -148,7 +148,7 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
             with Count() if len(calls) == counted_step + 1 else contextlib.nullcontext():
                 return forward(self, *args)
 
-        TransformersDecoder._eager = transformers_step
+        TransformersDecoder._forward = transformers_step
     engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=lean,
                       cuda_graph_decode=False, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     try:
@@ -157,7 +157,7 @@ def count_decode(model_dir: Path, lean: bool, long_prompt: bool) -> int:
         if lean:
             LeanDecoder.step = step
         else:
-            TransformersDecoder._eager = forward
+            TransformersDecoder._forward = forward
     return sum(ops.values())
 
 

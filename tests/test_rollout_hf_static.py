@@ -1,4 +1,4 @@
-"""The group decoder's preallocated (static) KV cache and optional compiled step give the same rollouts.
+"""The group decoder's preallocated (static) KV cache gives the same rollouts as the dynamic one.
 
 These exercise decode steps through transformers' layers (`lean_decode=False`); the lean step has
 its own tests (test_rollout_lean_decode.py).
@@ -51,30 +51,6 @@ def test_static_cache_sampling_with_rows_stopping_early_equals_the_dynamic_cache
     _assert_same(static, _run(setup, sampling, static_cache=False))
     assert {FINISH_STOP, FINISH_LENGTH} <= set(static.finish_reasons)
     assert len({len(ids) for ids in static.completion_ids}) > 2
-
-
-def test_compile_failure_falls_back_to_eager_decoding_with_a_warning(setup, monkeypatch):
-    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0)
-    expected = _run(setup, sampling)
-
-    def broken_compile(*args, **kwargs):
-        raise RuntimeError("no C++ compiler here")
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    with pytest.warns(RuntimeWarning, match="compile_decode"):
-        got = _run(setup, sampling, compile_decode=True)
-    _assert_same(got, expected)
-
-
-@pytest.mark.slow
-def test_compiled_decode_step_gives_the_same_greedy_ids_and_logprobs(setup):
-    import warnings
-
-    sampling = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test compilation
-        compiled = _run(setup, sampling, compile_decode=True)
-    _assert_same(compiled, _run(setup, sampling, static_cache=False))
 
 
 @pytest.mark.parametrize("options", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),

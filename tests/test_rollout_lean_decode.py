@@ -1,7 +1,6 @@
 """The lean decode step (vlrft.decoding.lean) computes what transformers' layers compute, per architecture."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -309,71 +308,6 @@ def test_qwen3_head_norms_apply_to_their_own_heads(setup):
 
 
 @pytest.mark.slow
-def test_a_compiled_lean_step_samples_what_the_eager_one_samples(setup, fixed_rows_steps):
-    """rollout.compile_decode: the lean step is torch.compile'd (here the fixed-shape one, which CUDA graphs replay)
-    and samples the same ids, logprobs within 1e-5. It compiles once: calls of other sizes (every training step's
-    prompts) reuse it."""
-    from torch._dynamo.utils import counters
-
-    processor, model, tokens, batch = setup
-    if model.config.model_type == "qwen2_vl":
-        pytest.skip("the same text decoder as Qwen2.5-VL's (compiling takes most of a minute on CPU)")
-    sampling = SamplingParams(n=3, max_new_tokens=6)
-
-    def run(compiled: bool, prompts=batch):
-        torch.manual_seed(0)
-        engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=True,
-                          compile_decode=compiled, cuda_graph_decode=True)
-        return engine.generate(prompts, sampling)
-
-    graphs = counters["stats"]["unique_graphs"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed compile warns and decodes eagerly: not here
-        _assert_same(run(compiled=False), run(compiled=True))
-        assert counters["stats"]["unique_graphs"] == graphs + 1, "not compiled (or in pieces)"
-        assert fixed_rows_steps
-        for index in ([0, 1], [1, 2]):  # other rows, prompt lengths and positions
-            prompts = batch.select(index)
-            _assert_same(run(compiled=False, prompts=prompts), run(compiled=True, prompts=prompts))
-    assert counters["stats"]["unique_graphs"] == graphs + 1, "the step compiled again for a call of other sizes"
-
-
-@pytest.mark.slow
-def test_a_lean_step_that_cannot_compile_decodes_eagerly_and_says_so(setup, monkeypatch):
-    """A compile that fails (here after the step had already advanced its state, as a failure at run time would)
-    warns once, and the step runs eagerly from where it was: the same samples; later calls do not try again."""
-
-    processor, model, tokens, batch = setup
-    sampling = SamplingParams(n=2, max_new_tokens=5)
-    attempts = []
-
-    def no_compiler(fn, **kwargs):
-        attempts.append(fn)
-
-        def fails(*args):
-            fn(*args)  # slot, positions and mask advanced
-            raise RuntimeError("no C++ compiler")
-        return fails
-
-    def run(compiled: bool):
-        torch.manual_seed(0)
-        engine = HFEngine(lambda: model, processor, tokens, share_prompts=True, static_cache=False, lean_decode=True,
-                          compile_decode=compiled)
-        return engine.generate(batch, sampling)
-
-    eager = run(compiled=False)
-    monkeypatch.setattr(torch, "compile", no_compiler)
-    monkeypatch.setattr(lean_module, "_compile_failed", False)
-    with pytest.warns(RuntimeWarning, match="compile_decode: torch.compile failed .*no C\\+\\+ compiler"):
-        fallen_back = run(compiled=True)
-    _assert_same(eager, fallen_back)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        _assert_same(eager, run(compiled=True))
-    assert len(attempts) == 1, "a later decode call tried to compile again"
-
-
-@pytest.mark.slow
 def test_fixed_shape_steps_with_rows_stopping_equal_the_lean_steps(setup, fixed_rows_steps):
     """rollout.cuda_graph_decode's steps (every row, every position; eager off CUDA) sample what the lean steps
     that drop stopped rows sample: same ids, logprobs within 1e-5."""
@@ -653,32 +587,6 @@ def test_cuda_graph_decoding_equals_eager_lean_steps_on_cuda(on_gpu):
     short = SamplingParams(n=3, max_new_tokens=2, temperature=0.0)  # no room for the capture's warm-up steps
     _assert_same(*(HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
                             cuda_graph_decode=graph).generate(batch, short) for graph in (True, False)), atol=1e-4)
-
-
-@needs_cuda
-def test_on_cuda_a_compiled_lean_step_is_what_the_graph_replays(on_gpu):
-    """rollout.compile_decode on a GPU under bf16 autocast: the step compiled in the warm-up (one graph: the capture,
-    with autocast's cast cache off, compiles nothing more) is captured and samples what the eager graph samples
-    (greedy: same ids, logprobs within 2e-2: inductor keeps some intermediates in float32)."""
-    from torch._dynamo.utils import counters
-
-    processor, gpu_model, tokens, batch, captures = on_gpu
-    sampling = SamplingParams(n=3, max_new_tokens=16, temperature=0.0)
-
-    def run(compiled: bool):
-        engine = HFEngine(lambda: gpu_model, processor, tokens, share_prompts=True, lean_decode=True,
-                          cuda_graph_decode=True, compile_decode=compiled,
-                          autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
-        return engine.generate(batch, sampling)
-
-    eager = run(compiled=False)
-    graphs = counters["stats"]["unique_graphs"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        compiled = run(compiled=True)
-    assert counters["stats"]["unique_graphs"] == graphs + 1
-    assert len(captures) == 2
-    _assert_same(eager, compiled, atol=2e-2)
 
 
 @needs_cuda

@@ -8,8 +8,7 @@
 # In this order (the newest and most needed first, so that a BUDGET cuts the oldest): 1. imports and the GPU, then
 # `vlrft env`; 2. the CUDA tests (CUDA-graph decoding, also under bf16 autocast and with shared prompts; the tower's
 # batched attention; no autocast weight copies held by a checkpointed forward; the engine GPU tests skip without
-# vLLM/SGLang); 2b. decode rates of the lean step compiled (rollout.compile_decode) inside the CUDA graph vs eager
-# inside it, 0.5B shape, ~270-token prompts held once per group; 3. training MFU, rollout tokens/s and peak memory
+# vLLM/SGLang); 3. training MFU, rollout tokens/s and peak memory
 # beside the plan for a random Qwen2.5-VL of $SIZE (default 0.5b), one process (tools/gpu_bench.py); 4. FSDP2
 # cpu_offload's weight sync gathering on the GPU, and the reward model's offload; 5. decode rates with ~1.4k-token
 # prompts, each prompt's KV cache held once per group vs copied per row; 6. the vision tower's attention per segment
@@ -68,10 +67,6 @@ if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() el
 fi
 step cuda_tests 120 "$PYTHON" -m pytest -m "" -q -x -p no:cacheprovider tests/test_rollout_lean_decode.py \
     tests/test_rollout_engines_gpu.py tests/test_vision_attention.py tests/test_actor.py -k "cuda or gpu"
-step compiled_decode 240 "$PYTHON" -W "error:rollout.compile_decode:RuntimeWarning" bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 \
-    --layers 24 --tokens 128 --regimes 2 --repeats 2 --prompt-repeat 20 --compile --skip "group, dynamic cache;\
-group, static cache;group, lean step;group, static, compiled;group, lean, compiled;group, lean, prompt per row;\
-group, lean, shared prompt"  # the lean step compiled inside the CUDA graph vs eager in it (shared ~270-token prompts)
 step train_bench "${TRAIN_SECONDS:-200}" "$PYTHON" tools/gpu_bench.py --size "$SIZE" --strategies single --steps "$STEPS" \
     --micro-batch "$MICRO_BATCH" --out "$OUT/bench" --json "$OUT/gpu_bench.json"
 step offload_sync 100 "$PYTHON" -m pytest -m "" -q -x -p no:cacheprovider \

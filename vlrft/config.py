@@ -153,11 +153,6 @@ class RolloutConfig:
     stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
     stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
                                        factory=list, minimum=0)
-    compile_decode: bool = option(False, "hf engine: torch.compile the per-token decode step: the lean step "
-                                  "(inductor fuses its elementwise kernels; on CUDA the compiled step is what the "
-                                  "CUDA graph replays), else transformers' step. It compiles once, with dynamic "
-                                  "sizes (seconds to minutes); not yet measured on a GPU, on CPU no faster than "
-                                  "eager. Falls back to eager with a warning if compiling fails")
     lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL decode steps run the layers' arithmetic directly "
                                "(weights read in place, preallocated KV cache) instead of through transformers' "
                                "modules (LoRA adapters as base weight + delta); other models and DoRA decode through "

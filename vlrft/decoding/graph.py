@@ -47,9 +47,8 @@ class CudaGraphDecoder(FixedRowsDecoder):
     def __init__(self, decoder: LeanDecoder):
         super().__init__(decoder)
         state = decoder.state()
-        # Under autocast no cast may be cached inside the capture (the weights' casts are the decoder's own copies).
-        # The warm-up steps run in the same autocast state: a compiled step (rollout.compile_decode) is guarded on
-        # it, and would compile again inside the capture.
+        # Under autocast no cast may be cached inside the capture (the weights' casts are the decoder's own copies);
+        # the warm-up steps run in the capture's autocast state.
         dtype = decoder.compute_dtype
 
         def uncached():

@@ -43,12 +43,12 @@ class _Loop:
 def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampling: SamplingParams, *,
                   pad_id: int, stop_ids: set[int], image_token_id: int, video_token_id: int,
                   suppressed_ids: tuple[int, ...] = (), tokenizer=None, static_cache: bool | None = None,
-                  compile_step: bool = False, lean_step: bool = True, cuda_graph: bool | None = None) -> DecodedRows:
+                  lean_step: bool = True, cuda_graph: bool | None = None) -> DecodedRows:
     """Sample `sampling.n` completions for each prompt; rows are ordered prompt by prompt.
 
     The decoder is the variant `vlrft.decoding.table.choose` names for the model, the device and the options:
     `lean_step` (rollout.lean_decode), `cuda_graph` (rollout.cuda_graph_decode; None: on CUDA), `static_cache`
-    (None: on CUDA or when compiling), `compile_step` (rollout.compile_decode).
+    (None: on CUDA).
     """
     backbone, head = split_head(model)
     device = head.weight.device
@@ -59,7 +59,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     groups = prefill_groups(mask)
     variant = VARIANTS[choose(lean=lean_step and lean_applies(backbone, positions[:, :, -1]), device=device,
                               max_new_tokens=max_new, cuda_graph=cuda_graph, static_cache=static_cache,
-                              compile_step=compile_step, autocast_on=active_autocast_dtype(device) is not None,
+                              autocast_on=active_autocast_dtype(device) is not None,
                               one_prefill=len(groups) == 1)]
     cache = None
     if variant.static_cache:
@@ -69,7 +69,7 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     last, prefill_cache = prefill(backbone, ids, mask, mm, positions, visual, cache, groups)
     rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(sampling.n)
     decoder = variant.build(DecodeInputs(backbone, prefill_cache, rows, mask[rows], positions[:, rows, -1], max_new,
-                                         mm.dtype, shares_prompt(sampling.n, prompt_len), compile_step))
+                                         mm.dtype, shares_prompt(sampling.n, prompt_len)))
     prefill_cache = None  # it now lives in the decoder
     loop = _Loop(head, sampling, step_processors(sampling, suppressed_ids, head.weight.shape[0], device),
                  stop_string_criteria(tokenizer, sampling.stop), torch.tensor(sorted(stop_ids), device=device), pad_id)

@@ -13,19 +13,6 @@ from vlrft.decoding.lean_weights import LayerWeights, packing_applies, rms_norm,
 from vlrft.decoding.shared_prompt import SharedPrompt
 from vlrft.models.precision import active_autocast_dtype
 
-_compile_failed = False  # rollout.compile_decode failed once in this process: later decoders step eagerly
-
-
-def _compile_fell_back(error: Exception) -> None:
-    """Say once that compiling the step failed; later decoders step eagerly (each generate call builds one)."""
-    import warnings
-
-    global _compile_failed
-    _compile_failed = True
-    warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
-                  "decoding eagerly", RuntimeWarning, stacklevel=3)
-
-
 class LeanDecoder:
     """Decode steps for `rows` rows continuing prompts of `prompt_len` (left-padded) positions.
 
@@ -41,13 +28,12 @@ class LeanDecoder:
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
                  last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False,
-                 share_prompt: bool = False, compiled: bool = False):
+                 share_prompt: bool = False):
         self.model = text_model
         self.fixed_shapes = fixed_shapes
         # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
         self.compute_dtype = active_autocast_dtype(text_model.embed_tokens.weight.device)
-        # `compiled`: the step will be torch.compile'd, and inductor takes no oneDNN-packed weights as inputs
-        pack = not compiled and self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
+        pack = self.compute_dtype is None and packing_applies(text_model.embed_tokens.weight)
         self.layers = [LayerWeights.of(layer, len(rows), pack, self.compute_dtype) for layer in text_model.layers]
         first = text_model.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
@@ -91,17 +77,6 @@ class LeanDecoder:
         # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]]: the sign folded into the table
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [positions, head_dim]
         self.embed = text_model.embed_tokens.weight
-        # `compiled` (rollout.compile_decode): inductor fuses the step's elementwise work (norms, rotary, SiLU gate,
-        # casts, residual adds, a shared prompt's layout copies) into a few kernels around the matmuls. Compiled with
-        # dynamic sizes (rows, prompt length, attended length) once, for every later call too (the compiled code is
-        # kept per code object, not per decoder): static sizes would compile again for each training step's
-        # prompts until the sizes that change were found. Eager if compiling fails.
-        self._step = self._eager_step
-        if compiled and not _compile_failed:
-            try:
-                self._step = torch.compile(self._eager_step, dynamic=True)
-            except Exception as error:  # noqa: BLE001 - an unsupported platform or Python
-                _compile_fell_back(error)
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
@@ -145,20 +120,6 @@ class LeanDecoder:
         every step attends over all preallocated positions (those not reached are masked) and `step`
         is not read: the same kernels on the same shapes each time, which a CUDA graph can replay.
         """
-        if self._step == self._eager_step or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return self._step(tokens, step)  # (a CUDA graph records the step compiled in its warm-up: no fallback)
-        state = self.state()
-        try:
-            return self._step(tokens, step)
-        except torch.OutOfMemoryError:
-            raise  # the eager step would need the memory too
-        except Exception as error:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower, ...
-            _compile_fell_back(error)
-            self._step = self._eager_step
-            self.restore(state)  # whatever the failed call advanced (its KV writes are masked again)
-            return self._eager_step(tokens, step)
-
-    def _eager_step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
         rows, kv_heads, dim = tokens.shape[0], self.kv_heads, self.head_dim
         length = self.mask_bias.shape[-1] if self.fixed_shapes else self.offset + step + 1
         self.slot += 1

@@ -41,7 +41,6 @@ class DecodeInputs:
     max_new_tokens: int
     mm_dtype: torch.dtype
     share_prompt: bool  # the lean decoder holds a prompt's KV once for its group (vlrft.sampling.shares_prompt)
-    compile_step: bool  # rollout.compile_decode
 
 
 @dataclass(frozen=True)
@@ -56,13 +55,12 @@ def _lean(inputs: DecodeInputs, fixed_shapes: bool = False) -> LeanDecoder:
     if active_autocast_dtype(inputs.row_mask.device) is not None:
         torch.clear_autocast_cache()  # the prefill's cached weight casts: one bf16 copy while decoding, not two
     return LeanDecoder(inputs.backbone.language_model, inputs.cache, inputs.rows, inputs.row_mask, inputs.position[0],
-                       inputs.max_new_tokens, fixed_shapes=fixed_shapes, share_prompt=inputs.share_prompt,
-                       compiled=inputs.compile_step)
+                       inputs.max_new_tokens, fixed_shapes=fixed_shapes, share_prompt=inputs.share_prompt)
 
 
 def _transformers(inputs: DecodeInputs, static_cache: bool) -> Decoder:
     decoder = TransformersDecoder(inputs.backbone, inputs.cache, inputs.rows, inputs.row_mask, inputs.position,
-                                  inputs.max_new_tokens, inputs.mm_dtype, static_cache, inputs.compile_step)
+                                  inputs.max_new_tokens, inputs.mm_dtype, static_cache)
     return HalvingRowsDecoder(decoder, len(inputs.rows))
 
 
@@ -81,7 +79,7 @@ VARIANTS: dict[str, Variant] = {
         "CPU, bench_decode.py, text group 4: 1.61x generate against 1.28x through transformers' layers"),
     "transformers_static": Variant(
         lambda inputs: _transformers(inputs, static_cache=True), True,
-        "CUDA (or rollout.compile_decode), models the lean step does not take, no autocast",
+        "CUDA, models the lean step does not take, no autocast",
         "CPU, bench_decode.py, 112 px group 8: 1.52x generate against 1.34x with the dynamic cache"),
     "transformers_dynamic": Variant(
         lambda inputs: _transformers(inputs, static_cache=False), False,
@@ -99,13 +97,13 @@ def lean_applies(backbone: nn.Module, position: torch.Tensor) -> bool:
 
 
 def choose(*, lean: bool, device: torch.device, max_new_tokens: int, cuda_graph: bool | None,
-           static_cache: bool | None, compile_step: bool, autocast_on: bool, one_prefill: bool) -> str:
+           static_cache: bool | None, autocast_on: bool, one_prefill: bool) -> str:
     """The name of the variant in VARIANTS that decodes a call. `cuda_graph`, `static_cache`: None picks by device."""
     if lean:
         fixed = (device.type == "cuda" if cuda_graph is None else cuda_graph)
         if fixed and max_new_tokens > graph.WARMUP_STEPS:  # a call too short for the capture's warm-up: no graph
             return "cuda_graph" if device.type == "cuda" else "fixed_rows"
         return "lean"
-    static = (compile_step or device.type == "cuda") if static_cache is None else static_cache
+    static = device.type == "cuda" if static_cache is None else static_cache
     # a StaticCache cannot hold autocast's float32 keys beside bf16 values; a grouped prefill merges a dynamic cache
     return "transformers_static" if static and not autocast_on and one_prefill else "transformers_dynamic"

@@ -20,14 +20,11 @@ def select_rows(cache, index: torch.Tensor) -> None:
 
 
 class TransformersDecoder:
-    """Decode steps through transformers' layers (any model), optionally `torch.compile`d.
-
-    Holds what the steps carry: the group's KV cache, the attention mask buffer and the rows' M-RoPE
-    positions. The same interface as `LeanDecoder` (`keep`, `step`). Falls back to eager if compiling fails.
-    """
+    """Decode steps through transformers' layers (any model): holds the group's KV cache, the attention mask buffer
+    and the rows' M-RoPE positions."""
 
     def __init__(self, backbone, cache, rows: torch.Tensor, prompt_mask: torch.Tensor, position: torch.Tensor,
-                 max_new_tokens: int, mm_dtype: torch.dtype, static_cache: bool, compile_step: bool):
+                 max_new_tokens: int, mm_dtype: torch.dtype, static_cache: bool):
         self.backbone = backbone
         # A decode step carries no image or video: the multimodal wrapper would only embed the ids and
         # pass them on, so the text decoder is called directly (same modules, one wrapper less per token).
@@ -40,12 +37,6 @@ class TransformersDecoder:
         self.attention = step_mask_buffer(backbone, prompt_mask, self.prompt_len + max_new_tokens)
         self.position = position  # [3, rows]: the last position; each new token adds 1 on all axes
         self.mm = torch.zeros(len(rows), 1, dtype=mm_dtype, device=position.device)
-        self.compiled = None
-        if compile_step:
-            try:
-                self.compiled = torch.compile(self._eager, dynamic=True)
-            except Exception as error:  # noqa: BLE001 - no compiler / unsupported platform: decode eagerly
-                _warn_compile(error)
 
     def keep(self, index: torch.Tensor) -> None:
         """Drop every row not in `index` (rows that stopped)."""
@@ -57,16 +48,9 @@ class TransformersDecoder:
         self.position += 1  # as vlrft.models.positions.positions_after places them
         self.attention[..., self.prompt_len + step] = True
         mask = self.attention if self.static_cache else self.attention[..., :self.prompt_len + step + 1]
-        args = (tokens[:, None], mask, self.position[:, :, None], self.mm, self.cache)
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as error:  # noqa: BLE001 - e.g. inductor without a C++ compiler
-                _warn_compile(error)
-                self.compiled = None
-        return self._eager(*args)
+        return self._forward(tokens[:, None], mask, self.position[:, :, None], self.mm, self.cache)
 
-    def _eager(self, tokens, attention, position, mm, cache):
+    def _forward(self, tokens, attention, position, mm, cache):
         if self.text_model is not None:
             out = self.text_model(input_ids=tokens, attention_mask=attention, position_ids=position,
                                   past_key_values=cache, use_cache=True)
@@ -74,13 +58,6 @@ class TransformersDecoder:
             out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
                                 past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
         return out.last_hidden_state[:, -1]
-
-
-def _warn_compile(error: Exception) -> None:
-    import warnings
-
-    warnings.warn(f"rollout.compile_decode: torch.compile failed ({type(error).__name__}: {str(error)[:200]}); "
-                  "decoding eagerly", RuntimeWarning, stacklevel=3)
 
 
 def step_mask_buffer(backbone, prompt_mask: torch.Tensor, length: int) -> torch.Tensor:

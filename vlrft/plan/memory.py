@@ -556,8 +556,8 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
         rows = prompts * r.n
         # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
         # keys in float32 (values bf16), so those count as float32. The lean step takes SDPA/eager attention only
-        # (`vlrft.decoding.lean_weights.unsupported_reason`); with a compiled step the plan counts float32 (an upper bound).
-        lean = r.lean_decode and not r.compile_decode and m.attn_implementation in LEAN_ATTENTION
+        # (`vlrft.decoding.lean_weights.unsupported_reason`; plain LoRA it reads).
+        lean = r.lean_decode and m.attn_implementation in LEAN_ATTENTION
         kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
         # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
         if lean and shares_prompt(r.n, d.max_prompt_length) and not r.tools:

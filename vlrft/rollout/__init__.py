@@ -45,7 +45,7 @@ def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
         return HFEngine(lambda: actor.model, deps.processor, deps.tokens,
                         max_batch_prompts=max(1, deps.prompts_per_rank),
                         whole_weights=lambda: deps.strategy.generation(actor),
-                        compile_decode=cfg.rollout.compile_decode, lean_decode=cfg.rollout.lean_decode,
+                        lean_decode=cfg.rollout.lean_decode,
                         cuda_graph_decode=cfg.rollout.cuda_graph_decode, autocast=deps.autocast)
     if name == "vllm":
         from vlrft.rollout.vllm import VLLMEngine

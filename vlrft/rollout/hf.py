@@ -67,7 +67,7 @@ class HFEngine:
     def __init__(self, get_model: Callable[[], torch.nn.Module], processor, tokens: TokenSpec,
                  max_batch_prompts: int = 16, record_logprobs: bool = True, share_prompts: bool | None = None,
                  whole_weights: Callable[[], ContextManager] | None = None, static_cache: bool | None = None,
-                 compile_decode: bool = False, lean_decode: bool = True, cuda_graph_decode: bool | None = None,
+                 lean_decode: bool = True, cuda_graph_decode: bool | None = None,
                  autocast: Callable[[], ContextManager] | None = None):
         self._get_model = get_model
         # The trainer's mixed precision (bf16 autocast on GPUs; nothing on CPU): sampling computes in the precision
@@ -83,9 +83,8 @@ class HFEngine:
         self.record_logprobs = record_logprobs
         self.share_prompts = share_prompts  # None: when the model supports it (vlrft.decoding)
         # Group decoder only (vlrft.decoding chooses the decoder from these): a preallocated KV cache for
-        # transformers' layers (None: when compiling or on CUDA), and a torch.compile'd decode step.
+        # transformers' layers (None: on CUDA)
         self.static_cache = static_cache
-        self.compile_decode = compile_decode
         self.lean_decode = lean_decode  # Qwen-family decode steps without transformers' modules
         # lean steps replayed as a CUDA graph (rollout.cuda_graph_decode; None: on a CUDA device)
         self.cuda_graph_decode = cuda_graph_decode
@@ -218,7 +217,7 @@ class HFEngine:
                                      image_token_id=self.tokens.image_token_id,
                                      video_token_id=self.tokens.video_token_id,
                                      suppressed_ids=self.tokens.suppressed_ids, tokenizer=self.processor.tokenizer,
-                                     static_cache=self.static_cache, compile_step=self.compile_decode,
+                                     static_cache=self.static_cache,
                                      lean_step=self.lean_decode, cuda_graph=self.cuda_graph_decode)
                 ids.extend(rows.ids)
                 logprobs.extend(rows.logprobs)
