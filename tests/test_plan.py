@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_7B = REPO / "configs" / "qwen2_5_vl_7b_grpo_geometry3k.yaml"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, tied, tiny_vlm_dir):
     from vlrft.models.loading import load_policy
@@ -32,7 +32,7 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     assert {t.name: t.shape for t in shape.tensors()} == names  # every tensor, by name and shape
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
 def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
     mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
@@ -57,7 +57,9 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     ("Qwen/Qwen2.5-VL-32B-Instruct", 33.45e9, 0.006e9), ("Qwen/Qwen3-VL-4B-Instruct", 4.44e9, 0.006e9),
     ("Qwen/Qwen2.5-VL-72B-Instruct", 73.4e9, 0.05e9),  # the 72B model card rounds to 0.1 B
     # released safetensors: 31,070,754,032 parameters (model card: 31.1 B; 3 B of them active per token)
-    ("Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 1)])
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 1),
+    # model card: 10.3 B; counted 10,292,777,472 (language model 9,400,279,040 with its LM head, vision 892,498,432)
+    ("THUDM/GLM-4.1V-9B-Thinking", 10.3e9, 0.05e9)])
 def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(name, published, within):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -87,6 +89,23 @@ def test_qwen3_vl_moe_counts_every_expert_and_the_active_share_as_released():
     assert t.intermediate_size == 8 * 768 == 6144  # per token: the picked experts' width, as the activations count it
     dense = load_model_shape("Qwen/Qwen3-VL-4B-Instruct")
     assert dense.active_parameters == dense.num_parameters and dense.text.intermediate_size == 9728
+
+
+def test_glm4v_9b_count_by_hand():
+    """GLM-4.1V-9B-Thinking, its parts counted from the released config by hand: GLM-4's decoder (q/k/v biases, fused
+    gate_up_proj, four norms a layer) and its tower (MLP as wide as out_hidden_size, a 2x2 downsampling convolution,
+    a merger with a gated MLP of vision_config.intermediate_size, a 24 x 24 position table)."""
+    shape = load_model_shape("THUDM/GLM-4.1V-9B-Thinking")
+    h, v, inter, kv = 4096, 151552, 13696, 2 * 128
+    layer = (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * inter * h + 4 * h
+    assert shape.count("text") + shape.count("head") == 40 * layer + 2 * v * h + h == 9_400_279_040
+    vh, depth = 1536, 24
+    block = 2 * vh + 3 * vh * vh + vh * vh + 3 * h * vh
+    merger = h * h + 2 * h + 3 * inter * h
+    tower = 576 * vh + (vh * 3 * 2 * 14 * 14 + vh) + depth * block + merger + 2 * vh + (h * vh * 4 + h)
+    assert shape.count("vision") == tower == 892_498_432
+    assert shape.num_parameters == 10_292_777_472 and shape.checkpoint_bytes == 2
+    assert shape.text.head_dim == 128 and shape.text.kv_dim == 256 and shape.active_parameters == shape.num_parameters
 
 
 def test_dense_and_sparse_layers_of_a_moe_config_follow_transformers():

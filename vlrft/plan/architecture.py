@@ -3,8 +3,8 @@
 The memory plan needs exact parameter counts (per part: language model, vision tower, LM head)
 and the sizes that drive activations and the KV cache. Reading `config.json` instead of
 instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
-Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (its experts counted whole, and the
-parameters one token runs through as `active_parameters`).
+Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (its experts counted whole, and the
+parameters one token runs through as `active_parameters`) and GLM-4.1V.
 
 Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
 of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower and text attention; the MoE one has experts as MLPs
 
@@ -44,7 +44,7 @@ class Tensor:
         """A weight of an `nn.Linear` (what LoRA's "all-linear" wraps): 2-D, not an embedding table, not a MoE router
         (`mlp.gate`, a bare parameter) nor its experts (3-D)."""
         return len(self.shape) == 2 and not self.name.endswith(("embed_tokens.weight", "pos_embed.weight",
-                                                                 "mlp.gate.weight"))
+                                                                 "position_embedding.weight", "mlp.gate.weight"))
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,16 @@ class VisionShape:
     kind: str  # the model type whose vision tower this is
     depth: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # a block's MLP width (GLM-4.1V: its out_hidden_size)
     out_hidden_size: int
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
     in_channels: int
-    num_position_embeddings: int = 0  # Qwen3-VL learned position table
+    num_position_embeddings: int = 0  # Qwen3-VL / GLM-4.1V learned position table
     deepstack_layers: int = 0  # Qwen3-VL extra mergers feeding early LM layers
+    merger_intermediate_size: int = 0  # GLM-4.1V: its merger's gated MLP width (vision_config.intermediate_size)
+    attention_bias: bool = False  # GLM-4.1V: biases of the tower's qkv projection
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ class ModelShape:
     checkpoint_bytes: int = 4  # bytes per weight in the checkpoint files (config.json `dtype`; float32 if unsaid)
 
     def tensors(self) -> list[Tensor]:
+        if self.model_type == "glm4v":
+            return _glm4v_text_tensors(self.text, self.tie_word_embeddings) + _glm4v_vision_tensors(self.vision)
         return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
 
     def count(self, part: str | None = None) -> int:
@@ -217,6 +221,60 @@ def _vision_tensors(v: VisionShape) -> list[Tensor]:
     return out
 
 
+def _glm4v_text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
+    """GLM-4's decoder: q/k/v with biases, o without, one fused gate_up_proj, and four RMSNorms per layer (after
+    attention and after the MLP too)."""
+    h, q, kv, i_size = t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.dense_intermediate_size
+    out = [Tensor("model.language_model.embed_tokens.weight", (t.vocab_size, h), "text")]
+    for i in range(t.num_layers):
+        p = f"model.language_model.layers.{i}."
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out += [Tensor(f"{p}self_attn.{name}.weight", (rows, h), "text"),
+                    Tensor(f"{p}self_attn.{name}.bias", (rows,), "text")]
+        out += [Tensor(f"{p}self_attn.o_proj.weight", (h, q), "text"),
+                Tensor(f"{p}mlp.gate_up_proj.weight", (2 * i_size, h), "text"),
+                Tensor(f"{p}mlp.down_proj.weight", (h, i_size), "text")]
+        out += [Tensor(f"{p}{norm}.weight", (h,), "text") for norm in
+                ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")]
+    out.append(Tensor("model.language_model.norm.weight", (h,), "text"))
+    if not tied:
+        out.append(Tensor("lm_head.weight", (t.vocab_size, h), "head"))
+    return out
+
+
+def _glm4v_vision_tensors(v: VisionShape) -> list[Tensor]:
+    """GLM-4.1V's tower: a learned position table, RMSNorm blocks whose gated MLP is out_hidden_size wide (no
+    biases), a 2x2 convolution down to out_hidden_size, and a merger with a projection, a LayerNorm and a gated MLP
+    of vision_config.intermediate_size."""
+    h, o, p = v.hidden_size, v.out_hidden_size, "model.visual."
+    out = [Tensor(f"{p}embeddings.position_embedding.weight", (v.num_position_embeddings, h), "vision"),
+           Tensor(f"{p}patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+                  "vision"),
+           Tensor(f"{p}patch_embed.proj.bias", (h,), "vision")]
+    for i in range(v.depth):
+        b = f"{p}blocks.{i}."
+        out += [Tensor(f"{b}norm1.weight", (h,), "vision"), Tensor(f"{b}norm2.weight", (h,), "vision"),
+                Tensor(f"{b}attn.qkv.weight", (3 * h, h), "vision")]
+        if v.attention_bias:
+            out.append(Tensor(f"{b}attn.qkv.bias", (3 * h,), "vision"))
+        out += [Tensor(f"{b}attn.proj.weight", (h, h), "vision"),
+                Tensor(f"{b}mlp.gate_proj.weight", (v.intermediate_size, h), "vision"),
+                Tensor(f"{b}mlp.up_proj.weight", (v.intermediate_size, h), "vision"),
+                Tensor(f"{b}mlp.down_proj.weight", (h, v.intermediate_size), "vision")]
+    m, merge = v.merger_intermediate_size, v.spatial_merge_size
+    out += [Tensor(f"{p}merger.proj.weight", (o, o), "vision"),
+            Tensor(f"{p}merger.post_projection_norm.weight", (o,), "vision"),
+            Tensor(f"{p}merger.post_projection_norm.bias", (o,), "vision"),
+            Tensor(f"{p}merger.gate_proj.weight", (m, o), "vision"),
+            Tensor(f"{p}merger.up_proj.weight", (m, o), "vision"),
+            Tensor(f"{p}merger.down_proj.weight", (o, m), "vision"),
+            Tensor(f"{p}post_conv_layernorm.weight", (h,), "vision"),
+            Tensor(f"{p}downsample.weight", (o, h, merge, merge), "vision"),
+            Tensor(f"{p}downsample.bias", (o,), "vision"),
+            Tensor(f"{p}post_layernorm.weight", (h,), "vision")]
+    return out
+
+
 # ------------------------------------------------------------------ reading config.json
 
 
@@ -240,6 +298,8 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
     w = source
     hidden = int(_get(text_cfg, "hidden_size", where=w))
     heads = int(_get(text_cfg, "num_attention_heads", where=w))
+    if model_type == "glm4v":
+        return _glm4v_shape(config, text_cfg, vision_cfg, source)
     qwen3 = model_type in QWEN3_VL
     layers = int(_get(text_cfg, "num_hidden_layers", where=w))
     experts = int(text_cfg.get("num_experts") or text_cfg.get("num_local_experts") or 0) \
@@ -286,9 +346,50 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
         deepstack_layers=len(vision_cfg.get("deepstack_visual_indexes") or []),
     )
     tied = config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
+    return ModelShape(model_type, text, vision, bool(tied), source, _checkpoint_bytes(config, text_cfg))
+
+
+def _checkpoint_bytes(config: dict, text_cfg: dict) -> int:
     stored = str(text_cfg.get("dtype") or text_cfg.get("torch_dtype") or "float32")
-    checkpoint_bytes = 2 if stored in ("bfloat16", "float16") else 4
-    return ModelShape(model_type, text, vision, bool(tied), source, checkpoint_bytes)
+    return 2 if stored in ("bfloat16", "float16") else 4
+
+
+def _glm4v_shape(config: dict, text_cfg: dict, vision_cfg: dict, w: str) -> ModelShape:
+    """GLM-4.1V (transformers' Glm4vForConditionalGeneration): head_dim = hidden_size / heads, as its attention
+    computes it; the tower's learned position table has (image_size / patch_size)^2 rows."""
+    hidden = int(_get(text_cfg, "hidden_size", where=w))
+    heads = int(_get(text_cfg, "num_attention_heads", where=w))
+    text = TextShape(
+        hidden_size=hidden,
+        dense_intermediate_size=int(_get(text_cfg, "intermediate_size", where=w)),
+        num_layers=int(_get(text_cfg, "num_hidden_layers", where=w)),
+        num_heads=heads,
+        num_kv_heads=int(_get(text_cfg, "num_key_value_heads", default=heads)),
+        head_dim=hidden // heads,
+        vocab_size=int(_get(text_cfg, "vocab_size", where=w)),
+        attention_bias=True,
+        qk_norm=False,
+    )
+    wv = w + " vision_config"
+    vh = int(_get(vision_cfg, "hidden_size", where=wv))
+    patch = int(_get(vision_cfg, "patch_size", default=14))
+    out_hidden = int(_get(vision_cfg, "out_hidden_size", default=hidden))
+    vision = VisionShape(
+        kind="glm4v",
+        depth=int(_get(vision_cfg, "depth", where=wv)),
+        hidden_size=vh,
+        intermediate_size=out_hidden,  # Glm4VisionMlp is out_hidden_size wide
+        out_hidden_size=out_hidden,
+        patch_size=patch,
+        temporal_patch_size=int(_get(vision_cfg, "temporal_patch_size", default=2)),
+        spatial_merge_size=int(_get(vision_cfg, "spatial_merge_size", default=2)),
+        in_channels=int(_get(vision_cfg, "in_channels", default=3)),
+        num_position_embeddings=(int(_get(vision_cfg, "image_size", default=336)) // patch) ** 2,
+        merger_intermediate_size=int(_get(vision_cfg, "intermediate_size", where=wv)),
+        attention_bias=bool(vision_cfg.get("attention_bias", False)),
+    )
+    tied = config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
+    return ModelShape("glm4v", text, vision, bool(tied), w, _checkpoint_bytes(config, text_cfg))
 
 
 def shipped_config_path(name: str) -> Path:
