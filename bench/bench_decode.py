@@ -14,6 +14,10 @@ this process's CPU time (on a shared machine the steadier of the two: it leaves 
 jobs held the core). One thread (`--threads`). `--autocast bfloat16` samples from float32 weights under bf16
 autocast, as the trainer's hf engine does on GPUs (its mixed precision). Compare ratios from the same run only. "fixed shapes" is
 `rollout.cuda_graph_decode`: on CUDA its steps are replayed as a CUDA graph, on CPU they run eagerly.
+
+The variants of `vlrft.decoding.table.VARIANTS` each one times: "group, dynamic cache" transformers_dynamic,
+"group, static cache" transformers_static, "group, lean step" lean, "group, lean, fixed shapes" cuda_graph on CUDA
+(fixed_rows elsewhere); "group, lean, unpacked" the lean step's weights read in place instead of packed (CPU).
 """
 
 from __future__ import annotations

@@ -16,14 +16,10 @@ from vlrft.models.precision import active_autocast_dtype
 class LeanDecoder:
     """Decode steps for `rows` rows continuing prompts of `prompt_len` (left-padded) positions.
 
-    Built from the prefill's KV cache, one row per prompt; `rows` picks each decoded row's prompt
-    (repeated for the group), `prompt_mask` and `last_position` are per decoded row. `step` returns the
-    final-norm hidden state of each row's new token, like the text model's last_hidden_state[:, -1].
-
-    Each layer's cache is [rows, kv_heads, length, head_dim], used as [rows * kv_heads, ...] by
-    batched matmuls in which a KV head's query heads are the rows (GQA without repeating the cache);
-    the mask is additive (0 / -inf) in the same layout, so scores, mask and scaling are one `baddbmm`.
-    Under autocast the same layout goes through SDPA, as transformers' layers do (`_sdpa`).
+    Built from the prefill's KV cache, one row per prompt; `rows` picks each decoded row's prompt, `prompt_mask`
+    and `last_position` are per decoded row. `step` returns the final-norm hidden state of each row's new token.
+    A layer's cache [rows, kv_heads, length, head_dim] is read as [rows * kv_heads, ...], a KV head's query heads
+    as the rows of one `baddbmm` (GQA without repeating the cache); under autocast through SDPA (`_sdpa`).
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,

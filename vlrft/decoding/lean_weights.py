@@ -118,16 +118,9 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Projections:
-    """Linear projections of one input (a layer's q/k/v, its gate/up, or one projection alone).
-
-    Packed (CPU, float32): the weights concatenated and reordered once into oneDNN's layout for
-    matmuls of `rows` rows (the op inductor's CPU weight freezing uses), one matmul for all; a copy
-    of the weights, rebuilt for every decode call since training changes them. Cast (`cast`, under
-    autocast, weights in another dtype): concatenated and cast once, one matmul (a LoRA layer's delta
-    merged into the copy). Else the model's own weights as transposed views, one matmul each, nothing
-    copied (a LoRA layer's delta through its adapters' two small matrices). Under autocast a residual is
-    added after the matmul, in float32, as transformers does; otherwise it is folded into the matmul.
-    """
+    """Linear projections of one input (a layer's q/k/v, its gate/up, or one projection alone), in one of the three
+    layouts of the module docstring. Copies (packed, cast) are rebuilt each decode call: training changes the
+    weights. A residual is folded into the matmul, except under autocast, where transformers adds it in float32."""
 
     def __init__(self, linears: list[nn.Module], rows: int, pack: bool, cast: torch.dtype | None = None,
                  joined: int = 1):

@@ -63,13 +63,9 @@ def step_processors(sampling: SamplingParams, suppressed_ids: tuple[int, ...], v
 
 
 def sample_tokens(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of `probs` [rows, vocab], by inverse CDF: one uniform number per row.
-
-    The first token whose cumulative probability reaches u, for u uniform in (0, total]: a token of
-    probability 0 is never taken (its cumulative sum equals its predecessor's) and the index stays in
-    range whatever the rounding. `torch.multinomial` draws an exponential per vocabulary entry instead
-    (CPU: 0.27 ms for 16 x 512, most of the sampling bookkeeping of a decode step).
-    """
+    """One token per row of `probs` [rows, vocab], by inverse CDF: one uniform number per row, where
+    `torch.multinomial` draws one per vocabulary entry (CPU: 0.27 ms for 16 x 512). A zero-probability token is
+    never taken (its cumulative sum equals its predecessor's) and u in (0, total] keeps the index in range."""
     cdf = probs.cumsum(dim=-1)
     u = (1.0 - torch.rand(probs.shape[0], 1, dtype=cdf.dtype, device=cdf.device)) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(1)

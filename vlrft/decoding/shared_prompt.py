@@ -9,14 +9,11 @@ import torch
 
 @dataclass
 class SharedPrompt:
-    """Each prompt's keys and values held once for its group of rows (`LeanDecoder(share_prompt=True)`).
+    """Each prompt's keys and values held once for its group of rows, not copied per row (docs/decoding.md).
 
-    Copied per row, a long prompt's cache is repeated `group` times: 8 rows of a 16k-token video prompt of a 7B
-    model hold 7.5 GB of copies of the same 0.94 GB, and every step reads them all. Here a row's query heads meet
-    its prompt's keys in one batch per prompt and KV head (the `group` rows' query heads of that KV head are the
-    batch's rows), and its own generated positions in one per row and KV head; one softmax over both score rows,
-    so a row attends exactly as over the concatenated cache. Rows that stopped and were dropped (`keep`) leave
-    their places in the prompt-by-prompt layout empty (zero queries, outputs dropped): `slots` maps each row there.
+    A row's query heads meet its prompt's keys in one batch per prompt and KV head, its own generated positions in
+    one per row and KV head, and one softmax spans both: exactly the attention over the concatenated cache. Rows
+    dropped by `keep` leave empty places (zero queries, outputs dropped) in the prompt-by-prompt layout (`slots`).
     """
 
     keys: list[torch.Tensor]  # per layer [prompts * kv_heads, prompt_len, head_dim]
@@ -79,11 +76,7 @@ class SharedPrompt:
             x = x.reshape(prompts * group, kv_heads, per_kv, x.shape[-1])
             return x if self.slots is None else x.index_select(0, self.slots)
 
-        # The products read the cache as it is (under autocast: bf16 operands and results, as transformers' eager
-        # attention computes them); the softmax is float32, and the two halves of the output are added in float32
-        # and rounded once (a bf16 add computes in float32). No float32 copy of any cache is made: the steps stay
-        # bound by reading it once. The queries are laid out per row in the cache's dtype once, by one copy (the
-        # cast the products' autocast would make twice).
+        # bf16 products over the cache as it is, a float32 softmax, the halves added once (docs/decoding.md)
         grouped = torch.empty((rows, kv_heads, per_kv, dim), dtype=keys.dtype, device=q.device)
         grouped.copy_(q.view(rows, kv_heads, per_kv, dim))
         prompt_scores = torch.baddbmm(self.bias, by_prompt(self._to_places(grouped)), prompt_keys.transpose(1, 2),

@@ -1,0 +1,44 @@
+"""The hf engine's decoder is chosen in one place (vlrft.decoding.table), and the plan counts the decoder's sizes."""
+
+import pytest
+import torch
+
+from vlrft.decoding import VARIANTS, choose
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+
+
+def pick(lean=True, device=CPU, max_new_tokens=16, cuda_graph=None, static_cache=None, autocast_on=False,
+         one_prefill=True):
+    return choose(lean=lean, device=device, max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
+                  static_cache=static_cache, autocast_on=autocast_on, one_prefill=one_prefill)
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(), "lean"),
+    (dict(device=CUDA), "cuda_graph"),
+    (dict(device=CUDA, cuda_graph=False), "lean"),
+    (dict(device=CUDA, max_new_tokens=2), "lean"),  # too short for the capture's warm-up steps
+    (dict(cuda_graph=True), "fixed_rows"),  # the graph's steps, eager, off CUDA
+    (dict(lean=False), "transformers_dynamic"),
+    (dict(lean=False, device=CUDA), "transformers_static"),
+    (dict(lean=False, static_cache=True), "transformers_static"),
+    (dict(lean=False, device=CUDA, autocast_on=True), "transformers_dynamic"),
+    (dict(lean=False, device=CUDA, one_prefill=False), "transformers_dynamic"),
+], ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
+def test_the_table_chooses_by_model_device_and_options(options, expected):
+    assert pick(**options) == expected
+
+
+def test_every_variant_says_where_it_is_the_default_and_what_keeps_it():
+    for name, variant in VARIANTS.items():
+        assert variant.default and variant.figure, name
+
+
+def test_the_plan_imports_the_decoders_sizes_rather_than_copying_them():
+    import vlrft.plan.memory as memory
+    import vlrft.sampling as sampling
+
+    assert memory.PREFILL_TOKENS is sampling.PREFILL_TOKENS and memory.shares_prompt is sampling.shares_prompt
+    assert memory.LEAN_ATTENTION is sampling.LEAN_ATTENTION
+    assert not hasattr(memory, "SHARED_PROMPT_TOKENS")  # read through shares_prompt, not a copy
