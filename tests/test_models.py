@@ -132,6 +132,22 @@ def test_qwen3_vl_moe_folder_has_the_released_layout(tiny_vlm_dir):
     assert torch.allclose(alone, batched, atol=1e-5)
 
 
+def test_vlrft_tiny_command_builds_a_qwen3_vl_moe_with_the_experts_asked_for(tmp_path, capsys):
+    """`vlrft tiny DIR --arch qwen3_vl_moe --num-experts 8 --num-experts-per-tok 2`: the spec's MoE sizes are flags."""
+    import json
+
+    from vlrft.cli import main
+
+    assert main(["tiny", str(tmp_path / "moe"), "--arch", "qwen3_vl_moe", "--num-experts", "8",
+                 "--num-experts-per-tok", "2", "--moe-intermediate-size", "16"]) == 0
+    assert "wrote a tiny qwen3_vl_moe model" in capsys.readouterr().out
+    text = json.loads((tmp_path / "moe" / "config.json").read_text())["text_config"]
+    # transformers 5 writes num_experts under its attribute name, num_local_experts (the plan reads both)
+    assert (text["num_local_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"]) == (8, 2, 16)
+    model = load_policy(tmp_path / "moe")
+    assert tuple(model.model.language_model.layers[0].mlp.experts.down_proj.shape) == (8, 64, 16)
+
+
 def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
     with pytest.raises(UserError, match="model path '.*missing' is not a folder"):
         load_policy(tmp_path / "missing")
