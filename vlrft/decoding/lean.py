@@ -13,6 +13,7 @@ from vlrft.decoding.lean_weights import LayerWeights, packing_applies, rms_norm,
 from vlrft.decoding.shared_prompt import SharedPrompt
 from vlrft.models.precision import active_autocast_dtype
 
+
 class LeanDecoder:
     """Decode steps for `rows` rows continuing prompts of `prompt_len` (left-padded) positions.
 
