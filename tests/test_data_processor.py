@@ -347,3 +347,30 @@ def test_glm4v_prompts_match_its_processor_alone_and_fitted_images_pass_unchange
     # videos are refused in one line naming the family, not a token-count mismatch deep in the forward
     with pytest.raises(UserError, match="GLM-4.1V.*use images"):
         PromptEncoder(processor, CFG).encode(samples[3:])
+
+
+def test_gemma3_prompts_match_its_processor_alone_with_images_per_prompt_and_fixed_image_tokens(tiny_processor, mixed):
+    """Gemma 3: its processor takes a batch's images one list per prompt (it checks each prompt's count), returns one
+    [3, H, W] pixel array per image (no grid) and `token_type_ids`; one call for the batch gives each prompt's ids
+    and pixels as the processor alone, each image 4 `<image_soft_token>`s whatever its size, and the three image
+    tokens are the ones every engine suppresses."""
+    from transformers import AutoConfig
+
+    from vlrft.tokens import TokenSpec
+
+    processor = tiny_processor("gemma3")
+    samples, messages, _ = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples[:3]).batch
+    assert batch.visual.images_per_sample == (0, 1, 3) and batch.visual.image_grid_thw is None
+    assert tuple(batch.visual.pixel_values.shape) == (4, 3, 32, 32)
+    soft = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert [ids.count(soft) for ids in batch.prompt_ids] == [0, 4, 12]
+    for i in range(3):
+        alone = process_alone(processor, messages[i], batch.images[i])
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist(), f"ids of sample {i}"
+        if "pixel_values" in alone:
+            assert torch.equal(batch.visual.select([i]).model_inputs()["pixel_values"], alone["pixel_values"])
+    spec = TokenSpec.from_model(processor, AutoConfig.from_pretrained(processor.tokenizer.name_or_path))
+    assert spec.image_token_id == soft
+    assert set(spec.suppressed_ids) == {processor.tokenizer.convert_tokens_to_ids(t)
+                                        for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")}

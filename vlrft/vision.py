@@ -63,6 +63,17 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
     return (input_ids == image_token_id).long() + 2 * (input_ids == video_token_id).long()
 
 
+def token_type_kwargs(module, types: torch.Tensor) -> dict:
+    """The per-token modality ids as `module`'s forward names them: `mm_token_type_ids` (Qwen-VL, GLM-4.1V: M-RoPE
+    reads them), or `token_type_ids` (Gemma 3: its attention is bidirectional over each image's tokens)."""
+    import inspect
+
+    params = inspect.signature(module.forward).parameters
+    if "mm_token_type_ids" not in params and "token_type_ids" in params:
+        return {"token_type_ids": types}
+    return {"mm_token_type_ids": types}
+
+
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts, 0) - counts
 
@@ -151,6 +162,8 @@ class VisualBatch:
             if key not in SLICING_RULES:
                 raise ValueError(f"the processor returned '{key}', which VisualBatch cannot slice; "
                                  "register its layout in vlrft.vision.SLICING_RULES")
+            if isinstance(value, (list, tuple)) and value and all(hasattr(v, "shape") for v in value):
+                value = torch.stack([torch.as_tensor(v) for v in value])  # Gemma 3: one [3, H, W] array per image
             tensor = torch.as_tensor(value)
             if key == "second_per_grid_ts":
                 tensor = tensor.to(torch.float32)

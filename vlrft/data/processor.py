@@ -112,6 +112,8 @@ def _size_bound(size: Any, *names: str) -> int | None:
 # Image processors whose resize bounds count an image's temporal frames: GLM-4.1V's smart_resize compares
 # t * h * w (t = temporal_patch_size for an image) with size's shortest/longest edge, where Qwen's compares h * w.
 FRAME_COUNTING_BOUNDS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil")
+# Processors that take a batch's images as one list per prompt (Gemma 3's checks each prompt's count), not one list.
+NESTED_IMAGES = ("Gemma3Processor",)
 # Processors whose videos vlrft does not encode yet, with the reason (the family named for the user).
 VIDEO_UNSUPPORTED = {
     "Glm4vProcessor": "GLM-4.1V: its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|>, "
@@ -301,7 +303,9 @@ class PromptEncoder:
         tools = {"tools": self.tools} if self.tools else {}
         texts = self.processor.apply_chat_template([p.messages for p in prepared], tokenize=False,
                                                    add_generation_prompt=True, **tools)
-        images = [im for p in prepared for im in p.images]
+        images: list = [im for p in prepared for im in p.images]
+        if type(self.processor).__name__ in NESTED_IMAGES and images:
+            images = [list(p.images) for p in prepared]
         videos = [v for p in prepared for v in p.videos]
         kwargs: dict[str, Any] = {}
         if videos:

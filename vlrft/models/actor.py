@@ -23,7 +23,7 @@ from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, p
 from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
-from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids
+from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids, token_type_kwargs
 
 VISION_MODULE_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 
@@ -79,7 +79,12 @@ def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[in
 
 
 def supports_prompt_sharing(model: nn.Module) -> bool:
-    """Whether the model exposes its M-RoPE rule, which placing tokens after a cached prompt needs."""
+    """Whether the model exposes its M-RoPE rule, which placing tokens after a cached prompt needs.
+
+    Gemma 3 does not: its positions are 1-D, half its layers attend within a sliding window, and each image's tokens
+    attend to each other both ways (`token_type_ids`), none of which the shared forward's prompt caches and
+    continuation positions (`vlrft.models.prompt_cache`, `vlrft.models.positions`) are built or tested for; its rows
+    each run in full (prompt and completion in one causal+bidirectional forward), exact but without the saving."""
     backbone, _ = split_head(model)
     return has_rope_index(backbone)
 
@@ -96,7 +101,9 @@ class VisionInputs:
         """Whether `__call__` runs the vision tower itself (shared features), not the backbone (repeated pixels)."""
         extra_rows = any(SLICING_RULES.get(k, None) is None or SLICING_RULES[k].layout in (Layout.IMAGE_ROWS,
                          Layout.VIDEO_ROWS) for k in visual.extra)
-        return self.shared and not extra_rows
+        # Gemma 3's images have no grid (one pixel row per image): its tower runs inside the backbone
+        ungridded = visual.pixel_values is not None and visual.num_images and visual.image_grid_thw is None
+        return self.shared and not extra_rows and not ungridded
 
     def __call__(self, visual: VisualBatch, row_prompt: tuple[int, ...]) -> dict:
         if not self.encodes_before_backbone(visual):
@@ -178,7 +185,8 @@ class ActorVL(nn.Module):
         """Final-layer hidden states [B, P + C, H] of the rows, each row computed in full."""
         backbone, _ = split_head(self.model)
         kwargs = dict(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                      mm_token_type_ids=mm_token_type_ids(batch.input_ids, self.image_token_id, self.video_token_id))
+                      **token_type_kwargs(backbone, mm_token_type_ids(batch.input_ids, self.image_token_id,
+                                                                      self.video_token_id)))
         device = batch.input_ids.device
         anyone = self._agreed_kinds(VisualKinds.of(batch.visual, batch.completion_visual))
         if batch.has_completion_images or (anyone is not None and anyone.later_pass):

@@ -1,4 +1,4 @@
-"""Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL and GLM-4.1V.
+"""Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL, GLM-4.1V, Gemma 3.
 
 The Qwen-VL one renders ChatML (`<|im_start|>role ... <|im_end|>`), adds the default system prompt when the
 conversation has none, and turns each image/video content part into
@@ -43,4 +43,23 @@ GLM4V_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Gemma 3's layout (the gemma-3-*-it chat template, without its system-prompt folding): `<bos>` once, then
+# `<start_of_turn>role\n` (the assistant's role is `model`) and the content, each text part trimmed, an image part as
+# `<start_of_image>` (the processor expands it to `\n\n<start_of_image>` + mm_tokens_per_image `<image_soft_token>`
+# + `<end_of_image>\n\n`), `<end_of_turn>\n` after each message.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+    "<start_of_turn>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item or 'image_url' in item %}<start_of_image>"
+    "{% elif 'text' in item %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )

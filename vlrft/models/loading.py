@@ -134,7 +134,7 @@ def model_type_of(path: str | Path) -> str:
 # The model families vlrft is tested with end to end (a tiny model of each runs the data layer, the trainer's
 # logprobs against a plain transformers forward, the hf engine and a GRPO run in the tests), by `model_type`.
 SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
-                      "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V"}
+                      "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V", "gemma3": "Gemma 3"}
 
 
 # What the tests run for each family beyond the common part (its tiny model and processor, the data layer, ActorVL's
@@ -148,6 +148,9 @@ FAMILY_SCOPE = {
                     "attention and the vision tower, experts and routers by full fine-tuning only; no router "
                     "auxiliary loss",
     "glm4v": "images (videos refused); engine hf (vLLM/SGLang refused); FSDP2 in one process",
+    "gemma3": "images (its processor has no videos); engine hf (vLLM/SGLang refused); each row in full, no prompt "
+              "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 in "
+              "one process",
 }
 
 

@@ -1,7 +1,9 @@
 """Build tiny VLMs locally: random weights, a locally trained tokenizer, the family's own chat template.
 
 Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (ChatML, `<|image_pad|>`; the MoE one with Qwen3-VL's
-vision tower and processor and a sparse-expert MLP in every decoder layer, as the released Qwen3-VL-30B-A3B) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
+vision tower and processor and a sparse-expert MLP in every decoder layer, as the released Qwen3-VL-30B-A3B), Gemma 3
+(`<start_of_turn>`, a SigLIP tower whose image is always mm_tokens_per_image `<image_soft_token>`s, sliding and
+global attention layers) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
 `<|begin_of_image|><|image|><|end_of_image|>`, GLM-4's pre-tokenizer, `<|endoftext|>` / `<|user|>` /
 `<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does).
 
@@ -20,11 +22,11 @@ from typing import Literal
 
 import torch
 
-from vlrft.models.chat_template import GLM4V_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE
+from vlrft.models.chat_template import GEMMA3_CHAT_TEMPLATE, GLM4V_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE
 from vlrft.vision_stack import has_torchvision
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"]
-ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"]
+ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -54,6 +56,10 @@ GLM4V_SPECIAL_TOKENS = [
     "<|begin_of_box|>",
     "<|end_of_box|>",
 ]
+# Gemma 3's special tokens: its pad / eos / bos / unk at ids 0-3 as released, turn markers, and the image tokens its
+# tokenizer_config.json names boi_token, eoi_token and image_token.
+GEMMA3_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                         "<end_of_image>", "<image_soft_token>"]
 # GLM-4's pre-tokenizer split: as Qwen's, but digits in runs of up to three.
 GLM4_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -109,8 +115,9 @@ class TinySpec:
 
     @property
     def family(self) -> str:
-        """'glm4v' or 'qwen' (the tokenizer, chat template and special tokens the four Qwen families share)."""
-        return "glm4v" if self.arch == "glm4v" else "qwen"
+        """'glm4v', 'gemma3' or 'qwen' (the tokenizer, chat template and special tokens the four Qwen families
+        share)."""
+        return self.arch if self.arch in ("glm4v", "gemma3") else "qwen"
 
     @property
     def head_dim(self) -> int:
@@ -135,7 +142,7 @@ def _train_tokenizer_json(vocab_size: int, family: str = "qwen") -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=GLM4V_SPECIAL_TOKENS if family == "glm4v" else SPECIAL_TOKENS,
+        special_tokens={"glm4v": GLM4V_SPECIAL_TOKENS, "gemma3": GEMMA3_SPECIAL_TOKENS}.get(family, SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -149,6 +156,8 @@ def build_tokenizer(vocab_size: int = 512, family: str = "qwen"):
     `family="glm4v"` the fast tokenizer class GLM-4.1V ships, with its special tokens and chat template."""
     if family == "glm4v":
         return _build_glm4v_tokenizer(vocab_size)
+    if family == "gemma3":
+        return _build_gemma3_tokenizer(vocab_size)
     from transformers import Qwen2Tokenizer
 
     model = json.loads(_train_tokenizer_json(vocab_size))["model"]
@@ -184,6 +193,65 @@ def _build_glm4v_tokenizer(vocab_size: int):
     return tokenizer
 
 
+def _build_gemma3_tokenizer(vocab_size: int):
+    """Gemma 3's tokenizer: `<bos>` written by the chat template (none added here), `<pad>` padding on the left, and
+    boi/eoi/image tokens as the named special tokens its processor reads (`tokenizer.boi_token`, ...)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(vocab_size, "gemma3")),
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", model_max_length=32768,
+        padding_side="left",
+        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                              "image_token": "<image_soft_token>"},
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    return tokenizer
+
+
+GEMMA3_IMAGE_SIZE = 32  # tiny SigLIP: 32 x 32 pixels in patches of 8, pooled 2 x 2 to 4 tokens an image
+
+
+def _build_gemma3_processor(spec: "TinySpec"):
+    """Gemma 3's processor: its image processor resizing every image to the tower's square (no pan-and-scan), and
+    `image_seq_length` soft tokens per image."""
+    from transformers import Gemma3Processor
+
+    size = {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}
+    if has_torchvision():
+        from transformers import Gemma3ImageProcessor
+
+        image_processor = Gemma3ImageProcessor(size=size, do_pan_and_scan=False)
+    else:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        image_processor = Gemma3ImageProcessorPil(size=size, do_pan_and_scan=False)
+    return Gemma3Processor(image_processor=image_processor, tokenizer=build_tokenizer(spec.vocab_size, "gemma3"),
+                           chat_template=GEMMA3_CHAT_TEMPLATE, image_seq_length=4)
+
+
+def _build_gemma3_config(spec: TinySpec, tokenizer):
+    """Gemma3Config with the released layout at tiny sizes: sliding-window and global layers, head_dim and
+    query_pre_attn_scalar set apart from hidden / heads, tied embeddings, a SigLIP tower pooled to 4 tokens."""
+    from transformers import Gemma3Config
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, query_pre_attn_scalar=spec.head_dim,
+                sliding_window=16, layer_types=["sliding_attention"] * (spec.num_layers - 1) + ["full_attention"],
+                max_position_embeddings=4096, pad_token_id=ids("<pad>"), bos_token_id=ids("<bos>"),
+                eos_token_id=[ids("<eos>"), ids("<end_of_turn>")])
+    vision = dict(hidden_size=spec.vision_hidden_size, intermediate_size=2 * spec.vision_hidden_size,
+                  num_hidden_layers=spec.vision_depth, num_attention_heads=spec.vision_heads,
+                  image_size=GEMMA3_IMAGE_SIZE, patch_size=8, vision_use_head=False)  # as released: no pooling head
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                        boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
+                        image_token_index=ids("<image_soft_token>"), tie_word_embeddings=True, **spec.extra)
+
+
 def _build_glm4v_processor(spec: "TinySpec"):
     """GLM-4.1V's processor: its image (and, with torchvision, video) processor from a config dict as in its
     preprocessor_config.json. Its resize bounds count the two temporal frames of an image (`smart_resize` compares
@@ -215,6 +283,8 @@ def build_processor(spec: TinySpec = TinySpec()):
     """The real transformers processor for `spec.arch`, with the PIL image backend when torchvision is absent."""
     if spec.family == "glm4v":
         return _build_glm4v_processor(spec)
+    if spec.family == "gemma3":
+        return _build_gemma3_processor(spec)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     qwen3 = spec.arch in ("qwen3_vl", "qwen3_vl_moe")  # Qwen3-VL-MoE ships Qwen3-VL's processor
@@ -277,6 +347,8 @@ def build_config(spec: TinySpec, tokenizer):
     """The transformers config for `spec`, with token ids taken from the tokenizer."""
     if spec.family == "glm4v":
         return _build_glm4v_config(spec, tokenizer)
+    if spec.family == "gemma3":
+        return _build_gemma3_config(spec, tokenizer)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
