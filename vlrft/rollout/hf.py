@@ -150,10 +150,11 @@ class HFEngine:
 
         from vlrft.models.actor import supports_prompt_sharing
         from vlrft.decoding import sampling_warpers
-        from vlrft.vision import mm_token_type_ids
+        from vlrft.vision import mm_token_type_ids, token_type_kwargs
 
         model = self._get_model()
-        share = supports_prompt_sharing(model) if self.share_prompts is None else self.share_prompts
+        # the group decoder only for models it can continue (Gemma 3: transformers' generate, as the trainer's rows)
+        share = supports_prompt_sharing(model) and self.share_prompts is not False
         if share:
             return self._generate_groups(model, batch, sampling)
         was_training = model.training
@@ -173,9 +174,9 @@ class HFEngine:
                 index = [i for i in range(start, min(start + self.max_batch_prompts, len(batch)))
                          for _ in range(copies)]
                 input_ids, attention = left_pad([batch.prompt_ids[i] for i in index], self.tokens.pad_id)
+                types = mm_token_type_ids(input_ids, self.tokens.image_token_id, self.tokens.video_token_id)
                 kwargs = dict(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                              mm_token_type_ids=mm_token_type_ids(input_ids, self.tokens.image_token_id,
-                                                                  self.tokens.video_token_id).to(device))
+                              **token_type_kwargs(model, types.to(device)))
                 kwargs.update(batch.visual.select(index).to(device).model_inputs())
                 recorder = _LogprobRecorder() if self.record_logprobs else None
                 processors = LogitsProcessorList([*warpers, *([recorder] if recorder else [])])
