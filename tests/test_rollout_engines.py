@@ -848,10 +848,10 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("family", ["glm4v", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["glm4v", "qwen3_vl_moe", "gemma3"])
 def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, family, tiny_vlm_dir,
                                                                           tiny_processor):
-    """GLM-4.1V and Qwen3-VL-MoE train with the hf engine; vLLM/SGLang (GLM: prompt folding and weight names are
+    """GLM-4.1V, Qwen3-VL-MoE and Gemma 3 train with the hf engine; vLLM/SGLang (GLM: prompt folding and weight names are
     Qwen's; Qwen3-VL-MoE: its fused experts are kept in memory in another layout than the engines load,
     `vlrft.models.weights.unsyncable_weights`) refuse them before they start, naming the way out, instead of failing
     inside the server or syncing weights under the wrong names."""
@@ -863,7 +863,7 @@ def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine
     model = load_policy(tiny_vlm_dir(family))
     cfg = Config()
     cfg.rollout.engine = engine
-    deps = EngineDeps(actor=ActorVL(model, model.config.image_token_id, model.config.video_token_id),
+    deps = EngineDeps(actor=ActorVL(model, model.config.image_token_id, getattr(model.config, "video_token_id", -1)),
                       processor=tiny_processor(family), tokens=None, strategy=None, prompts_per_rank=1)
     if family == "qwen3_vl_moe":  # the experts' layout: what weight sync could not send as the engines read it
         from vlrft.models.weights import unsyncable_weights

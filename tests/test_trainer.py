@@ -501,9 +501,10 @@ def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,model_class", [("glm4v", "Glm4vForConditionalGeneration"),
-                                              ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")])
+                                              ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+                                              ("gemma3", "Gemma3ForConditionalGeneration")])
 def test_vlrft_train_runs_three_grpo_steps(arch, model_class, tmp_path, tiny_vlm_dir, shapes):
-    """`vlrft train` end to end on a tiny GLM-4.1V and a tiny Qwen3-VL-MoE: three GRPO steps through the CLI (hf
+    """`vlrft train` end to end on a tiny GLM-4.1V, Qwen3-VL-MoE and Gemma 3: three GRPO steps through the CLI (hf
     engine, the shared-prompt forward, AdamW), metrics for each, the weights moved (the MoE's experts and routers
     too), and a final checkpoint transformers loads as the same family."""
     from transformers import AutoModelForImageTextToText
@@ -529,7 +530,7 @@ def test_vlrft_train_runs_three_grpo_steps(arch, model_class, tmp_path, tiny_vlm
     assert type(trained).__name__ == model_class
     moved = [k for k, v in start.state_dict().items() if not torch.equal(v, trained.state_dict()[k])]
     assert any(k.startswith("lm_head") for k in moved) and any("language_model.layers" in k for k in moved)
-    assert any(k.startswith("model.visual.") for k in moved)  # the vision tower trains too
+    assert any(k.startswith(("model.visual.", "model.vision_tower.")) for k in moved)  # the vision tower trains too
     if arch == "qwen3_vl_moe":  # experts (3-D tensors, not linear layers) and routers train like any weight
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in moved)
         assert any(k.endswith("mlp.gate.weight") for k in moved)

@@ -18,7 +18,7 @@ from vlrft.models.vision_balance import VisualKinds
 from vlrft.tokens import TokenSpec
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
@@ -127,9 +127,9 @@ def test_dummy_calls_for_tool_images_change_no_value_or_gradient(mixed_batch, ro
     everyone = VisualKinds(images=True, later_images=True)
     lp, grads, calls = run(actor, seqs, lambda ours: seen.append(ours) or everyone)
     assert len(seen) == 1 and seen[0].later_images == bool(tool_rows)  # one agreement per forward, both passes
-    if seqs.visual.num_samples < len(seqs):  # shared prompts: a prompt pass, then a continuation pass
+    if seqs.visual.num_samples < len(seqs) and actor.share_prompts:  # a prompt pass, then a continuation pass
         assert plain_calls == int(seqs.visual.num_images > 0) + int(bool(tool_rows)) and calls == 2
-    else:  # one row per prompt: one pass encodes every image of a row (as on every rank in that forward)
+    else:  # one row per prompt, or no sharing (Gemma 3): one pass encodes every image of a row, on every rank
         assert plain_calls == int(seqs.visual.num_images > 0 or bool(tool_rows)) and calls == 1
     assert torch.equal(lp, plain_lp)
     for name, grad in plain_grads.items():

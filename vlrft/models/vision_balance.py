@@ -84,12 +84,16 @@ def language_model_of(backbone: nn.Module) -> nn.Module:
                     "prompts needs the standard transformers VLM layout")
 
 
-def dummy_visual_input(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def dummy_visual_input(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(pixel values, grid_thw) of the smallest image a Qwen-VL vision tower accepts: 1 x m x m patches.
 
-    m is the spatial merge size (2), so the tower sees 4 patches and returns one merged token.
+    m is the spatial merge size (2), so the tower sees 4 patches and returns one merged token. A tower without grids
+    (Gemma 3's SigLIP: every image is image_size x image_size) gets one such image and no grid.
     """
     vision = model.config.vision_config
+    if not hasattr(vision, "temporal_patch_size") and hasattr(vision, "image_size"):
+        channels, size = int(getattr(vision, "num_channels", 3)), int(vision.image_size)
+        return torch.zeros((1, channels, size, size), device=device), None
     merge = int(getattr(vision, "spatial_merge_size", 2))
     channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
     temporal = int(getattr(vision, "temporal_patch_size", 2))
@@ -117,8 +121,8 @@ def dummy_vision_term(model: nn.Module, kinds: VisualKinds, device: torch.device
     pixels, grid = dummy_visual_input(base, device)
     total = torch.zeros((), device=device)
     if kinds.images:
-        total = total + _sum_of_used_features(base.get_image_features(pixel_values=pixels, image_grid_thw=grid,
-                                                                return_dict=True))
+        grids = {} if grid is None else {"image_grid_thw": grid}
+        total = total + _sum_of_used_features(base.get_image_features(pixel_values=pixels, **grids, return_dict=True))
     if kinds.videos:
         total = total + _sum_of_used_features(base.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid,
                                                                 return_dict=True))
