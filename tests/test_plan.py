@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_7B = REPO / "configs" / "qwen2_5_vl_7b_grpo_geometry3k.yaml"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, tied, tiny_vlm_dir):
     from vlrft.models.loading import load_policy
@@ -27,12 +27,13 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     model = load_policy(folder)
     shape = load_model_shape(str(folder))
     assert shape.num_parameters == sum(p.numel() for p in model.parameters())
-    assert shape.count("vision") == sum(p.numel() for p in model.model.visual.parameters())
+    tower = [model.model.vision_tower, model.model.multi_modal_projector] if arch == "gemma3" else [model.model.visual]
+    assert shape.count("vision") == sum(p.numel() for part in tower for p in part.parameters())
     names = {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert {t.name: t.shape for t in shape.tensors()} == names  # every tensor, by name and shape
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
 def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
     mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
@@ -48,7 +49,7 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
             trained = [name for name, p in model.named_parameters() if p.requires_grad]
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             assert shape.lora_parameters(4, targets, exclude_vision=frozen) == trainable, (targets, frozen)
-            in_vision = [name for name in trained if ".visual." in name]
+            in_vision = [name for name in trained if ".visual." in name or ".vision_tower." in name]
             assert (not in_vision) if frozen else (bool(in_vision) or targets != ["all-linear"]), (targets, frozen)
 
 
@@ -59,7 +60,9 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     # released safetensors: 31,070,754,032 parameters (model card: 31.1 B; 3 B of them active per token)
     ("Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 1),
     # model card: 10.3 B; counted 10,292,777,472 (language model 9,400,279,040 with its LM head, vision 892,498,432)
-    ("THUDM/GLM-4.1V-9B-Thinking", 10.3e9, 0.05e9)])
+    ("THUDM/GLM-4.1V-9B-Thinking", 10.3e9, 0.05e9),
+    # model card: 4.3 B; counted 4,300,079,472 (language model 3,880,263,168, tied; SigLIP and projector 419,816,304)
+    ("google/gemma-3-4b-it", 4.3e9, 0.05e9)])
 def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(name, published, within):
     from transformers import AutoConfig, AutoModelForImageTextToText
 

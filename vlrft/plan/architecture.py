@@ -4,7 +4,7 @@ The memory plan needs exact parameter counts (per part: language model, vision t
 and the sizes that drive activations and the KV cache. Reading `config.json` instead of
 instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
 Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (its experts counted whole, and the
-parameters one token runs through as `active_parameters`) and GLM-4.1V.
+parameters one token runs through as `active_parameters`), GLM-4.1V and Gemma 3.
 
 Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
 of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower and text attention; the MoE one has experts as MLPs
 
@@ -44,7 +44,8 @@ class Tensor:
         """A weight of an `nn.Linear` (what LoRA's "all-linear" wraps): 2-D, not an embedding table, not a MoE router
         (`mlp.gate`, a bare parameter) nor its experts (3-D)."""
         return len(self.shape) == 2 and not self.name.endswith(("embed_tokens.weight", "pos_embed.weight",
-                                                                 "position_embedding.weight", "mlp.gate.weight"))
+                                                                 "position_embedding.weight", "mlp.gate.weight",
+                                                                 "mm_input_projection_weight"))
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class ModelShape:
     def tensors(self) -> list[Tensor]:
         if self.model_type == "glm4v":
             return _glm4v_text_tensors(self.text, self.tie_word_embeddings) + _glm4v_vision_tensors(self.vision)
+        if self.model_type == "gemma3":
+            return _gemma3_text_tensors(self.text, self.tie_word_embeddings) + _siglip_tensors(self.vision)
         return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
 
     def count(self, part: str | None = None) -> int:
@@ -275,6 +278,52 @@ def _glm4v_vision_tensors(v: VisionShape) -> list[Tensor]:
     return out
 
 
+def _gemma3_text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
+    """Gemma 3's decoder: no biases, RMSNorm on each q and k head, a gated MLP, four norms a layer (before and after
+    attention and the MLP)."""
+    h, q, kv, i_size = t.hidden_size, t.num_heads * t.head_dim, t.kv_dim, t.dense_intermediate_size
+    out = [Tensor("model.language_model.embed_tokens.weight", (t.vocab_size, h), "text")]
+    for i in range(t.num_layers):
+        p = f"model.language_model.layers.{i}."
+        out += [Tensor(f"{p}self_attn.q_proj.weight", (q, h), "text"),
+                Tensor(f"{p}self_attn.k_proj.weight", (kv, h), "text"),
+                Tensor(f"{p}self_attn.v_proj.weight", (kv, h), "text"),
+                Tensor(f"{p}self_attn.o_proj.weight", (h, q), "text"),
+                Tensor(f"{p}self_attn.q_norm.weight", (t.head_dim,), "text"),
+                Tensor(f"{p}self_attn.k_norm.weight", (t.head_dim,), "text"),
+                Tensor(f"{p}mlp.gate_proj.weight", (i_size, h), "text"),
+                Tensor(f"{p}mlp.up_proj.weight", (i_size, h), "text"),
+                Tensor(f"{p}mlp.down_proj.weight", (h, i_size), "text")]
+        out += [Tensor(f"{p}{norm}.weight", (h,), "text") for norm in
+                ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")]
+    out.append(Tensor("model.language_model.norm.weight", (h,), "text"))
+    if not tied:
+        out.append(Tensor("lm_head.weight", (t.vocab_size, h), "head"))
+    return out
+
+
+def _siglip_tensors(v: VisionShape) -> list[Tensor]:
+    """Gemma 3's SigLIP tower (no pooling head, as released) and its projector (a bare [vision, text] weight after an
+    RMSNorm): every image is image_size^2 pixels whatever its own size."""
+    h, p = v.hidden_size, "model.vision_tower."
+    out = [
+        Tensor(f"{p}embeddings.patch_embedding.weight", (h, v.in_channels, v.patch_size, v.patch_size), "vision"),
+        Tensor(f"{p}embeddings.patch_embedding.bias", (h,), "vision"),
+        Tensor(f"{p}embeddings.position_embedding.weight", (v.num_position_embeddings, h), "vision")]
+    for i in range(v.depth):
+        b = f"{p}encoder.layers.{i}."
+        out += _norm(f"{b}layer_norm1", h, True)
+        for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
+            out += _linear(f"{b}self_attn.{name}", h, h)
+        out += _norm(f"{b}layer_norm2", h, True)
+        out += _linear(f"{b}mlp.fc1", v.intermediate_size, h) + _linear(f"{b}mlp.fc2", h, v.intermediate_size)
+    out += _norm(f"{p}post_layernorm", h, True)
+    out += [Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, v.out_hidden_size), "vision"),
+            Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "vision")]
+    return out
+
+
 # ------------------------------------------------------------------ reading config.json
 
 
@@ -293,13 +342,15 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
     if model_type not in SUPPORTED:
         raise UserError(f"{source}: model_type {model_type!r} is not one vlrft can plan for; supported: "
                         f"{', '.join(SUPPORTED)}")
+    if model_type == "gemma3":
+        return _gemma3_shape(config, source)
     text_cfg = {**config, **(config.get("text_config") or {})}
     vision_cfg = config.get("vision_config") or {}
     w = source
-    hidden = int(_get(text_cfg, "hidden_size", where=w))
-    heads = int(_get(text_cfg, "num_attention_heads", where=w))
     if model_type == "glm4v":
         return _glm4v_shape(config, text_cfg, vision_cfg, source)
+    hidden = int(_get(text_cfg, "hidden_size", where=w))
+    heads = int(_get(text_cfg, "num_attention_heads", where=w))
     qwen3 = model_type in QWEN3_VL
     layers = int(_get(text_cfg, "num_hidden_layers", where=w))
     experts = int(text_cfg.get("num_experts") or text_cfg.get("num_local_experts") or 0) \
@@ -390,6 +441,34 @@ def _glm4v_shape(config: dict, text_cfg: dict, vision_cfg: dict, w: str) -> Mode
     )
     tied = config.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False))
     return ModelShape("glm4v", text, vision, bool(tied), w, _checkpoint_bytes(config, text_cfg))
+
+
+def _gemma3_shape(config: dict, w: str) -> ModelShape:
+    """Gemma 3: its released config.json leaves most sizes to transformers' defaults (Gemma3TextConfig,
+    SiglipVisionConfig), so they are read through those classes (configs only, no model is built)."""
+    from transformers import Gemma3Config
+
+    try:
+        parsed = Gemma3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{w}: not a Gemma 3 config transformers can read ({exc})") from None
+    t, v = parsed.text_config, parsed.vision_config
+    text = TextShape(hidden_size=t.hidden_size, dense_intermediate_size=t.intermediate_size,
+                     num_layers=t.num_hidden_layers, num_heads=t.num_attention_heads,
+                     num_kv_heads=t.num_key_value_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+                     attention_bias=False, qk_norm=True)
+    if getattr(v, "vision_use_head", False):
+        raise UserError(f"{w}: a SigLIP tower with its pooling head (vision_use_head) is not Gemma 3's layout")
+    # an image is (image_size / patch)^2 patches average-pooled to mm_tokens_per_image tokens: pooled `merge` x `merge`
+    side = v.image_size // v.patch_size
+    merge = max(1, side // max(1, round(int(parsed.mm_tokens_per_image) ** 0.5)))
+    vision = VisionShape(kind="gemma3", depth=v.num_hidden_layers, hidden_size=v.hidden_size,
+                         intermediate_size=v.intermediate_size, out_hidden_size=t.hidden_size, patch_size=v.patch_size,
+                         temporal_patch_size=1, spatial_merge_size=merge, in_channels=v.num_channels,
+                         num_position_embeddings=side ** 2)
+    tied = bool(config.get("tie_word_embeddings", getattr(parsed, "tie_word_embeddings", True)))
+    text_cfg = {**config, **(config.get("text_config") or {})}
+    return ModelShape("gemma3", text, vision, tied, w, _checkpoint_bytes(config, text_cfg))
 
 
 def shipped_config_path(name: str) -> Path:
