@@ -1,4 +1,5 @@
-"""Build a tiny random-weight VLM (Qwen-VL or GLM-4.1V) and its processor (locally trained tokenizer) into a folder."""
+"""Build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V or Gemma 3) and its processor (locally trained
+tokenizer) into a folder."""
 
 import argparse
 import dataclasses
