@@ -237,7 +237,22 @@ def load_processor(path: str | Path, trust_remote_code: bool = False):
     image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     return _image_only_processor_class(cls)(image_processor=image_processor, tokenizer=tokenizer,
-                                             chat_template=getattr(tokenizer, "chat_template", None))
+                                             chat_template=getattr(tokenizer, "chat_template", None),
+                                             **_saved_processor_options(path, cls))
+
+
+def _saved_processor_options(path: str | Path, cls) -> dict:
+    """The processor's own options saved in processor_config.json that its constructor takes (Gemma 3's
+    image_seq_length: without it the processor expands each image to its default 256 tokens, not the model's)."""
+    import inspect
+
+    saved_file = Path(path) / "processor_config.json"
+    if not saved_file.is_file():
+        return {}
+    saved = json.loads(saved_file.read_text())
+    accepted = inspect.signature(cls.__init__).parameters
+    parts = ("image_processor", "tokenizer", "video_processor", "chat_template", "feature_extractor")
+    return {k: v for k, v in saved.items() if k in accepted and k not in parts}
 
 
 def _processor_class_name(path: str | Path) -> str:
