@@ -17,9 +17,13 @@ REPO = Path(__file__).resolve().parents[1]
 # A worker dying of std::terminate in C++ (SIGABRT) after its last line of Python, at the interpreter's teardown
 # (about one launch in 30 here, before the workers exited through vlrft.parallel.process_exit; CONTRIBUTING.md).
 ABORT = "terminate called without an active exception"
+# How long one launch may take before it counts as hung (VLRFT_TEST_TORCHRUN_TIMEOUT overrides). The longest plans
+# (test_deepspeed's five ZeRO runs, with DeepSpeed building its shm op on first use) take 2-3 min on 2 idle cores;
+# 600 s leaves room for a loaded CI machine, where 300 s timed out.
+TIMEOUT_S = float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 600))
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 300, cwd: Path | None = None,
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = TIMEOUT_S, cwd: Path | None = None,
              outputs: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
     """`torchrun --standalone` of tests/SCRIPT on `nproc` CPU processes; output captured.
 
@@ -108,6 +112,6 @@ def run_plan(folder: Path, nproc: int, runs: list[dict]) -> list[dict]:
     out = plan.with_suffix(".out.json")
     plan.write_text(json.dumps({"out": str(out), "runs": runs}))
     proc = torchrun("fsdp_worker.py", str(plan), nproc=nproc, outputs=(out, *run_outputs(runs)),
-                    timeout=float(os.environ.get("VLRFT_TEST_TORCHRUN_TIMEOUT", 300)))
+                    timeout=TIMEOUT_S)
     assert proc.returncode == 0, failure_output(proc)
     return json.loads(out.read_text())

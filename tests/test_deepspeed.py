@@ -19,18 +19,11 @@ from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
 from _sharded_sync import assert_lora_sync_merges_the_adapters
+from _sharded_runs import (assert_close, assert_sync_sends_the_single_process_state_dict, needs_deepspeed, run_args,
+                          sharded_setup, single_process_run, weights)
 from _torchrun import failure_output, run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
-REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
-
-
-def _deepspeed_import_error() -> str | None:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install failing at import
-        return f"deepspeed cannot be imported ({exc!r}); install it with pip install 'vlrft[deepspeed]'"
-    return None
 
 
 def test_missing_deepspeed_is_one_clear_error(monkeypatch):
@@ -58,9 +51,6 @@ def test_deepspeed_options_are_validated():
                                           r"zero_stage=2"):
         load_config(None, ["train.strategy=deepspeed", "train.deepspeed.zero_stage=2",
                            "train.deepspeed.offload_param=true"])
-
-
-needs_deepspeed = pytest.mark.skipif(_deepspeed_import_error() is not None, reason=str(_deepspeed_import_error()))
 
 
 @needs_deepspeed
@@ -97,30 +87,8 @@ def torchrun_test(test):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_vlm_dir):
-    from examples.shapes import ShapesSpec, make_shapes
-
-    folder = tmp_path_factory.mktemp("deepspeed")
-    data = make_shapes(folder / "data", ShapesSpec(train_size=16, test_size=4))
-    model = tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True)
-    config = folder / "base.yaml"
-    config.write_text(f"""
-model: {{path: {model}, dtype: float32}}
-data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 5}}
-reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
-train: {{total_steps: 3, lr: 1.0e-3, micro_batch_completions_per_rank: 4, strategy: deepspeed, save_every: 1, keep_last: 5,
-         eval_before_training: false}}
-logging: {{progress: false, completions_every: 0, tensorboard: false}}
-""")
-    return {"folder": folder, "config": str(config), "model": model}
-
-
-def run_args(setup, name: str, *overrides: str, **extra) -> dict:
-    return {"config": setup["config"], "overrides": [f"train.output_dir={setup['folder'] / name}", *overrides], **extra}
-
-
-def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
-    return load_file(setup["folder"] / run / "checkpoints" / f"step_{step}" / "model" / "model.safetensors")
+    return sharded_setup(tmp_path_factory.mktemp("deepspeed"), tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True),
+                         "deepspeed")
 
 
 @pytest.fixture(scope="module")
@@ -146,24 +114,7 @@ def zero(setup):
 @pytest.fixture(scope="module")
 def single(setup):
     """The same run in this process (strategy single), with the same scripted completions."""
-    from scripted_engine import ScriptedEngine
-
-    from vlrft.config import load_config
-    from vlrft.trainer import Trainer
-
-    cfg = load_config(setup["config"], [f"train.output_dir={setup['folder'] / 'S'}", "train.strategy=single"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
-        trainer = Trainer(cfg)
-        history = trainer.fit()
-    return {"trainer": trainer, "history": history}
-
-
-def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
-    """Equal within float tolerance: 1 % of one AdamW step at lr 1e-3 (sums over ranks round differently)."""
-    assert sorted(a) == sorted(b)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, worst
+    return single_process_run(setup)
 
 
 @torchrun_test
@@ -192,18 +143,7 @@ def test_zero3_micro_batch_1_and_4_give_the_same_weights(setup, zero):
 
 @torchrun_test
 def test_weight_sync_from_zero3_shards_sends_the_single_process_state_dict(setup, zero, single):
-    from vlrft.models.weights import PolicyWeights
-
-    sent = torch.load(setup["folder"] / "sync.pt")
-    assert sent["duplicates"] == []
-    expected = {name: t for bucket in PolicyWeights(single["trainer"].actor, torch.float32).buckets(1 << 30, "cpu")
-                for name, t in bucket}
-    assert "lm_head.weight" not in sent["received"]  # tied to the embedding: sent once, under its name
-    assert_close(sent["received"], expected)
-    # and exactly the weights gathered into the step's Hugging Face checkpoint
-    saved = weights(setup, "Z3", 3)
-    assert sorted(saved) == sorted(sent["received"])
-    assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
+    assert_sync_sends_the_single_process_state_dict(setup, single, "Z3", 3)
 
 
 @torchrun_test

@@ -17,39 +17,17 @@ from safetensors.torch import load_file
 
 from _data_helpers import mixed_prompts
 from _sharded_sync import assert_lora_sync_merges_the_adapters
+from _sharded_runs import (assert_close, assert_runs_match_single, assert_sync_sends_the_single_process_state_dict,
+                          run_args, sharded_setup, single_process_run, weights)
 from _torchrun import run_plan, torchrun
 
 REPO = Path(__file__).resolve().parents[1]
-REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_vlm_dir):
-    from examples.shapes import ShapesSpec, make_shapes
-
-    folder = tmp_path_factory.mktemp("fsdp2")
-    data = make_shapes(folder / "data", ShapesSpec(train_size=16, test_size=4))
-    model = tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True)
-    config = folder / "base.yaml"
-    config.write_text(f"""
-model: {{path: {model}, dtype: float32}}
-data: {{train_files: [{data['train']}], eval_files: [{data['test']}], min_pixels: 784, max_pixels: 3136}}
-rollout: {{n: 4, global_batch_completions: 16, max_new_tokens: 5}}
-reward: {{functions: [{{name: '{REWARDS}:text_hash'}}]}}
-train: {{total_steps: 3, lr: 1.0e-3, micro_batch_completions_per_rank: 4, strategy: fsdp2, save_every: 1, keep_last: 5,
-         eval_before_training: false}}
-logging: {{progress: false, completions_every: 0, tensorboard: false}}
-""")
-    return {"folder": folder, "config": str(config), "model": model}
-
-
-def run_args(setup, name: str, *overrides: str, **extra) -> dict:
-    return {"config": setup["config"], "overrides": [f"train.output_dir={setup['folder'] / name}", *overrides], **extra}
-
-
-def weights(setup, run: str, step: int) -> dict[str, torch.Tensor]:
-    return load_file(setup["folder"] / run / "checkpoints" / f"step_{step}" / "model" / "model.safetensors")
+    return sharded_setup(tmp_path_factory.mktemp("fsdp2"), tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True), "fsdp2")
 
 
 @pytest.fixture(scope="module")
@@ -73,36 +51,7 @@ def sharded(setup):
 @pytest.fixture(scope="module")
 def single(setup):
     """The same run as A in this process (strategy single), with the same scripted completions."""
-    from scripted_engine import ScriptedEngine
-
-    from vlrft.config import load_config
-    from vlrft.trainer import Trainer
-
-    cfg = load_config(setup["config"], [f"train.output_dir={setup['folder'] / 'S'}", "train.strategy=single"])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("vlrft.trainer.trainer.make_engine", lambda cfg, trainer: ScriptedEngine(trainer))
-        trainer = Trainer(cfg)
-        history = trainer.fit()
-    return {"trainer": trainer, "history": history}
-
-
-def assert_runs_match_single(setup, single: str, runs: tuple[str, ...], steps: tuple[int, ...]) -> None:
-    """Each run's weights equal the one-process run `single` after each step, and the images trained the vision
-    tower (so a dummy-image path that silently dropped them would fail)."""
-    initial = load_file(Path(setup["model"]) / "model.safetensors")
-    for step in steps:
-        one = weights(setup, single, step)
-        for run in runs:
-            assert_close(weights(setup, run, step), one)
-        tower = [k for k in one if "visual." in k]
-        assert max((one[k] - initial[k]).abs().max().item() for k in tower) > 1e-4
-
-
-def assert_close(a: dict, b: dict, atol: float = 1e-5) -> None:
-    """Equal within float tolerance: 1 % of one AdamW step at lr 1e-3 (sums over ranks round differently)."""
-    assert sorted(a) == sorted(b)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst <= atol, worst
+    return single_process_run(setup)
 
 
 def test_fsdp2_weights_equal_the_single_process_run_after_1_and_3_steps(setup, sharded, single):
@@ -137,17 +86,8 @@ def test_accumulated_gradients_stay_sharded_after_every_micro_batch(sharded):
 
 
 def test_weight_sync_from_fsdp2_shards_sends_the_single_process_state_dict(setup, sharded, single):
-    from vlrft.models.weights import PolicyWeights
-
+    assert_sync_sends_the_single_process_state_dict(setup, single, "A", 3)
     sent = torch.load(setup["folder"] / "sync.pt")
-    assert sent["duplicates"] == []
-    expected = {name: t for bucket in PolicyWeights(single["trainer"].actor, torch.float32).buckets(1 << 30, "cpu")
-                for name, t in bucket}
-    assert "lm_head.weight" not in sent["received"]  # tied to the embedding: sent once, under its name
-    assert_close(sent["received"], expected)
-    # and exactly the weights FSDP2 saved for that step
-    saved = weights(setup, "A", 3)
-    assert all(torch.equal(sent["received"][k], saved[k]) for k in saved)
     # A bfloat16 engine's sync: each shard is cast before it is gathered (half the bytes), same values
     assert sent["gathered_dtypes_bf16"] == ["torch.bfloat16"]
     assert sent["gathered_devices_bf16"] == ["cpu"]  # where the shards are: nothing moved on a CPU mesh
@@ -328,7 +268,7 @@ def test_a_bfloat16_checkpoint_is_read_in_bfloat16_and_loads_the_same_float32_we
         weights_file.unlink()
     load_policy(source, dtype="bfloat16").save_pretrained(folder)
     out = tmp_path / "loaded.pt"
-    proc = torchrun("fsdp_worker.py", "load", str(folder), str(out), timeout=300)
+    proc = torchrun("fsdp_worker.py", "load", str(folder), str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = torch.load(out)
     assert loaded["read"] == ["bfloat16"]

@@ -76,7 +76,7 @@ def test_every_rank_checks_its_share_of_the_images_and_all_leave_out_the_same_sa
                  f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
                  "train.strategy=ddp", "logging.progress=false"]
     out = tmp_path / "reports.json"
-    proc = torchrun("validation_worker.py", str(out), *overrides, timeout=300)
+    proc = torchrun("validation_worker.py", str(out), *overrides)
     assert proc.returncode == 0, failure_output(proc)
     reports = sorted(json.loads(out.read_text()), key=lambda r: r["rank"])
     decoded = [sorted(Path(ref).name for ref in r["decoded"]) for r in reports]

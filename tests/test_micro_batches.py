@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from budget_worker import LENGTHS, make_collected, train_step, write_images  # noqa: E402
 from _torchrun import failure_output, torchrun  # noqa: E402
-from test_deepspeed import needs_deepspeed  # noqa: E402  skips, with the reason, where deepspeed cannot import
+from _sharded_runs import needs_deepspeed  # noqa: E402  skips, with the reason, where deepspeed cannot import
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-import test_deepspeed
+from _sharded_runs import assert_close, assert_runs_match_single, needs_deepspeed, weights
 from _torchrun import run_plan
-from test_fsdp2 import assert_close, assert_runs_match_single, weights
 
 TOOLS = Path(__file__).parent / "data" / "multiturn_tools.py"
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -130,7 +129,7 @@ def _assert_same_history(ours: list[dict], theirs: list[dict]) -> None:
         assert mine["actor/kl_ref"] == pytest.approx(one["actor/kl_ref"], rel=1e-4, abs=1e-7)
 
 
-@test_deepspeed.needs_deepspeed
+@needs_deepspeed
 def test_zero3_ranks_with_and_without_tool_images_train_like_one_process(setup, single, single_ppo):
     """DeepSpeed ZeRO-3 (policy, reference, critic), the same trajectories: weights equal one process; the hf
     engine's turns (generation from the gathered ZeRO-3 policy) do not hang."""

@@ -18,11 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _stand_ins import RecordingBackend
 from vlrft.config import Config, DataConfig
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import ColocatedEngine, EngineOptions, GroupComm, RankLayout
 from vlrft.rollout.hf import TokenSpec
-from vlrft.rollout.outputs import EngineError, EngineSample
+from vlrft.rollout.outputs import EngineError
 from vlrft.rollout.requests import PromptRequest, pixel_bounds
 from vlrft.rollout.sglang import SGLangBackend, check_status, sglang_engine_kwargs
 from vlrft.rollout.vllm import VLLMBackend, vllm_engine_kwargs
@@ -250,36 +251,6 @@ def test_vllm_wake_up_that_leaves_the_engine_asleep_raises():
 # ---------------------------------------------------------------------------------------------- memory
 
 
-class RecordingBackend:
-    """Stand-in backend: records the colocated engine's calls; `run` draws from torch's default generator
-    the way vLLM's sampler does, and returns one canned sample per request."""
-
-    def __init__(self, calls: list):
-        self.calls = calls
-        self.draws: list[float] = []
-
-    def run(self, requests, sampling):
-        self.calls.append(f"run:{len(requests)}")
-        self.draws.append(torch.rand(()).item())
-        return [EngineSample([2], [-0.5], "stop") for _ in requests for _ in range(sampling.n)]
-
-    def release(self):
-        self.calls.append("release")
-
-    def resume_weights(self):
-        self.calls.append("resume_weights")
-
-    def resume_cache(self):
-        self.calls.append("resume_cache")
-
-    def load(self, buckets):
-        for _ in buckets:  # walks the sync, as an engine does
-            pass
-
-    def weights_loaded(self):
-        self.calls.append("weights_loaded")
-
-
 class StandInTokenizer:
     def batch_decode(self, ids, skip_special_tokens=True):
         return [str(row) for row in ids]
@@ -287,7 +258,7 @@ class StandInTokenizer:
 
 def colocated(policy, calls, seed=0, requests=1) -> ColocatedEngine:
     layout = RankLayout(0, 1, 1)
-    return ColocatedEngine(RecordingBackend(calls),
+    return ColocatedEngine(RecordingBackend(calls=calls),
                            lambda batch: [PromptRequest({}, [1, 2], f"p{i}") for i in range(requests)],
                            layout, GroupComm(layout), lambda: policy, StandInTokenizer(), TOKENS,
                            EngineOptions(torch.float32, "cpu", bucket_bytes=1 << 30, seed=seed),
@@ -302,7 +273,7 @@ def test_cached_gpu_memory_is_freed_before_each_wake_up(policy, monkeypatch):
     engine.sleep()
     engine.update_weights(policy)
     engine.wake()
-    assert calls == ["release", "empty_cache", "resume_weights", "weights_loaded", "empty_cache", "resume_cache"]
+    assert calls == ["release", "empty_cache", "resume_weights", "load", "weights_loaded", "empty_cache", "resume_cache"]
 
 
 # ---------------------------------------------------------------------------------------------- pixel bounds

@@ -24,6 +24,7 @@ import pytest
 import torch
 from PIL import Image
 
+from _stand_ins import RecordingBackend
 from vlrft.config import Config, DataConfig, ToolConfig
 from vlrft.data import PromptEncoder, Sample
 from vlrft.errors import ConfigError, MissingDependencyError
@@ -547,37 +548,6 @@ def test_an_offloaded_shard_is_gathered_on_its_meshs_device_not_over_the_cpu_gro
 
 
 # ---------------------------------------------------------------------------------------------- lifecycle
-
-
-class RecordingBackend:
-    """Stand-in backend that records what the colocated engine asks of it and returns canned samples."""
-
-    def __init__(self, samples=None):
-        self.calls: list[str] = []
-        self.loaded: list[str] = []
-        self.samples = samples or []
-
-    def run(self, requests, sampling):
-        self.calls.append(f"run:{len(requests)}")
-        return self.samples
-
-    def release(self):
-        self.calls.append("release")
-
-    def resume_weights(self):
-        self.calls.append("resume_weights")
-
-    def resume_cache(self):
-        self.calls.append("resume_cache")
-
-    def load(self, buckets):
-        for bucket in buckets:
-            self.calls.append("load")
-            self.loaded += [name for name, _ in bucket]
-            del bucket  # as an engine that streams the sync: not held while the next bucket is gathered
-
-    def weights_loaded(self):
-        self.calls.append("weights_loaded")
 
 
 @pytest.fixture
