@@ -315,11 +315,12 @@ def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arc
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
-def test_qwen3_vl_moe_lora_wraps_attention_and_a_name_of_its_experts_is_one_line(tiny_vlm_dir):
+def test_qwen3_vl_moe_lora_wraps_attention_and_its_experts_when_named(tiny_vlm_dir):
     """LoRA on Qwen3-VL-MoE: its experts are two 3-D parameters per layer and its router a bare weight, none of them a
     linear layer, so 'all-linear' wraps the attention projections (q/k/v/o_proj) and, unless frozen, the vision tower;
-    the experts and routers stay frozen. A dense Qwen's 'gate_proj' or the experts' names are refused in one line
-    saying so, rather than training the rest of the list."""
+    'experts.gate_up_proj' / 'experts.down_proj' put an adapter on every expert (PEFT's target_parameters), which
+    trains, and merges into the expert weights; routers stay frozen. A dense Qwen's 'gate_proj' or 'experts' is
+    refused in one line saying how its experts are named."""
     from vlrft.models.actor import apply_lora
 
     folder = tiny_vlm_dir("qwen3_vl_moe")
@@ -330,10 +331,28 @@ def test_qwen3_vl_moe_lora_wraps_attention_and_a_name_of_its_experts_is_one_line
     assert trained and all(".lora_" in n and "self_attn" in n for n in trained)
     with_tower = apply_lora(load_policy(folder), 4, 8, 0.0, ["all-linear"])
     assert any(".visual." in n and ".lora_A." in n for n, _ in with_tower.named_parameters())
-    for names in (["q_proj", "gate_proj"], ["q_proj", "experts"], ["gate_up_proj"]):
+    model = load_policy(folder)
+    experts = apply_lora(model, 4, 8, 0.0, ["q_proj", "experts.gate_up_proj", "experts.down_proj"],
+                         exclude_vision=True)
+    on_experts = [n for n, p in experts.named_parameters() if p.requires_grad and ".mlp.experts." in n]
+    assert len(on_experts) == 2 * 2 * 2  # two layers, two expert weights, A and B
+    ids = torch.tensor([[1, 150, 160, 170, 180]])
+    experts(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in experts.named_parameters()
+               if p.requires_grad and ".mlp.experts." in n and ".lora_B." in n)  # A: 0 while B starts at 0
+    with torch.no_grad():
+        for n, p in experts.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.1)  # B starts at zero: give the adapters an effect to merge
+        adapted_logits = experts(input_ids=ids).logits
+        merged = experts.merge_and_unload()
+        assert torch.allclose(merged(input_ids=ids).logits, adapted_logits, atol=1e-5)
+    assert tuple(merged.model.language_model.layers[0].mlp.experts.gate_up_proj.shape) == (4, 64, 64)
+    for names in (["q_proj", "gate_proj"], ["q_proj", "experts"]):
         with pytest.raises(UserError, match=r"name no linear layer of Qwen3VLMoeForConditionalGeneration outside the "
                                             r"frozen vision tower; its linear layers are \['k_proj', 'lm_head', "
-                                            r"'o_proj', 'q_proj', 'v_proj'\] .*its MoE experts are 3-D parameters"):
+                                            r"'o_proj', 'q_proj', 'v_proj'\] .*'experts.gate_up_proj' and "
+                                            r"'experts.down_proj' name for adapters on every expert"):
             apply_lora(load_policy(folder), 4, 8, 0.0, names, exclude_vision=True)
 
 

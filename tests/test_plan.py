@@ -43,7 +43,8 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
 
     folder = tiny_vlm_dir(arch)
     shape = load_model_shape(str(folder))
-    for targets in (["all-linear"], ["q_proj", "v_proj"]):
+    experts = [["q_proj", "experts.gate_up_proj", "experts.down_proj"], ["all-linear", "experts.gate_up_proj"]]
+    for targets in [["all-linear"], ["q_proj", "v_proj"]] + (experts if arch == "qwen3_vl_moe" else []):
         for frozen in (False, True):
             model = apply_lora(load_policy(folder), 4, 8, 0.0, targets, exclude_vision=frozen)
             trained = [name for name, p in model.named_parameters() if p.requires_grad]

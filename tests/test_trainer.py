@@ -534,3 +534,35 @@ def test_vlrft_train_runs_three_grpo_steps(arch, model_class, tmp_path, tiny_vlm
     if arch == "qwen3_vl_moe":  # experts (3-D tensors, not linear layers) and routers train like any weight
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in moved)
         assert any(k.endswith("mlp.gate.weight") for k in moved)
+
+
+@pytest.mark.slow
+def test_vlrft_train_with_lora_on_qwen3_vl_moe_experts(tmp_path, tiny_vlm_dir, shapes):
+    """LoRA on a tiny Qwen3-VL-MoE's attention and experts through `vlrft train`: two GRPO steps; only adapters
+    train, those on the experts too (PEFT's target_parameters), and the step-2 adapter loads merged into its base."""
+    from vlrft.cli import main
+    from vlrft.models.loading import load_policy
+
+    folder = tiny_vlm_dir("qwen3_vl_moe")
+    overrides = [f"model.path={folder}", "model.dtype=float32", f"data.train_files=[{shapes['train']}]",
+                 "data.min_pixels=784", "data.max_pixels=3136", "algorithm.advantage=grpo", "rollout.n=4",
+                 "rollout.global_batch_completions=16", "rollout.max_new_tokens=5", "model.lora.rank=4",
+                 "model.lora.target_modules=[q_proj,v_proj,experts.gate_up_proj,experts.down_proj]",
+                 f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]", f"train.output_dir={tmp_path / 'run'}",
+                 "train.total_steps=2", "train.lr=1e-2", "train.micro_batch_completions_per_rank=8",
+                 "train.eval_every=0", "train.save_every=2", "logging.progress=false"]
+    config_file = tmp_path / "moe_lora.yaml"
+    config_file.write_text("{}\n")
+    assert main(["train", str(config_file), *overrides]) == 0
+    metrics = [m for m in read_metrics(tmp_path / "run") if "reward/mean" in m]
+    assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["entropy"]) for m in metrics)
+    adapter = tmp_path / "run" / "checkpoints" / "step_2" / "model"
+    from safetensors.torch import load_file
+
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    assert any(".mlp.experts." in k for k in saved) and any("q_proj" in k for k in saved)
+    merged, base = load_policy(adapter), load_policy(folder)
+    expert = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(merged.state_dict()[expert], base.state_dict()[expert])  # the experts' adapters trained
+    router = "model.language_model.layers.0.mlp.gate.weight"
+    assert torch.equal(merged.state_dict()[router], base.state_dict()[router])  # routers stay frozen under LoRA

@@ -343,7 +343,11 @@ def freeze_vision(model: nn.Module) -> int:
 def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_modules: list[str],
                exclude_vision: bool = False) -> nn.Module:
     """Wrap the model with PEFT LoRA adapters (only the adapters train); `exclude_vision` (model.freeze_vision_tower):
-    none in the vision tower, its merger or Qwen3-VL's deepstack mergers, which "all-linear" would otherwise reach."""
+    none in the vision tower, its merger or Qwen3-VL's deepstack mergers, which "all-linear" would otherwise reach.
+
+    Qwen3-VL-MoE's experts are 3-D parameters, not linear layers: a target naming one ('experts.gate_up_proj',
+    'experts.down_proj', or the bare names) puts an adapter on every expert of it (PEFT's `target_parameters`:
+    rank x experts in each factor); 'all-linear' alone leaves them, and the routers, frozen."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
@@ -351,7 +355,9 @@ def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_m
                                      "pip install 'vlrft[peft]'") from exc
     import re
 
-    targets = target_modules[0] if target_modules == ["all-linear"] else list(target_modules)
+    experts = _expert_parameter_targets(model, target_modules)
+    module_targets = [t for t in target_modules if t not in experts]
+    targets = "all-linear" if module_targets == ["all-linear"] else module_targets
     exclude = None
     vision = vision_module(model) if exclude_vision else None
     vision_name = None
@@ -361,8 +367,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: int, dropout: float, target_m
     if targets != "all-linear":
         _check_lora_names(model, targets, vision_name)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                        exclude_modules=exclude)
+                        exclude_modules=exclude, target_parameters=experts or None)
     return get_peft_model(model, config)
+
+
+def _expert_parameter_targets(model: nn.Module, targets: list[str]) -> list[str]:
+    """The targets that name a 3-D parameter (a MoE layer's experts) rather than a module: the full name's suffix."""
+    stacked = [name for name, p in model.named_parameters() if p.dim() == 3]
+    return [t for t in targets if t != "all-linear" and any(n == t or n.endswith("." + t) for n in stacked)]
 
 
 def _check_lora_names(model: nn.Module, targets: list[str], vision_name: str | None) -> None:
@@ -377,8 +389,9 @@ def _check_lora_names(model: nn.Module, targets: list[str], vision_name: str | N
         where = " outside the frozen vision tower" if vision_name else ""
         # Qwen3-VL-MoE: experts are 3-D parameters (gate_up_proj, down_proj) and the router a bare weight
         experts = any(name.endswith(".experts") for name, _ in model.named_modules())
-        moe = (" (its MoE experts are 3-D parameters and its routers bare weights, not linear layers: LoRA does not "
-               "reach them, full fine-tuning trains them)") if experts else ""
+        moe = (" (its MoE experts are 3-D parameters, which 'experts.gate_up_proj' and 'experts.down_proj' name for "
+               "adapters on every expert; its routers are bare weights, trained only by full fine-tuning)") \
+            if experts else ""
         raise UserError(f"model.lora.target_modules: {missing} name no linear layer of {type(model).__name__}{where}; "
                         f"its linear layers are {sorted(linear)} (or use ['all-linear']){moe}")
 

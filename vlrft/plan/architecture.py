@@ -143,15 +143,21 @@ class ModelShape:
         return max(n for name, n in self.blocks().items() if name != "root")
 
     def lora_targets(self, target_modules: list[str], exclude_vision: bool = False) -> list[Tensor]:
-        """The weights of the linear layers LoRA wraps ("all-linear": all but lm_head); `exclude_vision`
-        (model.freeze_vision_tower): none in the vision tower."""
-        return [t for t in self.tensors()
-                if t.is_linear_weight and t.name != "lm_head.weight" and not (exclude_vision and t.part == "vision")
-                and (target_modules == ["all-linear"] or t.name.rsplit(".", 2)[-2] in target_modules)]
+        """The weights of the linear layers LoRA wraps ("all-linear": all but lm_head), and the MoE experts' 3-D
+        weights a target names by suffix ('experts.gate_up_proj'); `exclude_vision` (model.freeze_vision_tower):
+        none in the vision tower."""
+        linear = [t for t in target_modules if t != "all-linear"]
+        return [t for t in self.tensors() if not (exclude_vision and t.part == "vision") and (
+            (t.is_linear_weight and t.name != "lm_head.weight"
+             and ("all-linear" in target_modules or t.name.rsplit(".", 2)[-2] in linear))
+            or (len(t.shape) == 3 and any(t.name == x or t.name.endswith("." + x) for x in linear)))]
 
     def lora_parameters(self, rank: int, target_modules: list[str], exclude_vision: bool = False) -> int:
-        """LoRA adapter parameters: rank * (in + out) per targeted linear layer (`lora_targets`)."""
-        return sum(rank * (t.shape[0] + t.shape[1]) for t in self.lora_targets(target_modules, exclude_vision))
+        """LoRA adapter parameters: rank * (in + out) per targeted linear layer (`lora_targets`); for an experts'
+        [E, out, in] weight rank * E * (in + out) (PEFT's adapter on a parameter: rank x E in each factor)."""
+        return sum(rank * (t.shape[0] + t.shape[1]) if len(t.shape) == 2
+                   else rank * t.shape[0] * (t.shape[1] + t.shape[2])
+                   for t in self.lora_targets(target_modules, exclude_vision))
 
 
 def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
