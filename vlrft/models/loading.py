@@ -144,13 +144,13 @@ FAMILY_SCOPE = {
     "qwen2_vl": "images and videos; engines hf, vllm, sglang; FSDP2 and ZeRO on two ranks under torchrun",
     "qwen2_5_vl": "images and videos; engines hf, vllm, sglang",
     "qwen3_vl": "images and videos; engines hf, vllm (images; its videos refused there), sglang",
-    "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 in one process; LoRA on "
+    "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 on two ranks; LoRA on "
                     "attention, the vision tower and, when named (experts.gate_up_proj, experts.down_proj), every "
                     "expert; routers by full fine-tuning only; no router auxiliary loss",
-    "glm4v": "images (videos refused); engine hf (vLLM/SGLang refused); FSDP2 in one process",
+    "glm4v": "images (videos refused); engine hf (vLLM/SGLang refused); FSDP2 on two ranks",
     "gemma3": "images (its processor has no videos); engine hf (vLLM/SGLang refused); each row in full, no prompt "
-              "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 in "
-              "one process",
+              "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 on two "
+              "ranks",
 }
 
 
