@@ -374,3 +374,20 @@ def test_gemma3_prompts_match_its_processor_alone_with_images_per_prompt_and_fix
     assert spec.image_token_id == soft
     assert set(spec.suppressed_ids) == {processor.tokenizer.convert_tokens_to_ids(t)
                                         for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")}
+
+
+def test_a_bos_the_chat_template_writes_is_not_added_again(tiny_vlm_dir, mixed):
+    """Gemma 3's chat template writes `<bos>` and its released tokenizer adds one too (add_bos_token): the prompts
+    start with one `<bos>`, as transformers' own chat path tokenizes them, not two."""
+    from tokenizers.processors import TemplateProcessing
+
+    from vlrft.models.loading import load_processor
+
+    processor = load_processor(tiny_vlm_dir("gemma3"))  # a copy of its own: the tokenizer is changed below
+    tok = processor.tokenizer
+    tok._tokenizer.post_processor = TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", tok.bos_token_id)])
+    assert tok("Hi")["input_ids"][0] == tok.bos_token_id  # it adds a BOS now, as the released one does
+    samples, _, _ = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples[:3]).batch
+    for ids in batch.prompt_ids:
+        assert tok.convert_ids_to_tokens(ids[:2]) == ["<bos>", "<start_of_turn>"]

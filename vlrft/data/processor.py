@@ -312,6 +312,11 @@ class PromptEncoder:
             # Frames are already sampled (fps, max frames); metadata carries the timing M-RoPE needs.
             kwargs.update(videos=[v.frames for v in videos], video_metadata=[v.metadata for v in videos],
                           do_sample_frames=False)
+        bos = getattr(self.processor.tokenizer, "bos_token", None)
+        if bos and all(t.startswith(bos) for t in texts):
+            # The chat template wrote the BOS (Gemma 3's): a tokenizer that adds one too (Gemma's does) must not, or
+            # every prompt starts <bos><bos>; transformers' own chat path tokenizes without special tokens likewise
+            kwargs["add_special_tokens"] = False
         out = self.processor(text=list(texts), images=images or None, return_tensors=None, **kwargs)
         return list(texts), out
 
