@@ -299,6 +299,20 @@ def test_each_recipe_trains_two_steps_on_its_prepared_data(task, prepared, tiny_
 
 # --- release quirks: booleans, dict choices, one-split releases, corrupt media, re-runs ------------------------
 
+def test_the_val_split_is_the_same_wherever_the_release_is_unpacked_and_embedded_or_not(tmp_path):
+    """The split hashed the rows' absolute media paths: the same release unpacked in another folder (or prepared
+    with --embed-images, whose rows carry file names) gave another val split, and at 12 images and 25 % about one
+    folder in 30 gave no val split at all."""
+    splits = []
+    for where, embed in (("a", False), ("b/deeper", False), ("c", True)):
+        source = fixtures.superclevr(tmp_path / where / "raw", images=40)
+        prepare("clevr", source, tmp_path / where / "out", embed_images=embed,
+                options=Options(all_questions=True, val_fraction=0.25))
+        val = read_samples(next((tmp_path / where / "out").glob("val.*")))  # jsonl, or parquet when embedded
+        splits.append(sorted(s.id for s in val))
+    assert splits[0] and splits[0] == splits[1] == splits[2]
+
+
 def test_superclevr_booleans_become_yes_no_rows_the_recipe_scores_and_one_split_becomes_train_and_val(tmp_path):
     source = fixtures.superclevr(tmp_path / "raw", images=12)
     options = Options(all_questions=True, val_fraction=0.25)

@@ -205,9 +205,10 @@ def render_prompt(item: Item, templates: dict[str, Any]) -> str:
 
 
 def held_out(rows: dict[str, list[dict]], fraction: float) -> dict[str, list[dict]]:
-    """The one split of `rows` cut into train and val: a row goes to val when a hash of its media (its id when it has
-    none) falls in the first `fraction` of the range, so every question about one image or video stays on one side
-    and the same release gives the same split on every run."""
+    """The one split of `rows` cut into train and val: a row goes to val when a hash of its media's file names (its id
+    when it has none) falls in the first `fraction` of the range, so every question about one image or video stays on
+    one side, and the same release gives the same split on every run, wherever it is unpacked and whether its images
+    are embedded or not (names, not absolute paths)."""
     if not 0 < fraction < 1:
         raise UserError(f"--val-fraction {fraction}: give a share between 0 and 1, e.g. 0.05")
     if len(rows) > 1:
@@ -216,7 +217,7 @@ def held_out(rows: dict[str, list[dict]], fraction: float) -> dict[str, list[dic
     split: dict[str, list[dict]] = {"train": [], "val": []}
     for row in next(iter(rows.values()), []):
         media = row.get("videos") or [m if isinstance(m, str) else m.get("path", "") for m in row.get("images") or []]
-        key = "\n".join(map(str, media)) or str(row["id"])
+        key = "\n".join(Path(str(m)).name for m in media) or str(row["id"])
         share = int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") / 2 ** 64
         split["val" if share < fraction else "train"].append(row)
     return {name: part for name, part in split.items() if part}
