@@ -47,7 +47,8 @@ def worker(name: str, model_dir: str, out: str) -> None:
     import torch
 
     from vlrft.config import load_config
-    from vlrft.parallel.strategy import ModelSource, make_strategy
+    from vlrft.parallel import make_strategy
+    from vlrft.parallel.strategy import ModelSource
 
     kind = "deepspeed" if name.startswith("zero") else name.removesuffix("_read_f32")
     if name.endswith("_read_f32"):

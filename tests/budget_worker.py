@@ -17,7 +17,8 @@ import torch
 from vlrft.config import load_config
 from vlrft.data import PromptEncoder, Sample
 from vlrft.parallel.process_exit import exit_process
-from vlrft.parallel.strategy import TrainedModel, make_strategy
+from vlrft.parallel import make_strategy
+from vlrft.parallel.strategy import TrainedModel
 from vlrft.models.actor import ActorVL
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.rollout.base import Rollouts

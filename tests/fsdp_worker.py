@@ -23,7 +23,7 @@ from scripted_engine import RecordingEngine, use_scripted_engine  # noqa: E402
 
 from vlrft.config import load_config  # noqa: E402
 from vlrft.parallel.process_exit import exit_process  # noqa: E402
-from vlrft.parallel.strategy import make_strategy  # noqa: E402
+from vlrft.parallel import make_strategy  # noqa: E402
 from vlrft.errors import UserError  # noqa: E402
 from vlrft.models.weights import PolicyWeights  # noqa: E402
 

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_missing_deepspeed_is_one_clear_error(monkeypatch):
-    from vlrft.parallel.strategy import make_strategy
+    from vlrft.parallel import make_strategy
     from vlrft.errors import UserError
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # what `import deepspeed` sees when it is not installed

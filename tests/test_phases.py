@@ -14,7 +14,8 @@ import torch
 
 from vlrft.config import load_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
-from vlrft.parallel.strategy import ModelSource, TrainedModel, make_strategy
+from vlrft.parallel import make_strategy
+from vlrft.parallel.strategy import ModelSource, TrainedModel
 from vlrft.models.actor import ActorVL
 from vlrft.models.loading import load_processor
 from vlrft.rewards import RewardSet

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from vlrft.config import Config
 from vlrft.parallel.process_exit import exit_process
-from vlrft.parallel.strategy import make_strategy
+from vlrft.parallel import make_strategy
 from vlrft.rollout.colocate import tensor_parallel_group
 
 

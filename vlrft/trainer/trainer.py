@@ -20,7 +20,8 @@ import torch
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
 from vlrft.data import PromptEncoder, PromptSampler, read_samples
-from vlrft.parallel.strategy import ModelSource, Strategy, TrainedModel, make_strategy
+from vlrft.parallel import make_strategy
+from vlrft.parallel.strategy import ModelSource, Strategy, TrainedModel
 from vlrft.errors import UserError
 from vlrft.logging import CompletionRow, RunLogger
 from vlrft.models import precision
