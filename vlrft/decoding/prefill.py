@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from vlrft.models.prompt_cache import cache_argument
 from vlrft.sampling import PREFILL_MASK_ELEMENTS, PREFILL_TOKENS
 from vlrft.vision import VisualBatch
 
@@ -40,7 +41,7 @@ def prefill(backbone, ids: torch.Tensor, mask: torch.Tensor, mm: torch.Tensor, p
     """
     if len(groups) == 1:
         out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm, position_ids=positions,
-                       use_cache=True, past_key_values=cache, **visual.model_inputs())
+                       use_cache=True, **cache_argument(backbone, cache), **visual.model_inputs())
         return out.last_hidden_state[:, -1].clone(), out.past_key_values  # not a view holding every position
     from transformers import DynamicCache
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vlrft.models.prompt_cache import cache_argument
+
 
 def select_rows(cache, index: torch.Tensor) -> None:
     """Keep only `index` rows of a KV cache (static layers have no batch_select_indices of their own)."""
@@ -53,10 +55,10 @@ class TransformersDecoder:
     def _forward(self, tokens, attention, position, mm, cache):
         if self.text_model is not None:
             out = self.text_model(input_ids=tokens, attention_mask=attention, position_ids=position,
-                                  past_key_values=cache, use_cache=True)
+                                  use_cache=True, **cache_argument(self.text_model, cache))
         else:
             out = self.backbone(input_ids=tokens, attention_mask=attention, position_ids=position,
-                                past_key_values=cache, use_cache=True, mm_token_type_ids=mm)
+                                use_cache=True, mm_token_type_ids=mm, **cache_argument(self.backbone, cache))
         return out.last_hidden_state[:, -1]
 
 

@@ -20,7 +20,7 @@ from vlrft.models.logprobs import SamplingTruncation, token_logprobs
 from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
                                     prompt_positions)
-from vlrft.models.prompt_cache import cache_through_checkpointing, prefix_cache, recording_cache
+from vlrft.models.prompt_cache import cache_argument, cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids, token_type_kwargs
@@ -253,13 +253,13 @@ class ActorVL(nn.Module):
         with cache_through_checkpointing(backbone):
             with self._dummy_calls(lacking, ids.device):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
-                                      position_ids=positions, past_key_values=recorded, use_cache=True, **visual)
+                                      position_ids=positions, use_cache=True, **cache_argument(backbone, recorded), **visual)
             last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
             if classes is None:
                 with self._dummy_calls(lacking, ids.device, later=True):
                     completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
                                               position_ids=completion_positions,
-                                              past_key_values=prefix_cache(recorded, rows), use_cache=True,
+                                              use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows)),
                                               mm_token_type_ids=completion_mm, **completion_visual)
                 return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
             pieces, order = [], []
@@ -268,7 +268,7 @@ class ActorVL(nn.Module):
                 out = backbone(input_ids=completion_ids[idx, :width],
                                attention_mask=batch.attention_mask[idx, :p + width],
                                position_ids=completion_positions[:, idx, :width],
-                               past_key_values=prefix_cache(recorded, rows[idx]), use_cache=True,
+                               use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows[idx])),
                                mm_token_type_ids=completion_mm[idx, :width])
                 states = torch.cat([last_prompt_state[idx], out.last_hidden_state[:, :width - 1]], dim=1)
                 pieces.append(nn.functional.pad(states, (0, 0, 0, c - width)))

@@ -23,6 +23,8 @@ Gradients reach the prompt pass through the recorded tensors, which are ordinary
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -75,3 +77,14 @@ def cache_through_checkpointing(model: nn.Module):
     finally:
         for layer in layers:
             del layer._can_checkpoint_with_cache  # back to the class default
+
+
+def cache_argument(module: nn.Module, cache: Cache | None) -> dict:
+    """The keyword a model's forward takes its KV cache by: `cache` where it has one (transformers 5.2x renamed
+    `past_key_values`, which then warns on every call), else `past_key_values` (earlier releases)."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
