@@ -123,7 +123,7 @@ def dummy_vision_term(model: nn.Module, kinds: VisualKinds, device: torch.device
     if kinds.images:
         grids = {} if grid is None else {"image_grid_thw": grid}
         total = total + _sum_of_used_features(base.get_image_features(pixel_values=pixels, **grids, return_dict=True))
-    if kinds.videos:
+    if kinds.videos and hasattr(base, "get_video_features"):  # a family without videos (Gemma 3) never encodes one
         total = total + _sum_of_used_features(base.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid,
                                                                 return_dict=True))
     return 0.0 * total
