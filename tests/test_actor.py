@@ -126,6 +126,27 @@ def _plain_transformers_logprobs(model, processor, prompts, completions, row_pro
     return [row.detach() for row in rows], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_equals_reference(actor: ActorVL, seqs, share: bool, reference: list, reference_grads: dict,
+                            per_magnitude: bool = False) -> dict:
+    """ActorVL's logprobs (prompt shared or not) equal each row's `reference` within 1e-5, and the gradients of their
+    sum equal `reference_grads` within 1e-5 (absolute and relative; or, `per_magnitude`, absolute to each tensor's
+    largest magnitude). Returns the gradients by name."""
+    actor.share_prompts = share
+    actor.model.zero_grad()
+    out = actor.logprobs(seqs)
+    out.logprobs.sum().backward()
+    for r, expected in enumerate(reference):
+        got = out.logprobs[r, :len(expected)].detach()
+        assert torch.allclose(got, expected.detach(), atol=1e-5), (share, r, (got - expected).abs().max())
+    grads = {n: p.grad for n, p in actor.model.named_parameters() if p.grad is not None}
+    assert grads.keys() == reference_grads.keys()
+    for name, expected in reference_grads.items():
+        scale = max(1.0, float(expected.abs().max())) if per_magnitude else 1.0
+        assert torch.allclose(grads[name], expected, atol=1e-5 * scale, rtol=0 if per_magnitude else 1e-5), (
+            share, name, (grads[name] - expected).abs().max())
+    return grads
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
 def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
     """ActorVL, with the prompt shared by its group's rows and without, against each row run alone through the
@@ -158,22 +179,10 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
     # see vlrft.models.actor.supports_prompt_sharing); every other family shares and is checked both ways
     assert actor.share_prompts == (arch != "gemma3")
     for share in (True, False) if actor.share_prompts else (False,):
-        actor.share_prompts = share
-        model.zero_grad()
-        out = actor.logprobs(seqs)
-        out.logprobs.sum().backward()
-        for r, expected in enumerate(reference):
-            got = out.logprobs[r, :len(expected)].detach()
-            assert torch.allclose(got, expected, atol=1e-5), (share, r, (got - expected).abs().max())
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert grads.keys() == reference_grads.keys()
+        # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w) norms),
+        # where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there
+        grads = assert_equals_reference(actor, seqs, share, reference, reference_grads, per_magnitude=arch == "gemma3")
         assert any(".visual." in name or ".vision_tower." in name for name in grads)  # Gemma 3: vision_tower
-        for name, expected in reference_grads.items():
-            # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w)
-            # norms), where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there
-            scale = max(1.0, float(expected.abs().max())) if arch == "gemma3" else 1.0
-            assert torch.allclose(grads[name], expected, atol=1e-5 * scale, rtol=0 if arch == "gemma3" else 1e-5), (
-                share, name, (grads[name] - expected).abs().max())
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
@@ -245,17 +254,7 @@ def test_qwen3_vl_video_rows_equal_a_plain_per_row_forward(arch, tiny_vlm_dir):
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
     for share in (True, False):
-        actor.share_prompts = share
-        model.zero_grad()
-        out = actor.logprobs(seqs)
-        out.logprobs.sum().backward()
-        for r, expected in enumerate(reference):
-            got = out.logprobs[r, :len(expected)].detach()
-            assert torch.allclose(got, expected.detach(), atol=1e-5), (share, r, (got - expected).abs().max())
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert grads.keys() == reference_grads.keys()
-        for name, expected in reference_grads.items():
-            assert torch.allclose(grads[name], expected, atol=1e-5), (share, name, (grads[name] - expected).abs().max())
+        assert_equals_reference(actor, seqs, share, reference, reference_grads)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])
