@@ -129,14 +129,24 @@ HEARTBEAT_S = 30.0
 STALE_AFTER_S = float(os.environ.get("VLRFT_HOLD_STALE_S", 600.0))
 
 
+def _stat_field(pid: int, index: int) -> str | None:
+    """Field `index` of /proc/PID/stat counted after the command name (0: state, 19: start time), None where
+    unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[index]
+    except (OSError, IndexError):
+        return None
+
+
 def _process_start(pid: int) -> str | None:
     """When process `pid` started (Linux: /proc/PID/stat field 22, in clock ticks since boot), to tell a reused pid
     from the run that held the folder; None where unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    return _stat_field(pid, 19)
+
+
+def _process_state(pid: int) -> str | None:
+    """The one-letter state in /proc (R, S, T, Z, ...), or None where /proc does not say."""
+    return _stat_field(pid, 0)
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -150,14 +160,6 @@ def _alive(pid: int, started: str | None) -> bool:
         return False
     now = _process_start(pid)
     return started is None or now is None or now == started
-
-
-def _process_state(pid: int) -> str | None:
-    """The one-letter state in /proc (R, S, T, Z, ...), or None where /proc does not say."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class RunHold:
