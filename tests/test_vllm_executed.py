@@ -108,10 +108,15 @@ def close(stack: Stack) -> None:
     gc.collect()
 
 
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
 @pytest.fixture(scope="module", params=ARCHES)
 def stack(request, tiny_vlm_dir):
+    launcher_before = {name: os.environ.get(name) for name in LAUNCHER}
     built = build_stack(tiny_vlm_dir(request.param, **SPEC))
     built.arch = request.param
+    built.launcher = (launcher_before, {name: os.environ.get(name) for name in LAUNCHER})
     yield built
     close(built)
 
@@ -174,6 +179,13 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
 
 
 # ============================================================================================== generation
+
+
+def test_building_the_engine_leaves_torchruns_variables_as_they_were(stack):
+    # vLLM's CPU platform sets LOCAL_WORLD_SIZE to its tensor-parallel size; the trainer reads it after the engine
+    # exists (memory plan, config checks), so a 4-process node would look like a 1-process one.
+    before, after = stack.launcher
+    assert after == before
 
 
 def test_generates_groups_for_a_mixed_batch_and_repeats_them_under_the_same_seed(stack):

@@ -33,6 +33,7 @@ https://docs.vllm.ai/en/latest/features/sleep_mode/ (levels, wake_up tags)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -53,6 +54,24 @@ if TYPE_CHECKING:
 
 SUPPRESSED_LOGIT_BIAS = float("-inf")
 logger = logging.getLogger(__name__)
+# torchrun's description of the run. vLLM's CPU platform overwrites LOCAL_WORLD_SIZE with its tensor-parallel size
+# while it builds an engine (vllm/platforms/cpu.py); the trainer reads it afterwards (memory plan, config checks).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+@contextlib.contextmanager
+def launcher_variables_kept() -> Iterator[None]:
+    """Put torchrun's variables back as they were (set, changed or unset) when the block ends."""
+    saved = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def vllm_sampling_kwargs(sampling: SamplingParams, tokens: "TokenSpec", logprobs: bool = True) -> dict[str, Any]:
@@ -229,8 +248,9 @@ class VLLMEngine(ColocatedEngine):
         from vllm.platforms import current_platform
 
         sleep = sleep_mode(cfg.rollout.sleep_between_steps, current_platform)
-        llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
-                                            pixel_bounds(deps.processor, cfg.data), sleep=sleep))
+        with launcher_variables_kept():
+            llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
+                                                pixel_bounds(deps.processor, cfg.data), sleep=sleep))
         actor = deps.actor
         engine = cls(
             backend=VLLMBackend(llm, deps.tokens, owns_distributed=not distributed),
