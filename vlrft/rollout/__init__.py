@@ -7,7 +7,7 @@ from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, EngineDeps, RolloutEn
 ENGINES = ("hf", "vllm", "sglang")
 # The model families each engine server is tested with (tests/test_engine_contracts.py, tests/test_vllm_executed.py);
 # the hf engine runs every family vlrft loads (vlrft.models.loading.SUPPORTED_FAMILIES).
-SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
+SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
@@ -22,8 +22,9 @@ def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
 
 
 def _check_engine_family(name: str, actor) -> None:
-    """Refuse a server engine for a family its prompt folding and weight names were never tested with (GLM-4.1V's
-    placeholders and layer names are not Qwen's), in one line naming the way out, before the engine starts."""
+    """Refuse a server engine for a family its prompt folding and weight names were never tested with (Gemma 3's
+    placeholders expand to text around the image tokens; SGLang never ran GLM-4.1V), in one line naming the way out,
+    before the engine starts."""
     from vlrft.errors import UserError
     from vlrft.models.actor import base_of
 
