@@ -391,3 +391,75 @@ def test_a_bos_the_chat_template_writes_is_not_added_again(tiny_vlm_dir, mixed):
     batch = PromptEncoder(processor, CFG).encode(samples[:3]).batch
     for ids in batch.prompt_ids:
         assert tok.convert_ids_to_tokens(ids[:2]) == ["<bos>", "<start_of_turn>"]
+
+
+@pytest.mark.parametrize("arch", ["internvl", "llava_onevision"])
+def test_crops_per_image_slice_exactly_and_match_the_processor_alone(arch, tiny_processor, mixed, tmp_path):
+    """InternVL 3 (tiles) and LLaVA-OneVision (anyres crops with `image_sizes`): an image is a variable number of full
+    crops, one `pixel_values` row each (`num_patches` per image). LLaVA-OneVision's processor pads every image's crops
+    to the batch's largest count and crops only an image alone in its prompt; VisualBatch keeps the crops unpadded, so
+    any selection, concatenation or micro-batch of a mixed batch gives exactly what the processor returns for those
+    samples processed together (its padding included), and each sample what it returns alone."""
+    from transformers import AutoModelForImageTextToText
+
+    processor = tiny_processor(arch)
+    samples, messages, _ = mixed
+    wide = noise_image(24, 96, seed=5)  # another crop count than the square image alone
+    samples = samples[:3] + [Sample("wide", "<image>Which shape is in the image?",
+                                    images=[str(write_png(tmp_path / "wide.png", wide))])]
+    messages = messages[:3] + [user(("image",), ("text", "Which shape is in the image?"))]
+    encoder = PromptEncoder(processor, CFG)
+    batch = encoder.encode(samples).batch
+    visual = batch.visual
+    crops = visual.extra["num_patches"].tolist()
+    # InternVL: the square image alone is 2 x 2 tiles + a thumbnail, the wide one 4 x 1 + thumbnail; LLaVA-OV: the
+    # square alone is its base crop + a 2 x 2 grid, the wide one base + 1 x 2, each image of a multi-image prompt 1
+    assert crops == ([5, 5, 3, 3, 5] if arch == "internvl" else [5, 1, 1, 1, 3])
+    assert visual.pixel_values.shape[0] == sum(crops)
+    keys = {"internvl": ("pixel_values",), "llava_onevision": ("pixel_values", "image_sizes", "batch_num_images")}[arch]
+
+    def reference(indices):
+        """The processor run on these samples together, as the model takes it (LLaVA-OV: its padding removed by the
+        model's own rule, the 4-D pixel values its forward accepts)."""
+        texts = processor.apply_chat_template([messages[i] for i in indices], tokenize=False,
+                                              add_generation_prompt=True)
+        images = [batch.images[i] for i in indices]
+        nested = images if arch == "llava_onevision" else sum(images, [])  # LLaVA-OV: one list per prompt
+        return processor(text=texts, images=nested if any(images) else None, return_tensors="pt", padding=True,
+                         padding_side="left")
+
+    for i in range(4):
+        alone = reference([i])
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist(), f"ids of sample {i}"
+        one = batch.visual.select([i]).model_inputs()
+        if not batch.images[i]:
+            assert "pixel_values" not in one and "pixel_values" not in alone
+            continue
+        pixels = alone["pixel_values"]
+        if arch == "llava_onevision":  # [images, crops, 3, H, W], nothing padded for one prompt
+            assert torch.equal(one["image_sizes"], alone["image_sizes"])
+            assert one["batch_num_images"].tolist() == alone["batch_num_images"].tolist() == [len(batch.images[i])]
+            pixels = pixels.flatten(0, 1)
+        assert torch.equal(one["pixel_values"], pixels), f"pixels of sample {i}"
+    # a micro-batch of a mixed batch (out of order, a text-only sample between), and the same rows rebuilt by
+    # concatenation: the model's logits equal those of the processor's own padded output for those samples
+    model = AutoModelForImageTextToText.from_pretrained(processor.tokenizer.name_or_path).eval()
+    picked = [3, 0, 1]
+    sliced = batch.visual.select(picked)
+    joined = type(visual).concat([visual.select([3]), visual.select([0, 1])])
+    together = reference(picked)
+    if arch == "llava_onevision":
+        assert together["pixel_values"].shape[:2] == (2, 5)  # the wide image's 3 crops padded to 5
+    ids, mask = left_pad([batch.prompt_ids[i] for i in picked], encoder.pad_token_id)
+    assert torch.equal(ids, together["input_ids"])
+    with torch.no_grad():
+        expected = model(**together).logits
+        for part in (sliced, joined):
+            inputs = part.model_inputs()
+            assert set(inputs) == set(keys) and "num_patches" not in inputs
+            assert torch.allclose(model(input_ids=ids, attention_mask=mask, **inputs).logits, expected, atol=1e-6)
+    # their videos are refused in one line naming the family
+    video = Sample("video", "<video>What happens?", videos=[[str(write_png(tmp_path / f"f{k}.png", wide))
+                                                             for k in range(4)]])
+    with pytest.raises(UserError, match=("InternVL 3" if arch == "internvl" else "LLaVA-OneVision") + ".*use images"):
+        encoder.encode([video])

@@ -4,7 +4,9 @@ Qwen-VL processors flatten every patch of every image in a batch into one `pixel
 shape `[sum_i t_i*h_i*w_i, D]`, with `image_grid_thw` `[num_images, 3]` (videos likewise).
 `VisualBatch` keeps those tensors together with how many images/videos each sample owns, so a
 micro-batch, a group repeat or a concatenation is pure row slicing by cumulative `prod(thw)`.
-Keys of other model families plug in through `SLICING_RULES` (how dim 0 of a key is indexed).
+Keys of other model families plug in through `SLICING_RULES` (how dim 0 of a key is indexed). Families whose image
+is a variable number of full crops (InternVL's tiles, LLaVA-OneVision's anyres crops) keep one `pixel_values` row
+per crop and the count per image in `num_patches` (`crop_rows`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class KeyRule:
 
     layout: Layout
     pixels: bool = False
+    model_input: bool = True  # False: bookkeeping VisualBatch slices but the model's forward never sees
 
 
 # Processor output key -> slicing rule. The four Qwen-VL keys are fields of VisualBatch; any other
@@ -52,6 +55,9 @@ SLICING_RULES: dict[str, KeyRule] = {
     "second_per_grid_ts": KeyRule(Layout.PER_VIDEO),  # Qwen2.5-VL: seconds per temporal patch, for M-RoPE
     "image_sizes": KeyRule(Layout.PER_IMAGE),  # LLaVA-style families
     "pixel_attention_mask": KeyRule(Layout.PER_IMAGE),  # Idefics/SmolVLM-style families
+    # InternVL / LLaVA-OneVision: pixel rows (crops) per image, when there is no grid (`crop_rows`)
+    "num_patches": KeyRule(Layout.PER_IMAGE, model_input=False),
+    "batch_num_images": KeyRule(Layout.PER_SAMPLE),  # LLaVA-OneVision: images per prompt (1: anyres crops)
 }
 # Processor outputs that belong to the text side, not to VisualBatch.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "video_metadata"})
@@ -72,6 +78,51 @@ def token_type_kwargs(module, types: torch.Tensor) -> dict:
     if "mm_token_type_ids" not in params and "token_type_ids" in params:
         return {"token_type_ids": types}
     return {"mm_token_type_ids": types}
+
+
+def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> dict:
+    """`outputs` of one processor call with each image's crops as rows of `pixel_values` and their count per image in
+    `num_patches`, for the families whose image is a variable number of full crops; others' pass unchanged.
+
+    InternVL: its processor already returns one row per tile but drops the count; an image's tiles are its
+    `<IMG_CONTEXT>` tokens between `<img>` and `</img>` over `image_seq_length`. LLaVA-OneVision: its processor pads
+    every image's crops to the batch's largest count ([images, max crops, 3, H, W]), so a selection of samples would
+    carry another padding than the same samples processed alone; the crops are unpadded to rows by the model's own
+    rule (an image alone in its prompt: the base crop and its best anyres grid, by `image_sizes`; each image of a
+    multi-image prompt: one crop), which its forward takes as they are (4-D pixel values), and `batch_num_images`
+    becomes the images of every prompt, text-only ones included (0)."""
+    name = type(processor).__name__
+    out, pixels = dict(outputs), outputs.get("pixel_values")
+    if name == "LlavaOnevisionProcessor":  # every batch has it, so that any two concatenate
+        out["batch_num_images"] = list(images_per_sample)
+    if pixels is None or name not in ("InternVLProcessor", "LlavaOnevisionProcessor"):
+        return out
+    if name == "InternVLProcessor":
+        start, context = processor.start_image_token_id, processor.image_token_id
+        counts = []
+        for ids in out["input_ids"]:
+            run = None
+            for token in (int(t) for t in ids):
+                if token == start:
+                    run = 0
+                elif token == context and run is not None:
+                    run += 1
+                elif run is not None:
+                    counts.append(run // processor.image_seq_length)
+                    run = None
+        out["num_patches"] = counts
+        return out
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    image_processor = processor.image_processor
+    size = image_processor.size
+    crop = int(size["height"] if "height" in size else size["shortest_edge"])
+    alone = [n == 1 for n in images_per_sample for _ in range(n)]
+    counts = [image_size_to_num_patches(list(map(int, hw)), image_processor.image_grid_pinpoints, crop) if one else 1
+              for hw, one in zip(out["image_sizes"], alone)]
+    out["pixel_values"] = torch.cat([torch.as_tensor(p)[:n] for p, n in zip(pixels, counts)])
+    out["num_patches"] = counts
+    return out
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -135,7 +186,7 @@ class VisualBatch:
             raise VisualMismatchError(f"the samples own {count} {kind}(s) but there are no {kind} pixels")
         if grid is not None and grid.shape[0] != count:
             raise VisualMismatchError(f"{kind}_grid_thw has {grid.shape[0]} rows but the samples own {count} {kind}(s)")
-        rows = self._rows_per_item(grid, count)
+        rows = self._rows_per_item(grid, count, self.extra.get("num_patches") if per_item is Layout.PER_IMAGE else None)
         if pixels is not None and int(rows.sum()) != pixels.shape[0]:
             raise VisualMismatchError(f"{kind} pixel tensor has {pixels.shape[0]} rows but the grids need "
                                       f"sum(prod(thw)) = {int(rows.sum())}")
@@ -229,14 +280,16 @@ class VisualBatch:
         return self.num_samples
 
     @staticmethod
-    def _rows_per_item(grid: torch.Tensor | None, count: int) -> torch.Tensor:
+    def _rows_per_item(grid: torch.Tensor | None, count: int, crops: torch.Tensor | None = None) -> torch.Tensor:
         if grid is not None:
             return grid.to(torch.long).prod(-1).cpu()
-        return torch.ones(count, dtype=torch.long)  # families without grids: one pixel entry per image
+        if crops is not None:  # InternVL's tiles, LLaVA-OneVision's crops: num_patches rows per image
+            return crops.to(torch.long).cpu()
+        return torch.ones(count, dtype=torch.long)  # other families without grids: one pixel entry per image
 
     @cached_property
     def _image_rows(self) -> torch.Tensor:
-        return self._rows_per_item(self.image_grid_thw, self.num_images)
+        return self._rows_per_item(self.image_grid_thw, self.num_images, self.extra.get("num_patches"))
 
     @cached_property
     def _video_rows(self) -> torch.Tensor:
@@ -306,8 +359,8 @@ class VisualBatch:
         """
         tensors = {key: getattr(self, key) for key in _FIELD_KEYS}
         tensors.update(self.extra)
-        return {key: value for key, value in tensors.items()
-                if value is not None and self._item_count(SLICING_RULES[key].layout) > 0}
+        return {key: value for key, value in tensors.items() if value is not None and SLICING_RULES[key].model_input
+                and self._item_count(SLICING_RULES[key].layout) > 0}
 
     # ------------------------------------------------------------------ checks
 

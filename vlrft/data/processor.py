@@ -20,7 +20,7 @@ from vlrft.config import DataConfig
 from vlrft.data.media import LoadedVideo, MediaError, MediaLimits, PixelBounds, fit_image, load_image, load_video
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample, build_messages, reserved_tokens_in
 from vlrft.errors import UserError
-from vlrft.vision import VisualBatch
+from vlrft.vision import VisualBatch, crop_rows
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +113,15 @@ def _size_bound(size: Any, *names: str) -> int | None:
 # t * h * w (t = temporal_patch_size for an image) with size's shortest/longest edge, where Qwen's compares h * w.
 FRAME_COUNTING_BOUNDS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil")
 # Processors that take a batch's images as one list per prompt (Gemma 3's checks each prompt's count), not one list.
-NESTED_IMAGES = ("Gemma3Processor",)
+NESTED_IMAGES = ("Gemma3Processor", "LlavaOnevisionProcessor")  # LLaVA-OV: a multi-image prompt's are not cropped
 # Processors whose videos vlrft does not encode yet, with the reason (the family named for the user).
 VIDEO_UNSUPPORTED = {
     "Glm4vProcessor": "GLM-4.1V: its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|>, "
                       "with timestamps between them, which vlrft's token types and position rule do not follow yet",
+    "InternVLProcessor": "InternVL 3: its frames are images (<img> tiles) merged into pixel_values in text order, which "
+                         "vlrft's visual layout does not follow yet",
+    "LlavaOnevisionProcessor": "LLaVA-OneVision: its forward takes a batch's videos as one [videos, frames, ...] "
+                               "tensor, so videos of different frame counts cannot share a batch",
 }
 
 
@@ -224,7 +228,8 @@ class PromptEncoder:
         prompt_ids = [list(ids) for ids in out["input_ids"]]
         images_per_sample = [len(p.images) for p in prepared]
         videos_per_sample = [len(p.videos) for p in prepared]
-        visual = VisualBatch.from_processor_output(out, images_per_sample, videos_per_sample, self.merge_size)
+        visual = VisualBatch.from_processor_output(crop_rows(self.processor, out, images_per_sample),
+                                                   images_per_sample, videos_per_sample, self.merge_size)
         keep = []
         for i, p in enumerate(prepared):
             try:
@@ -237,7 +242,8 @@ class PromptEncoder:
             prepared = [prepared[i] for i in keep]
             prompt_ids = [prompt_ids[i] for i in keep]
             texts = [texts[i] for i in keep]
-        if self.image_token_id is not None and self.video_token_id is not None:
+        # (crops: an image's token count is not a multiple of its pixel rows; the processor wrote both in one call)
+        if self.image_token_id is not None and self.video_token_id is not None and "num_patches" not in visual.extra:
             visual.check(prompt_ids, self.image_token_id, self.video_token_id,
                          [f"{p.sample.source} (id {p.sample.id!r})" for p in prepared])
         batch = PromptBatch(

@@ -1,4 +1,5 @@
-"""Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL, GLM-4.1V, Gemma 3.
+"""Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL, GLM-4.1V, Gemma 3,
+InternVL 3, LLaVA-OneVision.
 
 The Qwen-VL one renders ChatML (`<|im_start|>role ... <|im_end|>`), adds the default system prompt when the
 conversation has none, and turns each image/video content part into
@@ -62,4 +63,37 @@ GEMMA3_CHAT_TEMPLATE = (
     "<end_of_turn>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# InternVL 3's layout (the OpenGVLab/InternVL3-*-hf chat template): ChatML turns, no default system prompt, an image
+# part as `<IMG_CONTEXT>\n` and a video part as `<video>\n` (the processor expands an image to `<img>`, 256
+# `<IMG_CONTEXT>`s per tile, `</img>`), text parts in order.
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<IMG_CONTEXT>\n"
+    "{% elif content['type'] == 'video' or 'video' in content %}<video>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# LLaVA-OneVision's layout (the llava-hf/llava-onevision-qwen2-*-ov-hf chat template): ChatML turns with the role
+# followed by a space, a message's images first (`<image>` each, expanded by the processor to the anyres features),
+# then its videos, then each text part after a newline.
+LLAVA_ONEVISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }} "
+    "{% if message['content'] is string %}{{ '\\n' + message['content'] }}"
+    "{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content %}<image>{% endif %}"
+    "{% endfor %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'video' %}<video>{% endif %}{% endfor %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'text' %}{{ '\\n' + content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -135,6 +135,7 @@ def model_type_of(path: str | Path) -> str:
 # logprobs against a plain transformers forward, the hf engine and a GRPO run in the tests), by `model_type`.
 SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
                       "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V", "gemma3": "Gemma 3"}
+SUPPORTED_FAMILIES.update(internvl="InternVL 3", llava_onevision="LLaVA-OneVision")
 
 
 # What the tests run for each family beyond the common part (its tiny model and processor, the data layer, ActorVL's
@@ -153,6 +154,14 @@ FAMILY_SCOPE = {
               "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 on two "
               "ranks",
 }
+FAMILY_SCOPE.update(
+    internvl="images, a variable number of tiles each (videos refused); engine hf (vLLM/SGLang refused); each row in "
+             "full, no prompt sharing (1-D positions: the shared forward places tokens by M-RoPE rules); FSDP2 on two "
+             "ranks",
+    llava_onevision="images, anyres crops with image_sizes (videos refused); engine hf (vLLM/SGLang refused); each "
+                    "row in full, no prompt sharing (1-D positions: the shared forward places tokens by M-RoPE "
+                    "rules); FSDP2 on two ranks",
+)
 
 
 def supported_families() -> str:

@@ -22,11 +22,14 @@ from typing import Literal
 
 import torch
 
-from vlrft.models.chat_template import GEMMA3_CHAT_TEMPLATE, GLM4V_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE
+from vlrft.models.chat_template import (GEMMA3_CHAT_TEMPLATE, GLM4V_CHAT_TEMPLATE, INTERNVL_CHAT_TEMPLATE,
+                                        LLAVA_ONEVISION_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE)
 from vlrft.vision_stack import has_torchvision
 
-Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"]
-ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3")
+Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+               "llava_onevision"]
+ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+                           "llava_onevision")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -117,7 +120,7 @@ class TinySpec:
     def family(self) -> str:
         """'glm4v', 'gemma3' or 'qwen' (the tokenizer, chat template and special tokens the four Qwen families
         share)."""
-        return self.arch if self.arch in ("glm4v", "gemma3") else "qwen"
+        return self.arch if self.arch in ("glm4v", "gemma3", "internvl", "llava_onevision") else "qwen"
 
     @property
     def head_dim(self) -> int:
@@ -160,6 +163,9 @@ def build_tokenizer(vocab_size: int = 512, family: str = "qwen"):
         return _build_gemma3_tokenizer(vocab_size)
     from transformers import Qwen2Tokenizer
 
+    # InternVL 3 and LLaVA-OneVision ship Qwen2's tokenizer with their image tokens as named special tokens
+    named = {"internvl": INTERNVL_TOKENS, "llava_onevision": LLAVA_ONEVISION_TOKENS}.get(family, {})
+
     model = json.loads(_train_tokenizer_json(vocab_size))["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tokenizer = Qwen2Tokenizer(
@@ -169,9 +175,11 @@ def build_tokenizer(vocab_size: int = 512, family: str = "qwen"):
         pad_token="<|endoftext|>",
         unk_token=None,
         model_max_length=32768,
+        **({"extra_special_tokens": named} if named else {}),
     )
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[1:]})
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    tokenizer.chat_template = {"internvl": INTERNVL_CHAT_TEMPLATE,
+                               "llava_onevision": LLAVA_ONEVISION_CHAT_TEMPLATE}.get(family, QWEN_VL_CHAT_TEMPLATE)
     return tokenizer
 
 
@@ -252,6 +260,116 @@ def _build_gemma3_config(spec: TinySpec, tokenizer):
                         image_token_index=ids("<image_soft_token>"), tie_word_embeddings=True, **spec.extra)
 
 
+# InternVL 3's image tokens, as its tokenizer_config.json names them (the processor reads them by these names).
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}
+INTERNVL_TILE = 32  # tiny InternViT: 32 x 32 tiles in patches of 8, pixel-shuffled (0.5) to 4 tokens a tile
+
+
+def _build_internvl_processor(spec: "TinySpec"):
+    """InternVL 3's processor: GOT-OCR2's image processor cutting an image into up to 4 square tiles by its aspect
+    ratio (plus a thumbnail when there are several), 4 `<IMG_CONTEXT>` tokens a tile; with torchvision its video
+    processor too."""
+    from transformers import InternVLProcessor
+
+    tiles = dict(size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1,
+                 max_patches=4)
+    if has_torchvision():
+        from transformers import GotOcr2ImageProcessor, InternVLVideoProcessor
+
+        image_processor = GotOcr2ImageProcessor(**tiles)
+        video_processor = InternVLVideoProcessor(size=tiles["size"])
+        processor_cls = InternVLProcessor
+    else:
+        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+        from vlrft.models.loading import _image_only_processor_class
+
+        image_processor, video_processor = GotOcr2ImageProcessorPil(**tiles), None
+        processor_cls = _image_only_processor_class(InternVLProcessor)
+    return processor_cls(image_processor=image_processor, tokenizer=build_tokenizer(spec.vocab_size, "internvl"),
+                         video_processor=video_processor, image_seq_length=4, chat_template=INTERNVL_CHAT_TEMPLATE)
+
+
+def _build_internvl_config(spec: TinySpec, tokenizer):
+    """InternVLConfig with InternVL 3's layout at tiny sizes: an InternViT tower (layer scale, no qk norm, mean
+    pooling off, CLS token dropped) whose last layer is pixel-shuffled by 0.5 into a 2-layer MLP projector, and a Qwen2
+    language model with q/k/v biases."""
+    from transformers import InternVLConfig
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                max_position_embeddings=4096, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=spec.tie_word_embeddings)
+    vision = dict(hidden_size=spec.vision_hidden_size, intermediate_size=2 * spec.vision_hidden_size,
+                  num_hidden_layers=spec.vision_depth, num_attention_heads=spec.vision_heads,
+                  image_size=[INTERNVL_TILE, INTERNVL_TILE], patch_size=[8, 8], use_qk_norm=False,
+                  use_mean_pooling=True, layer_scale_init_value=0.1)
+    return InternVLConfig(vision_config=vision, text_config=text, image_token_id=ids("<IMG_CONTEXT>"),
+                          image_seq_length=4, downsample_ratio=0.5, projector_hidden_act="gelu",
+                          vision_feature_layer=-1, vision_feature_select_strategy="default",
+                          tie_word_embeddings=spec.tie_word_embeddings, **spec.extra)
+
+
+LLAVA_ONEVISION_TOKENS = {"image_token": "<image>", "video_token": "<video>"}
+LLAVA_ONEVISION_CROP = 16  # tiny SigLIP: 16 x 16 crops in patches of 8, 4 tokens a crop
+# anyres grids (as the released 384 x 384 crops' pinpoints, at the tiny crop): up to 2 x 2 crops besides the base
+LLAVA_ONEVISION_PINPOINTS = [[16, 16], [16, 32], [32, 16], [32, 32]]
+
+
+def _build_llava_onevision_processor(spec: "TinySpec"):
+    """LLaVA-OneVision's processor: an image alone in its prompt is the whole image resized to one crop plus the
+    crops of the best anyres grid (`image_sizes` tells the model how to unpad their features); each image of a
+    multi-image prompt is one crop padded to a square. With torchvision its video processor too."""
+    from transformers import LlavaOnevisionProcessor
+
+    crop = {"height": LLAVA_ONEVISION_CROP, "width": LLAVA_ONEVISION_CROP}
+    images = dict(size=crop, image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS)
+    if has_torchvision():
+        from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionVideoProcessor
+
+        image_processor = LlavaOnevisionImageProcessor(**images)
+        video_processor = LlavaOnevisionVideoProcessor(size=crop)
+        processor_cls = LlavaOnevisionProcessor
+    else:
+        from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+            LlavaOnevisionImageProcessorPil)
+
+        from vlrft.models.loading import _image_only_processor_class
+
+        image_processor, video_processor = LlavaOnevisionImageProcessorPil(**images), None
+        processor_cls = _image_only_processor_class(LlavaOnevisionProcessor)
+    return processor_cls(image_processor=image_processor,
+                         tokenizer=build_tokenizer(spec.vocab_size, "llava_onevision"),
+                         video_processor=video_processor, num_image_tokens=4, vision_feature_select_strategy="full",
+                         vision_aspect_ratio="anyres_max_9", chat_template=LLAVA_ONEVISION_CHAT_TEMPLATE)
+
+
+def _build_llava_onevision_config(spec: TinySpec, tokenizer):
+    """LlavaOnevisionConfig with the released layout at tiny sizes: a SigLIP tower without pooling head, all its
+    patch features ("full"), a 2-layer MLP projector, an image_newline vector, anyres_max_9 and a Qwen2 language
+    model."""
+    from transformers import LlavaOnevisionConfig
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                max_position_embeddings=4096, bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=spec.tie_word_embeddings)
+    vision = dict(model_type="siglip_vision_model", hidden_size=spec.vision_hidden_size,
+                  intermediate_size=2 * spec.vision_hidden_size, num_hidden_layers=spec.vision_depth,
+                  num_attention_heads=spec.vision_heads, image_size=LLAVA_ONEVISION_CROP, patch_size=8,
+                  vision_use_head=False)
+    return LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=ids("<image>"),
+                                video_token_index=ids("<video>"), vision_feature_select_strategy="full",
+                                vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9",
+                                image_grid_pinpoints=LLAVA_ONEVISION_PINPOINTS,
+                                tie_word_embeddings=spec.tie_word_embeddings, **spec.extra)
+
+
 def _build_glm4v_processor(spec: "TinySpec"):
     """GLM-4.1V's processor: its image (and, with torchvision, video) processor from a config dict as in its
     preprocessor_config.json. Its resize bounds count the two temporal frames of an image (`smart_resize` compares
@@ -285,6 +403,10 @@ def build_processor(spec: TinySpec = TinySpec()):
         return _build_glm4v_processor(spec)
     if spec.family == "gemma3":
         return _build_gemma3_processor(spec)
+    if spec.family == "internvl":
+        return _build_internvl_processor(spec)
+    if spec.family == "llava_onevision":
+        return _build_llava_onevision_processor(spec)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     qwen3 = spec.arch in ("qwen3_vl", "qwen3_vl_moe")  # Qwen3-VL-MoE ships Qwen3-VL's processor
@@ -349,6 +471,10 @@ def build_config(spec: TinySpec, tokenizer):
         return _build_glm4v_config(spec, tokenizer)
     if spec.family == "gemma3":
         return _build_gemma3_config(spec, tokenizer)
+    if spec.family == "internvl":
+        return _build_internvl_config(spec, tokenizer)
+    if spec.family == "llava_onevision":
+        return _build_llava_onevision_config(spec, tokenizer)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [

@@ -33,7 +33,7 @@ from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingPar
 from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
 from vlrft.tools.toolset import ToolSet
 from vlrft.tools.types import ToolCall, ToolContext, ToolOutput, ToolStats
-from vlrft.vision import VisualBatch
+from vlrft.vision import VisualBatch, crop_rows
 
 if TYPE_CHECKING:
     from vlrft.data import PromptBatch
@@ -92,7 +92,8 @@ class ObservationTemplate:
         images = [fit_image(im.convert("RGB"), self.image_bounds) for im in output.images]
         out = self.processor(text=[self.text(output, turn_ids)], images=images or None, return_tensors=None)
         ids = [int(i) for i in out["input_ids"][0]]
-        visual = VisualBatch.from_processor_output(out, [len(images)], [0], merge_size)
+        visual = VisualBatch.from_processor_output(crop_rows(self.processor, out, [len(images)]), [len(images)], [0],
+                                                   merge_size)
         return ids, visual, images
 
 
