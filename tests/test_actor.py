@@ -112,13 +112,15 @@ def _plain_transformers_logprobs(model, processor, prompts, completions, row_pro
     for r, completion in enumerate(completions):
         messages, images = prompts[row_prompt[r]]
         text = processor.apply_chat_template([messages], tokenize=False, add_generation_prompt=True)
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        nested = type(processor).__name__ == "LlavaOnevisionProcessor"  # its images one list per prompt
+        inputs = processor(text=text, images=([images] if nested else images) if images else None, return_tensors="pt")
         prompt_length = inputs["input_ids"].shape[1]
         ids = torch.cat([inputs["input_ids"], torch.tensor([completion])], dim=1)
-        key = "mm_token_type_ids" if "mm_token_type_ids" in inputs else "token_type_ids"  # Gemma 3: the latter
-        extra = {key: torch.cat([inputs[key], torch.zeros(1, len(completion), dtype=torch.long)], 1)}
+        extra = {key: torch.cat([inputs[key], torch.zeros(1, len(completion), dtype=torch.long)], 1)
+                 for key in ("mm_token_type_ids", "token_type_ids") if key in inputs}  # Gemma 3: the latter
         if images:
-            extra.update({k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs})
+            extra.update({k: inputs[k] for k in ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
+                          if k in inputs})
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]
         logprobs = torch.log_softmax(logits[prompt_length - 1:-1].float(), dim=-1)
         rows.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
@@ -147,7 +149,8 @@ def assert_equals_reference(actor: ActorVL, seqs, share: bool, reference: list, 
     return grads
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+                                  "llava_onevision"])
 def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
     """ActorVL, with the prompt shared by its group's rows and without, against each row run alone through the
     family's own processor and a plain transformers forward: logprobs and every parameter's gradient within 1e-5."""
@@ -175,9 +178,10 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
-    # Gemma 3 falls back to full rows by itself (1-D positions, sliding-window layers, bidirectional image attention:
-    # see vlrft.models.actor.supports_prompt_sharing); every other family shares and is checked both ways
-    assert actor.share_prompts == (arch != "gemma3")
+    # Gemma 3, InternVL 3 and LLaVA-OneVision fall back to full rows by themselves (1-D positions; Gemma 3 also
+    # sliding-window layers and bidirectional image attention: see vlrft.models.actor.supports_prompt_sharing); every
+    # other family shares and is checked both ways
+    assert actor.share_prompts == (arch not in ("gemma3", "internvl", "llava_onevision"))
     for share in (True, False) if actor.share_prompts else (False,):
         # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w) norms),
         # where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there

@@ -11,7 +11,8 @@ from vlrft.rollout.hf import HFEngine
 from vlrft.batch import build_sequences
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl_moe", "glm4v", "gemma3",
+                                        *(pytest.param(a, marks=pytest.mark.slow) for a in ("internvl", "llava_onevision"))])
 def setup(request, tiny_vlm_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("imgs")
     red, blue = solid_png(root, "red", (220, 30, 30)), solid_png(root, "blue", (30, 70, 220))

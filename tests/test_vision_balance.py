@@ -18,7 +18,8 @@ from vlrft.models.vision_balance import VisualKinds
 from vlrft.tokens import TokenSpec
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+                                        "llava_onevision"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
@@ -63,10 +64,15 @@ def test_dummy_vision_calls_run_the_tower_and_change_no_value_or_gradient(mixed_
     takes_videos = hasattr(model, "get_video_features")  # Gemma 3 has no video path: no rank encodes a video
     assert plain_calls == int(has_images) and calls == 1 + takes_videos  # image (real or dummy) + video (dummy)
     assert torch.equal(lp, plain_lp)
-    # the tower, and Gemma 3's projector outside it (Qwen's merger is inside): what get_image_features runs
-    encoder = [vision_module(model), getattr(model.model, "multi_modal_projector", torch.nn.Identity())]
-    encoder_params = {id(p) for part in encoder for p in part.parameters()}
-    tower = {n for n, p in model.named_parameters() if id(p) in encoder_params}
+    # what a real image reaches through get_image_features: the tower, and the projector outside it (Gemma 3,
+    # InternVL, LLaVA-OneVision; Qwen's merger is inside) and LLaVA-OneVision's image_newline, not the tower's layers
+    # after the feature layer (LLaVA-OneVision's post_layernorm)
+    model.zero_grad(set_to_none=True)
+    real = model.get_image_features(**batch.visual.select([0]).model_inputs(), return_dict=True)
+    deepstack = getattr(real, "deepstack_features", None) or []  # Qwen3-VL's features for early decoder layers
+    sum(t.sum() for t in [*real.pooler_output, *(t for layer in deepstack for t in layer)]).backward()
+    tower = {n for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
     for name, grad in plain_grads.items():
         assert torch.equal(grads[name], grad), name
     # a tower that only ran the dummy got exactly zero gradients (others ranks' real ones add to them)

@@ -43,6 +43,7 @@ class KeyRule:
     layout: Layout
     pixels: bool = False
     model_input: bool = True  # False: bookkeeping VisualBatch slices but the model's forward never sees
+    images_per_sample: bool = False  # it holds each sample's image count: a batch without it has images_per_sample
 
 
 # Processor output key -> slicing rule. The four Qwen-VL keys are fields of VisualBatch; any other
@@ -57,7 +58,7 @@ SLICING_RULES: dict[str, KeyRule] = {
     "pixel_attention_mask": KeyRule(Layout.PER_IMAGE),  # Idefics/SmolVLM-style families
     # InternVL / LLaVA-OneVision: pixel rows (crops) per image, when there is no grid (`crop_rows`)
     "num_patches": KeyRule(Layout.PER_IMAGE, model_input=False),
-    "batch_num_images": KeyRule(Layout.PER_SAMPLE),  # LLaVA-OneVision: images per prompt (1: anyres crops)
+    "batch_num_images": KeyRule(Layout.PER_SAMPLE, images_per_sample=True),  # LLaVA-OneVision (1: anyres crops)
 }
 # Processor outputs that belong to the text side, not to VisualBatch.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "video_metadata"})
@@ -71,13 +72,18 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
 
 def token_type_kwargs(module, types: torch.Tensor) -> dict:
     """The per-token modality ids as `module`'s forward names them: `mm_token_type_ids` (Qwen-VL, GLM-4.1V: M-RoPE
-    reads them), or `token_type_ids` (Gemma 3: its attention is bidirectional over each image's tokens)."""
+    reads them), `token_type_ids` (Gemma 3: its attention is bidirectional over each image's tokens), or none for a
+    forward that takes neither (InternVL 3, LLaVA-OneVision: `generate` refuses arguments the model does not use).
+    `module` unwrapped from PEFT first (its forward names neither)."""
     import inspect
 
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
     params = inspect.signature(module.forward).parameters
-    if "mm_token_type_ids" not in params and "token_type_ids" in params:
+    if "mm_token_type_ids" in params:
+        return {"mm_token_type_ids": types}
+    if "token_type_ids" in params:
         return {"token_type_ids": types}
-    return {"mm_token_type_ids": types}
+    return {}
 
 
 def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> dict:
@@ -243,6 +249,8 @@ class VisualBatch:
             for b in batches:
                 if key in b.extra:
                     parts.append(b.extra[key])
+                elif SLICING_RULES[key].images_per_sample:  # e.g. a text-only batch built without a processor
+                    parts.append(torch.tensor(b.images_per_sample, dtype=torch.long))
                 elif b._item_count(layout):
                     raise ValueError(f"cannot concatenate: one batch has '{key}' and another with "
                                      f"{layout.value} data lacks it")

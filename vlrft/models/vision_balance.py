@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -88,12 +89,14 @@ def dummy_visual_input(model: nn.Module, device: torch.device) -> tuple[torch.Te
     """(pixel values, grid_thw) of the smallest image a Qwen-VL vision tower accepts: 1 x m x m patches.
 
     m is the spatial merge size (2), so the tower sees 4 patches and returns one merged token. A tower without grids
-    (Gemma 3's SigLIP: every image is image_size x image_size) gets one such image and no grid.
+    (Gemma 3's SigLIP, InternVL's InternViT, LLaVA-OneVision's SigLIP: every crop is image_size x image_size) gets
+    one such crop and no grid.
     """
     vision = model.config.vision_config
     if not hasattr(vision, "temporal_patch_size") and hasattr(vision, "image_size"):
-        channels, size = int(getattr(vision, "num_channels", 3)), int(vision.image_size)
-        return torch.zeros((1, channels, size, size), device=device), None
+        size = vision.image_size  # InternViT's is [height, width]
+        height, width = (size, size) if isinstance(size, int) else size
+        return torch.zeros((1, int(getattr(vision, "num_channels", 3)), height, width), device=device), None
     merge = int(getattr(vision, "spatial_merge_size", 2))
     channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
     temporal = int(getattr(vision, "temporal_patch_size", 2))
@@ -122,10 +125,17 @@ def dummy_vision_term(model: nn.Module, kinds: VisualKinds, device: torch.device
     total = torch.zeros((), device=device)
     if kinds.images:
         grids = {} if grid is None else {"image_grid_thw": grid}
-        total = total + _sum_of_used_features(base.get_image_features(pixel_values=pixels, **grids, return_dict=True))
+        if grid is None and "image_sizes" in inspect.signature(base.get_image_features).parameters:
+            # LLaVA-OneVision: two crop-sized images of one prompt, one crop each (an image alone gets anyres crops)
+            grids = {"image_sizes": torch.tensor([list(pixels.shape[-2:])] * 2, device=device),
+                     "batch_num_images": torch.tensor([2], device=device)}
+        images = pixels.expand(2, -1, -1, -1) if "batch_num_images" in grids else pixels
+        total = total + _sum_of_used_features(base.get_image_features(pixel_values=images, **grids, return_dict=True))
     if kinds.videos and hasattr(base, "get_video_features"):  # a family without videos (Gemma 3) never encodes one
-        total = total + _sum_of_used_features(base.get_video_features(pixel_values_videos=pixels, video_grid_thw=grid,
-                                                                return_dict=True))
+        # without a grid (LLaVA-OneVision): a video of one frame, [videos, frames, channels, height, width]
+        videos = {"pixel_values_videos": pixels, "video_grid_thw": grid} if grid is not None else \
+            {"pixel_values_videos": pixels[None]}
+        total = total + _sum_of_used_features(base.get_video_features(**videos, return_dict=True))
     return 0.0 * total
 
 
