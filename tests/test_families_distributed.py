@@ -1,6 +1,6 @@
-"""The families beyond the dense Qwen ones (Qwen3-VL-MoE, Gemma 3, GLM-4.1V) under `torchrun`: two CPU ranks (gloo),
-train.strategy=fsdp2, `vlrft train` as a user runs it. tests/test_models.py checks their FSDP2 units and a sharded
-forward in one process; here the whole step runs sharded: rollouts with the weights gathered, the training forward
+"""The families beyond the dense Qwen ones (Qwen3-VL-MoE, Gemma 3, GLM-4.1V, InternVL 3, LLaVA-OneVision) under
+`torchrun`: two CPU ranks (gloo), train.strategy=fsdp2, `vlrft train` as a user runs it. tests/test_models.py checks
+their FSDP2 units (and for the first three a sharded forward in one process); here the whole step runs sharded: rollouts with the weights gathered, the training forward
 and backward over shards, the optimizer step, and the checkpoint gathered to rank 0."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def shapes(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch,lora", [("qwen3_vl_moe", False), ("qwen3_vl_moe", True), ("gemma3", False),
-                                       ("glm4v", False)], ids=["qwen3_vl_moe", "qwen3_vl_moe-lora-experts", "gemma3",
-                                                               "glm4v"])
+                                       ("glm4v", False), ("internvl", False), ("llava_onevision", False)],
+                         ids=["qwen3_vl_moe", "qwen3_vl_moe-lora-experts", "gemma3", "glm4v", "internvl",
+                              "llava_onevision"])
 def test_two_fsdp2_ranks_train_two_grpo_steps(arch, lora, tmp_path, tiny_vlm_dir, shapes):
     from transformers import AutoModelForImageTextToText
 

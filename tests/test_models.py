@@ -371,3 +371,35 @@ def test_glm4v_lora_targets_its_own_layer_names_and_a_name_it_lacks_is_one_line(
     with pytest.raises(UserError, match=r"\['gate_proj'\] name no linear layer of Glm4vForConditionalGeneration "
                                         r"outside the frozen vision tower; its linear layers are .*'gate_up_proj'"):
         apply_lora(load_policy(tiny_vlm_dir("glm4v")), 4, 8, 0.0, ["q_proj", "gate_proj"], exclude_vision=True)
+
+
+@pytest.mark.parametrize("arch,tower,units", [
+    ("internvl", {"q_proj", "k_proj", "v_proj", "projection_layer", "fc1", "fc2"},
+     ["Qwen2DecoderLayer"] * 2 + ["InternVLVisionLayer"] * 2),
+    ("llava_onevision", {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"},
+     ["Qwen2DecoderLayer"] * 2 + ["SiglipEncoderLayer"] * 2 + ["SiglipVisionEmbeddings"])])
+def test_internvl_and_llava_onevision_lora_names_and_fsdp2_units(arch, tower, units, tiny_vlm_dir):
+    """LoRA on InternVL 3 and LLaVA-OneVision (Qwen2 language models): 'all-linear' with the tower frozen wraps the
+    decoder's q/k/v/o and gate/up/down projections and the projector between tower and language model (linear_1,
+    linear_2, outside the tower), nothing in the tower (InternViT: q/k/v_proj, projection_layer, fc1/fc2; SigLIP:
+    q/k/v/out_proj, fc1/fc2); with the tower, its layers too; a name the model lacks is one line listing its own.
+    FSDP2's units are the classes of their `_no_split_modules` (two ranks train sharded by them in
+    tests/test_families_distributed.py)."""
+    from vlrft.models.actor import apply_lora
+    from vlrft.parallel.fsdp2 import shard_units
+
+    folder = tiny_vlm_dir(arch)
+    model = load_policy(folder)
+    assert set(units) <= set(model._no_split_modules)
+    assert sorted(type(u).__name__ for u in shard_units(model)) == sorted(units)
+    frozen = apply_lora(load_policy(folder), 4, 8, 0.0, ["all-linear"], exclude_vision=True)
+    wrapped = {n.split(".lora_A.")[0] for n, _ in frozen.named_parameters() if ".lora_A." in n}
+    assert {n.rsplit(".", 1)[-1] for n in wrapped} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj", "linear_1", "linear_2"}
+    assert not any(".vision_tower." in n for n in wrapped)
+    full = apply_lora(load_policy(folder), 4, 8, 0.0, ["all-linear"])
+    in_tower = {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in full.named_parameters()
+                if ".lora_A." in n and ".vision_tower." in n}
+    assert in_tower == tower
+    with pytest.raises(UserError, match=r"\['gate_up_proj'\] name no linear layer of .* its linear layers are"):
+        apply_lora(load_policy(folder), 4, 8, 0.0, ["q_proj", "gate_up_proj"], exclude_vision=True)

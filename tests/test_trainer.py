@@ -502,11 +502,13 @@ def test_on_policy_tis_weights_are_one_with_top_p_below_one(tmp_path, tiny_vlm_d
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,model_class", [("glm4v", "Glm4vForConditionalGeneration"),
                                               ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
-                                              ("gemma3", "Gemma3ForConditionalGeneration")])
+                                              ("gemma3", "Gemma3ForConditionalGeneration"),
+                                              ("internvl", "InternVLForConditionalGeneration"),
+                                              ("llava_onevision", "LlavaOnevisionForConditionalGeneration")])
 def test_vlrft_train_runs_three_grpo_steps(arch, model_class, tmp_path, tiny_vlm_dir, shapes):
-    """`vlrft train` end to end on a tiny GLM-4.1V, Qwen3-VL-MoE and Gemma 3: three GRPO steps through the CLI (hf
-    engine, the shared-prompt forward, AdamW), metrics for each, the weights moved (the MoE's experts and routers
-    too), and a final checkpoint transformers loads as the same family."""
+    """`vlrft train` end to end on a tiny GLM-4.1V, Qwen3-VL-MoE, Gemma 3, InternVL 3 and LLaVA-OneVision: three GRPO
+    steps through the CLI (hf engine, the shared-prompt forward or full rows, AdamW), metrics for each, the weights
+    moved (the MoE's experts and routers too), and a final checkpoint transformers loads as the same family."""
     from transformers import AutoModelForImageTextToText
 
     from vlrft.cli import main
