@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_7B = REPO / "configs" / "qwen2_5_vl_7b_grpo_geometry3k.yaml"
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+                                  "llava_onevision"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, tied, tiny_vlm_dir):
     from vlrft.models.loading import load_policy
@@ -27,13 +28,18 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     model = load_policy(folder)
     shape = load_model_shape(str(folder))
     assert shape.num_parameters == sum(p.numel() for p in model.parameters())
-    tower = [model.model.vision_tower, model.model.multi_modal_projector] if arch == "gemma3" else [model.model.visual]
-    assert shape.count("vision") == sum(p.numel() for part in tower for p in part.parameters())
+    tower = [model.model.visual] if hasattr(model.model, "visual") else \
+        [model.model.vision_tower, model.model.multi_modal_projector]  # Gemma 3, InternVL, LLaVA-OneVision
+    newline = [model.model.image_newline] if arch == "llava_onevision" else []
+    assert shape.count("vision") == sum(p.numel() for part in tower for p in part.parameters()) + \
+        sum(p.numel() for p in newline)
+    assert shape.tower_count() == sum(p.numel() for p in tower[0].parameters())  # what freeze_vision_tower freezes
     names = {name: tuple(p.shape) for name, p in model.named_parameters()}
     assert {t.name: t.shape for t in shape.tensors()} == names  # every tensor, by name and shape
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
+                                  "llava_onevision"])
 def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
     mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
@@ -63,7 +69,13 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     # model card: 10.3 B; counted 10,292,777,472 (language model 9,400,279,040 with its LM head, vision 892,498,432)
     ("THUDM/GLM-4.1V-9B-Thinking", 10.3e9, 0.05e9),
     # model card: 4.3 B; counted 4,300,079,472 (language model 3,880,263,168, tied; SigLIP and projector 419,816,304)
-    ("google/gemma-3-4b-it", 4.3e9, 0.05e9)])
+    ("google/gemma-3-4b-it", 4.3e9, 0.05e9),
+    # model card: 7.94 B; counted 7,944,373,760 (Qwen2.5-7B language model 7,612,820,992 with its LM head, InternViT
+    # 304,012,288, projector 27,540,480)
+    ("OpenGVLab/InternVL3-8B-hf", 7.94e9, 0.005e9),
+    # model card: 8.03 B; counted 8,030,807,584 (Qwen2-7B language model 7,616,075,264 with its LM head, SigLIP
+    # 397,747,744, projector and image_newline 16,984,576)
+    ("llava-hf/llava-onevision-qwen2-7b-ov-hf", 8.03e9, 0.005e9)])
 def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(name, published, within):
     from transformers import AutoConfig, AutoModelForImageTextToText
 

@@ -4,7 +4,8 @@ The memory plan needs exact parameter counts (per part: language model, vision t
 and the sizes that drive activations and the KV cache. Reading `config.json` instead of
 instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
 Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (its experts counted whole, and the
-parameters one token runs through as `active_parameters`), GLM-4.1V and Gemma 3.
+parameters one token runs through as `active_parameters`), GLM-4.1V, Gemma 3, InternVL 3 and LLaVA-OneVision
+(both with a Qwen2 language model, as released).
 
 Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
 of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl", "llava_onevision")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower and text attention; the MoE one has experts as MLPs
 
@@ -38,6 +39,11 @@ class Tensor:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def in_tower(self) -> bool:
+        """Inside the vision module (what model.freeze_vision_tower freezes): a projector outside it trains."""
+        return self.name.startswith(("model.visual.", "model.vision_tower."))
 
     @property
     def is_linear_weight(self) -> bool:
@@ -94,6 +100,9 @@ class VisionShape:
     deepstack_layers: int = 0  # Qwen3-VL extra mergers feeding early LM layers
     merger_intermediate_size: int = 0  # GLM-4.1V: its merger's gated MLP width (vision_config.intermediate_size)
     attention_bias: bool = False  # GLM-4.1V: biases of the tower's qkv projection
+    qk_norm: bool = False  # InternViT: RMSNorm over q and k (InternViT-6B)
+    layer_norm: bool = True  # InternViT: LayerNorm (with bias), else RMSNorm
+    final_norm: bool = True  # InternViT: a LayerNorm after the last block unless it mean-pools
 
 
 @dataclass(frozen=True)
@@ -110,10 +119,18 @@ class ModelShape:
             return _glm4v_text_tensors(self.text, self.tie_word_embeddings) + _glm4v_vision_tensors(self.vision)
         if self.model_type == "gemma3":
             return _gemma3_text_tensors(self.text, self.tie_word_embeddings) + _siglip_tensors(self.vision)
+        if self.model_type == "internvl":
+            return _text_tensors(self.text, self.tie_word_embeddings) + _internvl_vision_tensors(self.vision)
+        if self.model_type == "llava_onevision":
+            return _text_tensors(self.text, self.tie_word_embeddings) + _llava_onevision_vision_tensors(self.vision)
         return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
 
     def count(self, part: str | None = None) -> int:
         return sum(t.numel for t in self.tensors() if part is None or t.part == part)
+
+    def tower_count(self) -> int:
+        """Parameters model.freeze_vision_tower freezes: the vision module's (not a projector outside it)."""
+        return sum(t.numel for t in self.tensors() if t.in_tower)
 
     @property
     def num_parameters(self) -> int:
@@ -147,7 +164,7 @@ class ModelShape:
         weights a target names by suffix ('experts.gate_up_proj'); `exclude_vision` (model.freeze_vision_tower):
         none in the vision tower."""
         linear = [t for t in target_modules if t != "all-linear"]
-        return [t for t in self.tensors() if not (exclude_vision and t.part == "vision") and (
+        return [t for t in self.tensors() if not (exclude_vision and t.in_tower) and (
             (t.is_linear_weight and t.name != "lm_head.weight"
              and ("all-linear" in target_modules or t.name.rsplit(".", 2)[-2] in linear))
             or (len(t.shape) == 3 and any(t.name == x or t.name.endswith("." + x) for x in linear)))]
@@ -312,6 +329,14 @@ def _gemma3_text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
 def _siglip_tensors(v: VisionShape) -> list[Tensor]:
     """Gemma 3's SigLIP tower (no pooling head, as released) and its projector (a bare [vision, text] weight after an
     RMSNorm): every image is image_size^2 pixels whatever its own size."""
+    h = v.hidden_size
+    return _siglip_tower(v) + [
+        Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, v.out_hidden_size), "vision"),
+        Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "vision")]
+
+
+def _siglip_tower(v: VisionShape) -> list[Tensor]:
+    """A SigLIP vision tower without its pooling head (Gemma 3, LLaVA-OneVision)."""
     h, p = v.hidden_size, "model.vision_tower."
     out = [
         Tensor(f"{p}embeddings.patch_embedding.weight", (h, v.in_channels, v.patch_size, v.patch_size), "vision"),
@@ -325,9 +350,44 @@ def _siglip_tensors(v: VisionShape) -> list[Tensor]:
         out += _norm(f"{b}layer_norm2", h, True)
         out += _linear(f"{b}mlp.fc1", v.intermediate_size, h) + _linear(f"{b}mlp.fc2", h, v.intermediate_size)
     out += _norm(f"{p}post_layernorm", h, True)
-    out += [Tensor("model.multi_modal_projector.mm_input_projection_weight", (h, v.out_hidden_size), "vision"),
-            Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "vision")]
     return out
+
+
+def _llava_onevision_vision_tensors(v: VisionShape) -> list[Tensor]:
+    """LLaVA-OneVision: its SigLIP tower, a 2-layer MLP projector (with biases) to the text width, and the learned
+    `image_newline` vector ending each row of an anyres image's features."""
+    o, p = v.out_hidden_size, "model.multi_modal_projector."
+    return ([Tensor("model.image_newline", (o,), "vision")] + _siglip_tower(v)
+            + _linear(f"{p}linear_1", o, v.hidden_size) + _linear(f"{p}linear_2", o, o))
+
+
+def _internvl_vision_tensors(v: VisionShape) -> list[Tensor]:
+    """InternVL's InternViT: a CLS token, an absolute position table over a tile's patches + CLS, blocks with q/k/v
+    (biased when attention_bias), a projection, an MLP, two norms and two layer-scale vectors; and the projector: a
+    LayerNorm over the pixel-shuffled features (hidden / downsample_ratio^2 wide) and a 2-layer MLP."""
+    h, p = v.hidden_size, "model.vision_tower."
+    out = [Tensor(f"{p}embeddings.cls_token", (1, 1, h), "vision"),
+           Tensor(f"{p}embeddings.position_embeddings", (1, v.num_position_embeddings + 1, h), "vision"),
+           Tensor(f"{p}embeddings.patch_embeddings.projection.weight", (h, v.in_channels, v.patch_size, v.patch_size),
+                  "vision"),
+           Tensor(f"{p}embeddings.patch_embeddings.projection.bias", (h,), "vision")]
+    for i in range(v.depth):
+        b = f"{p}encoder.layer.{i}."
+        out += [Tensor(f"{b}lambda_1", (h,), "vision"), Tensor(f"{b}lambda_2", (h,), "vision")]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            out += _linear(f"{b}attention.{name}", h, h) if v.attention_bias else \
+                [Tensor(f"{b}attention.{name}.weight", (h, h), "vision")]
+        out += _linear(f"{b}attention.projection_layer", h, h)
+        if v.qk_norm:
+            out += [Tensor(f"{b}attention.q_norm.weight", (h,), "vision"),
+                    Tensor(f"{b}attention.k_norm.weight", (h,), "vision")]
+        out += _linear(f"{b}mlp.fc1", v.intermediate_size, h) + _linear(f"{b}mlp.fc2", h, v.intermediate_size)
+        out += _norm(f"{b}layernorm_before", h, v.layer_norm) + _norm(f"{b}layernorm_after", h, v.layer_norm)
+    if v.final_norm:
+        out += _norm(f"{p}layernorm", h, v.layer_norm)
+    shuffled, o, q = h * v.spatial_merge_size ** 2, v.out_hidden_size, "model.multi_modal_projector."
+    return out + _norm(f"{q}layer_norm", shuffled, True) + _linear(f"{q}linear_1", o, shuffled) + \
+        _linear(f"{q}linear_2", o, o)
 
 
 # ------------------------------------------------------------------ reading config.json
@@ -350,6 +410,8 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
                         f"{', '.join(SUPPORTED)}")
     if model_type == "gemma3":
         return _gemma3_shape(config, source)
+    if model_type in ("internvl", "llava_onevision"):
+        return _qwen2_tower_shape(config, source)
     text_cfg = {**config, **(config.get("text_config") or {})}
     vision_cfg = config.get("vision_config") or {}
     w = source
@@ -475,6 +537,50 @@ def _gemma3_shape(config: dict, w: str) -> ModelShape:
     tied = bool(config.get("tie_word_embeddings", getattr(parsed, "tie_word_embeddings", True)))
     text_cfg = {**config, **(config.get("text_config") or {})}
     return ModelShape("gemma3", text, vision, tied, w, _checkpoint_bytes(config, text_cfg))
+
+
+def _qwen2_tower_shape(config: dict, w: str) -> ModelShape:
+    """InternVL 3 and LLaVA-OneVision: a Qwen2 language model (q/k/v biases, no head norms) and their own towers; the
+    released config.json leaves many sizes to transformers' defaults, so it is read through their config classes
+    (configs only, no model is built)."""
+    from transformers import InternVLConfig, LlavaOnevisionConfig
+
+    model_type = config["model_type"]
+    cls = InternVLConfig if model_type == "internvl" else LlavaOnevisionConfig
+    try:
+        parsed = cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{w}: not a {model_type} config transformers can read ({exc})") from None
+    t, v = parsed.text_config, parsed.vision_config
+    if t.model_type != "qwen2":
+        raise UserError(f"{w}: vlrft plans {model_type} with a Qwen2 language model (as released), not "
+                        f"{t.model_type!r}")
+    text = TextShape(hidden_size=t.hidden_size, dense_intermediate_size=t.intermediate_size,
+                     num_layers=t.num_hidden_layers, num_heads=t.num_attention_heads,
+                     num_kv_heads=t.num_key_value_heads, head_dim=t.hidden_size // t.num_attention_heads,
+                     vocab_size=t.vocab_size, attention_bias=True, qk_norm=False)
+    if model_type == "internvl":
+        side = [int(x) for x in (v.image_size if isinstance(v.image_size, (list, tuple)) else [v.image_size] * 2)]
+        patch = [int(x) for x in (v.patch_size if isinstance(v.patch_size, (list, tuple)) else [v.patch_size] * 2)]
+        if side[0] != side[1] or patch[0] != patch[1] or not v.use_absolute_position_embeddings:
+            raise UserError(f"{w}: vlrft plans InternVL with square tiles and patches and absolute positions")
+        # pixel shuffle by downsample_ratio: (1 / ratio)^2 patches become one token, like a spatial merge
+        vision = VisionShape(kind="internvl", depth=v.num_hidden_layers, hidden_size=v.hidden_size,
+                             intermediate_size=v.intermediate_size, out_hidden_size=t.hidden_size, patch_size=patch[0],
+                             temporal_patch_size=1, spatial_merge_size=round(1 / parsed.downsample_ratio),
+                             in_channels=v.num_channels, num_position_embeddings=(side[0] // patch[0]) ** 2,
+                             attention_bias=bool(v.attention_bias), qk_norm=bool(v.use_qk_norm),
+                             layer_norm=v.norm_type == "layer_norm", final_norm=not v.use_mean_pooling)
+    else:
+        if getattr(v, "vision_use_head", False) or not getattr(parsed, "multimodal_projector_bias", True):
+            raise UserError(f"{w}: vlrft plans LLaVA-OneVision with a SigLIP tower without pooling head and a "
+                            "projector with biases, as released")
+        vision = VisionShape(kind="llava_onevision", depth=v.num_hidden_layers, hidden_size=v.hidden_size,
+                             intermediate_size=v.intermediate_size, out_hidden_size=t.hidden_size,
+                             patch_size=v.patch_size, temporal_patch_size=1, spatial_merge_size=1,
+                             in_channels=v.num_channels, num_position_embeddings=(v.image_size // v.patch_size) ** 2)
+    text_cfg = {**config, **(config.get("text_config") or {})}
+    return ModelShape(model_type, text, vision, bool(parsed.tie_word_embeddings), w, _checkpoint_bytes(config, text_cfg))
 
 
 def shipped_config_path(name: str) -> Path:

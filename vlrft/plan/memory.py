@@ -418,7 +418,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
     if m.lora.rank > 0:
         trainable = shape.lora_parameters(m.lora.rank, m.lora.target_modules, exclude_vision=m.freeze_vision_tower)
     else:
-        trainable = params - (shape.count("vision") if m.freeze_vision_tower else 0)
+        trainable = params - (shape.tower_count() if m.freeze_vision_tower else 0)
     hi = 2 if strategy.mixed_precision else 4
     policy = _model_state(params, trainable, shape, strategy, world)
     both, train = ("rollout", "train"), ("train",)
@@ -479,7 +479,7 @@ def plan_memory(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
         # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
         # not the embeddings (a lookup) nor the LM head (the chunked head keeps its float32 weight for the backward)
         head_and_embeddings = shape.text.vocab_size * shape.text.hidden_size * (1 if shape.tie_word_embeddings else 2)
-        cast = params - head_and_embeddings - (shape.count("vision") if m.freeze_vision_tower else 0)
+        cast = params - head_and_embeddings - (shape.tower_count() if m.freeze_vision_tower else 0)
         comps.append(Component("weight_casts", 2 * cast, train,
                                "bf16 copies of the float32 weights, made by autocast and kept for the backward "
                                "(model.gradient_checkpointing: true keeps one layer's at a time)"))
