@@ -24,6 +24,8 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert report["families"]["qwen3_vl_moe"].startswith("Qwen3-VL-MoE: images and videos; engine hf")
     assert report["families"]["glm4v"].startswith("GLM-4.1V: images (videos refused); engines hf and vllm")
     assert "no prompt sharing" in report["families"]["gemma3"]
+    assert report["families"]["internvl"].startswith("InternVL 3: images, a variable number of tiles each")
+    assert report["families"]["llava_onevision"].startswith("LLaVA-OneVision: images, anyres crops with image_sizes")
     # CI installs a coherent stack (constraints.txt): no requirement among the installed packages is broken.
     assert report["problems"] == [] and code == 0, report["problems"]
 

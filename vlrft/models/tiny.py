@@ -5,7 +5,9 @@ vision tower and processor and a sparse-expert MLP in every decoder layer, as th
 (`<start_of_turn>`, a SigLIP tower whose image is always mm_tokens_per_image `<image_soft_token>`s, sliding and
 global attention layers) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
 `<|begin_of_image|><|image|><|end_of_image|>`, GLM-4's pre-tokenizer, `<|endoftext|>` / `<|user|>` /
-`<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does).
+`<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does); InternVL 3 and
+LLaVA-OneVision (ChatML over Qwen2's tokenizer and a Qwen2 language model; InternVL: an image as up to 4 tiles + a
+thumbnail of `<IMG_CONTEXT>`s between `<img>` and `</img>`; LLaVA-OneVision: `<image>` expanded to anyres crops).
 
 Tests, the demo and the benchmarks need a real `transformers` VLM and processor but no hub access.
 `build_tiny_vlm` writes a folder that `from_pretrained` (and `vlrft.models.load_policy`) reads like
