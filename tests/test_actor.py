@@ -178,10 +178,10 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
-    # Gemma 3, InternVL 3 and LLaVA-OneVision fall back to full rows by themselves (1-D positions; Gemma 3 also
-    # sliding-window layers and bidirectional image attention: see vlrft.models.actor.supports_prompt_sharing); every
-    # other family shares and is checked both ways
-    assert actor.share_prompts == (arch not in ("gemma3", "internvl", "llava_onevision"))
+    # Gemma 3 falls back to full rows by itself (sliding-window layers, bidirectional image attention: see
+    # vlrft.models.actor.supports_prompt_sharing); every other family shares (InternVL 3 and LLaVA-OneVision at 1-D
+    # positions) and is checked both ways
+    assert actor.share_prompts == (arch != "gemma3")
     for share in (True, False) if actor.share_prompts else (False,):
         # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w) norms),
         # where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there

@@ -78,15 +78,26 @@ def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[in
     return [starts[p] + k for p in row_prompt for k in range(counts[p])]
 
 
-def supports_prompt_sharing(model: nn.Module) -> bool:
-    """Whether the model exposes its M-RoPE rule, which placing tokens after a cached prompt needs.
+# Families with 1-D positions and causal attention everywhere (a Qwen2 language model behind their vision tower): a
+# continuation after a cached prompt sits at the prompt's length + 1, + 2, ..., which the shared forward places too.
+ONE_D_SHARING = ("internvl", "llava_onevision")
 
-    Gemma 3 does not: its positions are 1-D, half its layers attend within a sliding window, and each image's tokens
-    attend to each other both ways (`token_type_ids`), none of which the shared forward's prompt caches and
-    continuation positions (`vlrft.models.prompt_cache`, `vlrft.models.positions`) are built or tested for; its rows
-    each run in full (prompt and completion in one causal+bidirectional forward), exact but without the saving."""
+
+def one_d_positions(model: nn.Module) -> bool:
+    """Whether the model's positions are 1-D ([B, L], not M-RoPE's [3, B, L]) and the shared forward may use them."""
+    return getattr(base_of(model).config, "model_type", None) in ONE_D_SHARING
+
+
+def supports_prompt_sharing(model: nn.Module) -> bool:
+    """Whether the shared forward can place tokens after a cached prompt: by the model's M-RoPE rule (Qwen-VL,
+    GLM-4.1V), or at plain 1-D positions for causal models (InternVL 3, LLaVA-OneVision: `ONE_D_SHARING`).
+
+    Gemma 3 cannot: half its layers attend within a sliding window, and each image's tokens attend to each other both
+    ways (`token_type_ids`), which the shared forward's prompt caches (`vlrft.models.prompt_cache`) are not built or
+    tested for; its rows each run in full (prompt and completion in one causal+bidirectional forward), exact but
+    without the saving."""
     backbone, _ = split_head(model)
-    return has_rope_index(backbone)
+    return has_rope_index(backbone) or one_d_positions(model)
 
 
 class VisionInputs:
@@ -233,6 +244,10 @@ class ActorVL(nn.Module):
         mm = mm_token_type_ids(ids, self.image_token_id, self.video_token_id)
         visual = batch.visual.model_inputs()
         positions = prompt_positions(backbone, ids, mask, mm, visual)
+        # [3, B, L] for M-RoPE; a 1-D model takes one of its (equal) axes, and no per-token types
+        axes = (lambda x: x[0]) if one_d_positions(self.model) else (lambda x: x)
+        types = (lambda t: token_type_kwargs(backbone, t)) if one_d_positions(self.model) else \
+            (lambda t: {"mm_token_type_ids": t})
         rows = torch.tensor(batch.row_prompt, device=ids.device)
         completion_ids = batch.input_ids[:, p:]
         completion_mm, completion_visual = torch.zeros_like(completion_ids), {}
@@ -252,24 +267,24 @@ class ActorVL(nn.Module):
         recorded = recording_cache()
         with cache_through_checkpointing(backbone):
             with self._dummy_calls(lacking, ids.device):
-                prompt_out = backbone(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm,
-                                      position_ids=positions, use_cache=True, **cache_argument(backbone, recorded), **visual)
+                prompt_out = backbone(input_ids=ids, attention_mask=mask, **types(mm), position_ids=axes(positions),
+                                      use_cache=True, **cache_argument(backbone, recorded), **visual)
             last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
             if classes is None:
                 with self._dummy_calls(lacking, ids.device, later=True):
                     completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
-                                              position_ids=completion_positions,
+                                              position_ids=axes(completion_positions),
                                               use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows)),
-                                              mm_token_type_ids=completion_mm, **completion_visual)
+                                              **types(completion_mm), **completion_visual)
                 return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
             pieces, order = [], []
             for members, width in classes:  # one call per class of similar lengths, padded to its own width
                 idx = torch.tensor(members, device=ids.device)
                 out = backbone(input_ids=completion_ids[idx, :width],
                                attention_mask=batch.attention_mask[idx, :p + width],
-                               position_ids=completion_positions[:, idx, :width],
+                               position_ids=axes(completion_positions[:, idx, :width]),
                                use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows[idx])),
-                               mm_token_type_ids=completion_mm[idx, :width])
+                               **types(completion_mm[idx, :width]))
                 states = torch.cat([last_prompt_state[idx], out.last_hidden_state[:, :width - 1]], dim=1)
                 pieces.append(nn.functional.pad(states, (0, 0, 0, c - width)))
                 order += members

@@ -155,12 +155,10 @@ FAMILY_SCOPE = {
               "ranks",
 }
 FAMILY_SCOPE.update(
-    internvl="images, a variable number of tiles each (videos refused); engine hf (vLLM/SGLang refused); each row in "
-             "full, no prompt sharing (1-D positions: the shared forward places tokens by M-RoPE rules); FSDP2 on two "
-             "ranks",
-    llava_onevision="images, anyres crops with image_sizes (videos refused); engine hf (vLLM/SGLang refused); each "
-                    "row in full, no prompt sharing (1-D positions: the shared forward places tokens by M-RoPE "
-                    "rules); FSDP2 on two ranks",
+    internvl="images, a variable number of tiles each (videos refused); engine hf through transformers' generate "
+             "(vLLM/SGLang refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
+    llava_onevision="images, anyres crops with image_sizes (videos refused); engine hf through transformers' generate "
+                    "(vLLM/SGLang refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
 )
 
 

@@ -148,13 +148,16 @@ class HFEngine:
                             texts=[one.texts[r] for r in rows])
         from transformers import LogitsProcessorList
 
-        from vlrft.models.actor import supports_prompt_sharing
+        from vlrft.models.positions import has_rope_index
         from vlrft.decoding import sampling_warpers
         from vlrft.vision import mm_token_type_ids, token_type_kwargs
 
         model = self._get_model()
-        # the group decoder only for models it can continue (Gemma 3: transformers' generate, as the trainer's rows)
-        share = supports_prompt_sharing(model) and self.share_prompts is not False
+        # the group decoder only for models it places by an M-RoPE rule (Gemma 3, InternVL 3, LLaVA-OneVision:
+        # transformers' generate)
+        from vlrft.models.actor import split_head
+
+        share = has_rope_index(split_head(model)[0]) and self.share_prompts is not False
         if share:
             return self._generate_groups(model, batch, sampling)
         was_training = model.training
