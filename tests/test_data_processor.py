@@ -458,8 +458,56 @@ def test_crops_per_image_slice_exactly_and_match_the_processor_alone(arch, tiny_
             inputs = part.model_inputs()
             assert set(inputs) == set(keys) and "num_patches" not in inputs
             assert torch.allclose(model(input_ids=ids, attention_mask=mask, **inputs).logits, expected, atol=1e-6)
-    # their videos are refused in one line naming the family
-    video = Sample("video", "<video>What happens?", videos=[[str(write_png(tmp_path / f"f{k}.png", wide))
-                                                             for k in range(4)]])
-    with pytest.raises(UserError, match=("InternVL 3" if arch == "internvl" else "LLaVA-OneVision") + ".*use images"):
-        encoder.encode([video])
+    if arch == "internvl":  # its videos are refused in one line naming the family
+        video = Sample("video", "<video>What happens?", videos=[[str(write_png(tmp_path / f"f{k}.png", wide))
+                                                                 for k in range(4)]])
+        with pytest.raises(UserError, match="InternVL 3.*use images"):
+            encoder.encode([video])
+
+
+def test_llava_onevision_videos_have_one_frame_count_and_match_the_processor_alone(tiny_processor, tmp_path):
+    """LLaVA-OneVision's forward takes a batch's videos as one [videos, frames, 3, H, W] tensor, so the data layer
+    makes every video data.video_max_frames frames, spread evenly over those sampled (a shorter one repeats frames):
+    a 6-frame and a 2-frame video both become 4, each prompt's ids and video pixels equal its processor alone on those
+    frames (frames x pooled tokens + 1 `<video>` tokens), and slicing a batch mixing videos, images and text gives
+    what the processor returns for the samples together."""
+    from transformers.video_utils import VideoMetadata
+
+    processor = tiny_processor("llava_onevision")
+    frames = [str(write_png(tmp_path / f"f{k}.png", noise_image(40, 60, seed=k))) for k in range(6)]
+    samples = [Sample("six", "<video>What happens?", videos=[frames]), Sample("text", "Describe a red circle."),
+               Sample("image", "<image>What color?", images=[str(write_png(tmp_path / "i.png", noise_image(64, 64)))]),
+               Sample("two", "<video>And here?", videos=[frames[:2]])]
+    cfg = dataclasses.replace(CFG, video_max_frames=4)
+    batch = PromptEncoder(processor, cfg).encode(samples).batch
+    assert [v.metadata.frames_indices for v in (batch.videos[0][0], batch.videos[3][0])] == [[0, 2, 3, 5], [0, 0, 1, 1]]
+    assert tuple(batch.visual.pixel_values_videos.shape) == (2, 4, 3, 16, 16)
+
+    def together(indices):
+        messages = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}],
+                    user(("text", "Describe a red circle.")), user(("image",), ("text", "What color?")),
+                    [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "And here?"}]}]]
+        texts = processor.apply_chat_template([messages[i] for i in indices], tokenize=False,
+                                              add_generation_prompt=True)
+        videos = [v.frames for i in indices for v in batch.videos[i]]
+        images = [batch.images[i] for i in indices]
+        kwargs = dict(videos=videos, video_metadata=[VideoMetadata(total_num_frames=4, fps=2.0)] * len(videos),
+                      do_sample_frames=False) if videos else {}
+        return processor(text=texts, images=images if any(images) else None, return_tensors="pt", padding=True,
+                         padding_side="left", **kwargs)
+
+    video_id = processor.video_token_id
+    for i in (0, 3):
+        alone = together([i])
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist() and batch.prompt_ids[i].count(video_id) == 4 + 1
+        assert torch.equal(batch.visual.select([i]).model_inputs()["pixel_values_videos"], alone["pixel_values_videos"])
+    picked = [3, 1, 2, 0]
+    expected = together(picked)
+    assert [batch.prompt_ids[i] for i in picked] == [[t for t in row if t != processor.tokenizer.pad_token_id]
+                                                     for row in expected["input_ids"].tolist()]
+    for part in (batch.visual.select(picked), type(batch.visual).concat([batch.visual.select([3, 1]),
+                                                                         batch.visual.select([2, 0])])):
+        inputs = part.model_inputs()
+        assert torch.equal(inputs["pixel_values_videos"], expected["pixel_values_videos"])
+        assert torch.equal(inputs["image_sizes"], expected["image_sizes"])
+        assert inputs["batch_num_images"].tolist() == [0, 0, 1, 0]

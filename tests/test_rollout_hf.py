@@ -128,3 +128,27 @@ def test_min_new_tokens_holds_back_the_stop_tokens(setup, share):
     assert all(len(ids) == 1 for ids in free.completion_ids)  # stops at once
     assert all(len(ids) == 5 and ids[-1] in tokens.eos_ids for ids in held.completion_ids)
     assert all(not set(ids[:4]) & set(tokens.eos_ids) for ids in held.completion_ids)
+
+
+@pytest.mark.slow
+def test_llava_onevision_samples_after_a_video_with_the_trainers_logprobs(tiny_vlm_dir, tmp_path):
+    """LLaVA-OneVision with a video prompt (data.video_max_frames frames, 32 by default: the 3 frames given are spread
+    over them) beside a text one: the hf engine generates through transformers' generate, never a vision token, with
+    logprobs equal to the trainer's (prompt shared)."""
+    from _data_helpers import noise_image, write_png
+
+    pytest.importorskip("torchvision")
+    frames = [str(write_png(tmp_path / f"f{i}.png", noise_image(40, 60, seed=i))) for i in range(3)]
+    samples = [Sample(id="v", prompt="<video>What happens?", videos=[frames], answer="x"),
+               Sample(id="t", prompt="Say something.", answer="x")]
+    processor, model, tokens, batch = engine_setup(tiny_vlm_dir("llava_onevision"), samples)
+    assert tuple(batch.visual.pixel_values_videos.shape[:2]) == (1, 32)
+    torch.manual_seed(0)
+    out = HFEngine(lambda: model, processor, tokens).generate(batch, SamplingParams(n=2, max_new_tokens=5))
+    assert len(out) == 4 and not any(set(ids) & set(tokens.suppressed_ids) for ids in out.completion_ids)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
+    with torch.no_grad():
+        trainer_lp = actor.logprobs(seqs).logprobs
+    for r, lp in enumerate(out.logprobs):
+        assert torch.allclose(trainer_lp[r, :len(lp)], torch.tensor(lp), atol=1e-4), r

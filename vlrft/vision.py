@@ -86,6 +86,9 @@ def token_type_kwargs(module, types: torch.Tensor) -> dict:
     return {}
 
 
+CROP_PROCESSORS = ("InternVLProcessor", "LlavaOnevisionProcessor")  # an image is a variable number of full crops
+
+
 def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> dict:
     """`outputs` of one processor call with each image's crops as rows of `pixel_values` and their count per image in
     `num_patches`, for the families whose image is a variable number of full crops; others' pass unchanged.
@@ -101,7 +104,7 @@ def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> 
     out, pixels = dict(outputs), outputs.get("pixel_values")
     if name == "LlavaOnevisionProcessor":  # every batch has it, so that any two concatenate
         out["batch_num_images"] = list(images_per_sample)
-    if pixels is None or name not in ("InternVLProcessor", "LlavaOnevisionProcessor"):
+    if pixels is None or name not in CROP_PROCESSORS:
         return out
     if name == "InternVLProcessor":
         start, context = processor.start_image_token_id, processor.image_token_id

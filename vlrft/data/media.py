@@ -265,6 +265,16 @@ def frame_indices(total: int, source_fps: float, fps: float, max_frames: int, fr
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
+def uniform_frames(video: LoadedVideo, count: int) -> LoadedVideo:
+    """`video` as exactly `count` frames spread evenly over its sampled ones (a shorter video repeats frames), as
+    LLaVA-OneVision's own frame sampling does; the metadata keeps the source frame index of each."""
+    from dataclasses import replace as replace_fields
+
+    keep = np.linspace(0, video.num_frames - 1, count).round().astype(int)
+    indices = list(getattr(video.metadata, "frames_indices", None) or range(video.num_frames))
+    return LoadedVideo(video.frames[keep], replace_fields(video.metadata, frames_indices=[indices[i] for i in keep]))
+
+
 def check_video_file(path: Path, limits: MediaLimits = MediaLimits()) -> None:
     """Raise `MediaError` unless `path` opens as a video with a frame count whose first frame decodes within
     `limits`: what `load_video` needs, found at start without decoding the whole file."""

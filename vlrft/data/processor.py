@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from vlrft.config import DataConfig
-from vlrft.data.media import LoadedVideo, MediaError, MediaLimits, PixelBounds, fit_image, load_image, load_video
+from vlrft.data.media import (LoadedVideo, MediaError, MediaLimits, PixelBounds, fit_image, load_image, load_video,
+                              uniform_frames)
 from vlrft.data.sample import BadSampleError, Sample, SkippedSample, build_messages, reserved_tokens_in
 from vlrft.errors import UserError
-from vlrft.vision import VisualBatch, crop_rows
+from vlrft.vision import CROP_PROCESSORS, VisualBatch, crop_rows
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +121,10 @@ VIDEO_UNSUPPORTED = {
                       "with timestamps between them, which vlrft's token types and position rule do not follow yet",
     "InternVLProcessor": "InternVL 3: its frames are images (<img> tiles) merged into pixel_values in text order, which "
                          "vlrft's visual layout does not follow yet",
-    "LlavaOnevisionProcessor": "LLaVA-OneVision: its forward takes a batch's videos as one [videos, frames, ...] "
-                               "tensor, so videos of different frame counts cannot share a batch",
 }
+# Processors whose videos all need one frame count (LLaVA-OneVision: its forward takes a batch's videos as one
+# [videos, frames, ...] tensor): each video becomes data.video_max_frames frames spread evenly over those sampled.
+FIXED_FRAMES = ("LlavaOnevisionProcessor",)
 
 
 def _pixel_bounds(sub_processor: Any, cfg: DataConfig) -> PixelBounds | None:
@@ -242,8 +244,9 @@ class PromptEncoder:
             prepared = [prepared[i] for i in keep]
             prompt_ids = [prompt_ids[i] for i in keep]
             texts = [texts[i] for i in keep]
-        # (crops: an image's token count is not a multiple of its pixel rows; the processor wrote both in one call)
-        if self.image_token_id is not None and self.video_token_id is not None and "num_patches" not in visual.extra:
+        # (crops, LLaVA-OV's pooled frames: a token count is not a multiple of pixel rows; the processor wrote both)
+        if self.image_token_id is not None and self.video_token_id is not None and \
+                type(self.processor).__name__ not in CROP_PROCESSORS:
             visual.check(prompt_ids, self.image_token_id, self.video_token_id,
                          [f"{p.sample.source} (id {p.sample.id!r})" for p in prepared])
         batch = PromptBatch(
@@ -286,8 +289,10 @@ class PromptEncoder:
         frame_factor = int(getattr(self._video_processor, "temporal_patch_size", 1) or 1)
         for k, ref in enumerate(sample.videos):
             try:
-                videos.append(load_video(ref, self.cfg.video_fps, self.cfg.video_max_frames, frame_factor,
-                                         self._video_bounds, self._limits))
+                video = load_video(ref, self.cfg.video_fps, self.cfg.video_max_frames, frame_factor,
+                                   self._video_bounds, self._limits)
+                fixed = type(self.processor).__name__ in FIXED_FRAMES
+                videos.append(uniform_frames(video, self.cfg.video_max_frames) if fixed else video)
             except MediaError as exc:
                 raise BadSampleError(sample.source, sample.id, f"videos[{k}]", str(exc)) from None
         return _Prepared(sample, messages, images, videos)
