@@ -511,3 +511,52 @@ def test_llava_onevision_videos_have_one_frame_count_and_match_the_processor_alo
         assert torch.equal(inputs["pixel_values_videos"], expected["pixel_values_videos"])
         assert torch.equal(inputs["image_sizes"], expected["image_sizes"])
         assert inputs["batch_num_images"].tolist() == [0, 0, 1, 0]
+
+
+    # their videos are refused in one line naming the family
+    video = Sample("video", "<video>What happens?", videos=[[str(write_png(tmp_path / f"f{k}.png", wide))
+                                                             for k in range(4)]])
+    with pytest.raises(UserError, match=("InternVL 3" if arch == "internvl" else "LLaVA-OneVision") + ".*use images"):
+        encoder.encode([video])
+
+
+def test_smolvlm_tiles_slice_as_the_processor_lays_them_out(tiny_processor, mixed):
+    """SmolVLM: its processor splits each image into 32 x 32 tiles plus the whole image resized (64 x 64: 2 x 2 + 1,
+    128 x 64: 2 x 1 + 1) and pads each sample's tiles to the batch's most. The batch keeps the real tiles, one row
+    each; a selection with text-only rows and repeats, and a concatenation, give the pixels and pixel_attention_mask
+    the processor itself returns for those samples in that order (padding included), and each sample alone gives
+    its ids and tiles. Videos are refused in one line naming the family."""
+    from vlrft.vision import VisualBatch
+
+    processor = tiny_processor("smolvlm")
+    samples, messages, images = mixed
+    batch = PromptEncoder(processor, CFG).encode(samples[:3]).batch
+    visual = batch.visual
+    assert visual.images_per_sample == (0, 5, 11) and visual.tile_tokens == processor.image_seq_len == 4
+    assert tuple(visual.pixel_values.shape) == (16, 3, 32, 32) and tuple(visual.extra["pixel_attention_mask"].shape) \
+        == (16, 32, 32)
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert [ids.count(image) for ids in batch.prompt_ids] == [0, 20, 44] == visual.image_tokens_per_sample()
+
+    def processed(order):  # the processor alone on these samples, in this order
+        text = processor.apply_chat_template([messages[i] for i in order], tokenize=False, add_generation_prompt=True)
+        nested = [list(images[i]) for i in order]
+        out = processor(text=text, images=nested if any(nested) else None, return_tensors="pt", padding=True)
+        return {k: out[k] for k in ("pixel_values", "pixel_attention_mask") if k in out}
+
+    for i in range(3):
+        alone = process_alone(processor, messages[i], images[i])
+        assert batch.prompt_ids[i] == alone["input_ids"][0].tolist(), f"ids of sample {i}"
+        got = visual.select([i]).model_inputs()
+        assert got.keys() == processed([i]).keys()
+        for key, value in processed([i]).items():
+            assert torch.equal(got[key], value), (i, key)
+    for order, got in (([2, 0, 2, 1], visual.select([2, 0, 2, 1])),
+                       ([1, 0, 2], VisualBatch.concat([visual.select([1]), visual.select([0, 2])]))):
+        inputs, expected = got.model_inputs(), processed(order)
+        assert tuple(inputs["pixel_values"].shape) == (len(order), 11, 3, 32, 32)
+        for key, value in expected.items():
+            assert torch.equal(inputs[key], value), (order, key)
+    assert visual.select([0]).model_inputs() == {}  # a text-only row has no pixels to pass
+    with pytest.raises(UserError, match="SmolVLM.*use images"):
+        PromptEncoder(processor, CFG).encode(samples[3:])

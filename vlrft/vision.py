@@ -7,6 +7,12 @@ micro-batch, a group repeat or a concatenation is pure row slicing by cumulative
 Keys of other model families plug in through `SLICING_RULES` (how dim 0 of a key is indexed). Families whose image
 is a variable number of full crops (InternVL's tiles, LLaVA-OneVision's anyres crops) keep one `pixel_values` row
 per crop and the count per image in `num_patches` (`crop_rows`).
+
+SmolVLM's processor splits each image into tiles (plus the image resized whole) and returns `pixel_values`
+`[samples, max tiles, 3, S, S]` and `pixel_attention_mask` `[samples, max tiles, S, S]`, each sample's tiles padded
+with all-zero ones (the model drops a tile whose pixels are all 0). `VisualBatch` keeps its real tiles only, one row
+per tile in sample order (`tile_tokens` > 0: each tile is one "image" of the tower and stands for that many prompt
+tokens), so slicing is by tile counts, and `model_inputs` pads them back to the processor's layout.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ def mm_token_type_ids(input_ids: torch.Tensor, image_token_id: int, video_token_
 def token_type_kwargs(module, types: torch.Tensor) -> dict:
     """The per-token modality ids as `module`'s forward names them: `mm_token_type_ids` (Qwen-VL, GLM-4.1V: M-RoPE
     reads them), `token_type_ids` (Gemma 3: its attention is bidirectional over each image's tokens), or none for a
-    forward that takes neither (InternVL 3, LLaVA-OneVision: `generate` refuses arguments the model does not use).
+    forward that takes neither (InternVL 3, LLaVA-OneVision, SmolVLM: `generate` refuses arguments the model does not
+    use; SmolVLM's would reach its language model's attention).
     `module` unwrapped from PEFT first (its forward names neither)."""
     import inspect
 
@@ -176,6 +183,9 @@ class VisualBatch:
     videos_per_sample: tuple[int, ...]
     merge_size: int
     extra: Mapping[str, torch.Tensor] = field(default_factory=dict)  # other keys listed in SLICING_RULES
+    # SmolVLM: the rows are tiles (images_per_sample counts tiles), each standing for tile_tokens prompt tokens, and
+    # the model takes them padded per sample (see the module docstring). 0: not tiled.
+    tile_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "images_per_sample", tuple(int(c) for c in self.images_per_sample))
@@ -213,8 +223,10 @@ class VisualBatch:
 
     @classmethod
     def from_processor_output(cls, outputs: Mapping, images_per_sample: Sequence[int],
-                              videos_per_sample: Sequence[int], merge_size: int) -> "VisualBatch":
-        """Wrap the visual keys of one processor call (images/videos flattened in sample order)."""
+                              videos_per_sample: Sequence[int], merge_size: int, tile_tokens: int = 0) -> "VisualBatch":
+        """Wrap the visual keys of one processor call (images/videos flattened in sample order). A tiling processor's
+        padded `[samples, max tiles, ...]` tensors (SmolVLM) become one row per real tile; `tile_tokens` is the
+        number of prompt tokens a tile stands for (the processor's image_seq_len)."""
         tensors: dict[str, torch.Tensor] = {}
         for key, value in outputs.items():
             if key in TEXT_KEYS or value is None:
@@ -228,9 +240,32 @@ class VisualBatch:
             if key == "second_per_grid_ts":
                 tensor = tensor.to(torch.float32)
             tensors[key] = tensor
+        pixels = tensors.get("pixel_values")
+        if pixels is not None and pixels.dim() == 5:
+            images_per_sample = cls._real_tiles(tensors, images_per_sample, tile_tokens)
+        else:
+            tile_tokens = 0
         fields = {k: tensors.pop(k, None) for k in _FIELD_KEYS}
         return cls(**fields, images_per_sample=tuple(images_per_sample), videos_per_sample=tuple(videos_per_sample),
-                   merge_size=merge_size, extra=tensors)
+                   merge_size=merge_size, extra=tensors, tile_tokens=tile_tokens)
+
+    @staticmethod
+    def _real_tiles(tensors: dict, images_per_sample: Sequence[int], tile_tokens: int) -> list[int]:
+        """Keep the real tiles of padded `[samples, max tiles, ...]` tensors (in place); returns tiles per sample."""
+        mask = tensors.get("pixel_attention_mask")
+        pixels = tensors["pixel_values"]
+        if mask is None or tuple(mask.shape) != tuple(pixels.shape[:2]) + tuple(pixels.shape[3:]) or tile_tokens < 1:
+            raise ValueError("5-D pixel_values [samples, tiles, C, H, W] need a pixel_attention_mask [samples, tiles, "
+                             "H, W] and the tokens a tile stands for (tile_tokens, the processor's image_seq_len)")
+        if pixels.shape[0] != len(images_per_sample):
+            raise VisualMismatchError(f"pixel_values holds {pixels.shape[0]} samples but {len(images_per_sample)} "
+                                      "were encoded")
+        real = mask.flatten(2).any(-1)  # a padding tile is masked out whole
+        tiles = real.sum(1).tolist()
+        if [t > 0 for t in tiles] != [n > 0 for n in images_per_sample]:
+            raise VisualMismatchError(f"the samples' tiles {tiles} do not follow their images {list(images_per_sample)}")
+        tensors["pixel_values"], tensors["pixel_attention_mask"] = pixels[real], mask[real]
+        return tiles
 
     @classmethod
     def concat(cls, batches: Sequence["VisualBatch"]) -> "VisualBatch":
@@ -245,6 +280,9 @@ class VisualBatch:
             present = [v for v in values if v is not None]
             return torch.cat(present) if present else None
 
+        tiles = {b.tile_tokens for b in batches if b.tile_tokens}
+        if len(tiles) > 1:
+            raise ValueError(f"cannot concatenate visual batches whose tiles stand for {sorted(tiles)} tokens")
         extra = {}
         for key in sorted({k for b in batches for k in b.extra}):
             layout = SLICING_RULES[key].layout
@@ -267,6 +305,7 @@ class VisualBatch:
             videos_per_sample=sum((b.videos_per_sample for b in batches), ()),
             merge_size=batches[0].merge_size,
             extra=extra,
+            tile_tokens=tiles.pop() if tiles else 0,
         )
 
     # ------------------------------------------------------------------ counts and offsets
@@ -308,7 +347,8 @@ class VisualBatch:
 
     def _tokens_per_sample(self, rows: torch.Tensor, per_sample: tuple[int, ...]) -> list[int]:
         owner = torch.repeat_interleave(torch.arange(len(per_sample)), torch.tensor(per_sample, dtype=torch.long))
-        sums = torch.zeros(len(per_sample), dtype=torch.long).index_add_(0, owner, rows // self.merge_size**2)
+        tokens = rows * self.tile_tokens if self.tile_tokens else rows // self.merge_size**2
+        sums = torch.zeros(len(per_sample), dtype=torch.long).index_add_(0, owner, tokens)
         return sums.tolist()
 
     def image_tokens_per_sample(self) -> list[int]:
@@ -345,6 +385,7 @@ class VisualBatch:
             videos_per_sample=tuple(videos[idx].tolist()),
             merge_size=self.merge_size,
             extra=extra,
+            tile_tokens=self.tile_tokens,
         )
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "VisualBatch":
@@ -370,8 +411,22 @@ class VisualBatch:
         """
         tensors = {key: getattr(self, key) for key in _FIELD_KEYS}
         tensors.update(self.extra)
-        return {key: value for key, value in tensors.items() if value is not None and SLICING_RULES[key].model_input
-                and self._item_count(SLICING_RULES[key].layout) > 0}
+        inputs = {key: value for key, value in tensors.items() if value is not None
+                  and SLICING_RULES[key].model_input and self._item_count(SLICING_RULES[key].layout) > 0}
+        if self.tile_tokens and self.num_images:
+            for key in ("pixel_values", "pixel_attention_mask"):
+                if key in inputs:
+                    inputs[key] = self._padded_per_sample(inputs[key])
+        return inputs
+
+    def _padded_per_sample(self, tiles: torch.Tensor) -> torch.Tensor:
+        """[tiles, ...] rows -> the processor's [samples, max tiles, ...], each sample's tiles then all-zero ones."""
+        counts = torch.tensor(self.images_per_sample, dtype=torch.long)
+        out = tiles.new_zeros((self.num_samples, int(counts.max()), *tiles.shape[1:]))
+        owner = torch.repeat_interleave(torch.arange(self.num_samples), counts)
+        slot = torch.arange(int(counts.sum())) - torch.repeat_interleave(_exclusive_cumsum(counts), counts)
+        out[owner.to(tiles.device), slot.to(tiles.device)] = tiles
+        return out
 
     # ------------------------------------------------------------------ checks
 
@@ -380,7 +435,8 @@ class VisualBatch:
         """Raise `VisualMismatchError` naming the first sample whose prompt ids disagree with its pixels.
 
         Checks pixel rows == sum(prod(thw)), every grid divisible by merge_size**2, and per sample that
-        the number of image (video) tokens in `input_ids` equals its grids' prod(thw) / merge_size**2.
+        the number of image (video) tokens in `input_ids` equals its grids' prod(thw) / merge_size**2 (tiles:
+        tile_tokens a tile).
         """
         if len(input_ids) != self.num_samples:
             raise VisualMismatchError(f"{len(input_ids)} prompts but the visual batch holds {self.num_samples} samples")

@@ -114,13 +114,16 @@ def _size_bound(size: Any, *names: str) -> int | None:
 # t * h * w (t = temporal_patch_size for an image) with size's shortest/longest edge, where Qwen's compares h * w.
 FRAME_COUNTING_BOUNDS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil")
 # Processors that take a batch's images as one list per prompt (Gemma 3's checks each prompt's count), not one list.
-NESTED_IMAGES = ("Gemma3Processor", "LlavaOnevisionProcessor")  # LLaVA-OV: a multi-image prompt's are not cropped
+NESTED_IMAGES = ("Gemma3Processor", "LlavaOnevisionProcessor",  # LLaVA-OV: a multi-image prompt's are not cropped
+                 "SmolVLMProcessor")
 # Processors whose videos vlrft does not encode yet, with the reason (the family named for the user).
 VIDEO_UNSUPPORTED = {
     "Glm4vProcessor": "GLM-4.1V: its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|>, "
                       "with timestamps between them, which vlrft's token types and position rule do not follow yet",
     "InternVLProcessor": "InternVL 3: its frames are images (<img> tiles) merged into pixel_values in text order, which "
                          "vlrft's visual layout does not follow yet",
+    "SmolVLMProcessor": "SmolVLM: its processor writes a video as timestamped frames of <image> tokens and returns "
+                        "them as image pixels, which vlrft's video batches and token types do not follow yet",
 }
 # Processors whose videos all need one frame count (LLaVA-OneVision: its forward takes a batch's videos as one
 # [videos, frames, ...] tensor): each video becomes data.video_max_frames frames spread evenly over those sampled.
@@ -212,6 +215,11 @@ class PromptEncoder:
         """Patches merged per side into one token (from the processor; 1 for processors without merging)."""
         return int(getattr(self._image_processor, "merge_size", None) or 1)
 
+    @property
+    def tile_tokens(self) -> int:
+        """Prompt tokens per image tile for processors that split images into tiles (SmolVLM's image_seq_len)."""
+        return int(getattr(self.processor, "image_seq_len", 0) or 0)
+
     # ------------------------------------------------------------------ encoding
 
     def encode(self, samples: Sequence[Sample]) -> EncodeResult:
@@ -231,7 +239,8 @@ class PromptEncoder:
         images_per_sample = [len(p.images) for p in prepared]
         videos_per_sample = [len(p.videos) for p in prepared]
         visual = VisualBatch.from_processor_output(crop_rows(self.processor, out, images_per_sample),
-                                                   images_per_sample, videos_per_sample, self.merge_size)
+                                                   images_per_sample, videos_per_sample, self.merge_size,
+                                                   self.tile_tokens)
         keep = []
         for i, p in enumerate(prepared):
             try:

@@ -1,5 +1,5 @@
 """Chat templates of the tiny models built locally (real checkpoints ship their own): Qwen-VL, GLM-4.1V, Gemma 3,
-InternVL 3, LLaVA-OneVision.
+InternVL 3, LLaVA-OneVision, SmolVLM.
 
 The Qwen-VL one renders ChatML (`<|im_start|>role ... <|im_end|>`), adds the default system prompt when the
 conversation has none, and turns each image/video content part into
@@ -96,4 +96,18 @@ LLAVA_ONEVISION_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# SmolVLM's layout (the SmolVLM2 instruct checkpoints' chat template, as transformers' SmolVLM processor carries it):
+# `<|im_start|>` once, then `Role:` (capitalised; `Role: ` unless the message opens with an image) and the content,
+# an image part as `<image>` (the processor expands it to each tile's `<fake_token_around_image><row_r_col_c>` and
+# image_seq_len `<image>` tokens, then the global image's `<global-img>` tokens), `<end_of_utterance>\n` after each
+# message, `Assistant:` to prompt the answer.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'] is string %}{{': ' + message['content']}}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )

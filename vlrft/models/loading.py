@@ -136,6 +136,7 @@ def model_type_of(path: str | Path) -> str:
 SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
                       "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V", "gemma3": "Gemma 3"}
 SUPPORTED_FAMILIES.update(internvl="InternVL 3", llava_onevision="LLaVA-OneVision")
+SUPPORTED_FAMILIES["smolvlm"] = "SmolVLM"
 
 
 # What the tests run for each family beyond the common part (its tiny model and processor, the data layer, ActorVL's
@@ -161,6 +162,9 @@ FAMILY_SCOPE.update(
                     "takes one frame count per batch); engine hf through transformers' generate (vLLM/SGLang "
                     "refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
 )
+FAMILY_SCOPE["smolvlm"] = ("images split into tiles (videos refused); engine hf (vLLM/SGLang refused); each row in "
+                           "full, no prompt sharing (1-D positions: the shared forward places continuations by an "
+                           "M-RoPE rule, get_rope_index, which SmolVLM lacks); FSDP2 on two ranks")
 
 
 def supported_families() -> str:

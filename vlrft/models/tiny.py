@@ -7,7 +7,9 @@ global attention layers) and GLM-4.1V (`[gMASK]<sop>`, `<|user|>`,
 `<|begin_of_image|><|image|><|end_of_image|>`, GLM-4's pre-tokenizer, `<|endoftext|>` / `<|user|>` /
 `<|observation|>` ending a turn as the released GLM-4.1V-9B-Thinking's generation_config does); InternVL 3 and
 LLaVA-OneVision (ChatML over Qwen2's tokenizer and a Qwen2 language model; InternVL: an image as up to 4 tiles + a
-thumbnail of `<IMG_CONTEXT>`s between `<img>` and `</img>`; LLaVA-OneVision: `<image>` expanded to anyres crops).
+thumbnail of `<IMG_CONTEXT>`s between `<img>` and `</img>`; LLaVA-OneVision: `<image>` expanded to anyres crops);
+SmolVLM (`<|im_start|>User:`, `<end_of_utterance>`, images split into 32 x 32 tiles of 4 `<image>` tokens each plus
+the whole image, a SigLIP-style tower, the pixel-shuffle connector and a Llama).
 
 Tests, the demo and the benchmarks need a real `transformers` VLM and processor but no hub access.
 `build_tiny_vlm` writes a folder that `from_pretrained` (and `vlrft.models.load_policy`) reads like
@@ -25,13 +27,13 @@ from typing import Literal
 import torch
 
 from vlrft.models.chat_template import (GEMMA3_CHAT_TEMPLATE, GLM4V_CHAT_TEMPLATE, INTERNVL_CHAT_TEMPLATE,
-                                        LLAVA_ONEVISION_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE)
+                                        LLAVA_ONEVISION_CHAT_TEMPLATE, QWEN_VL_CHAT_TEMPLATE, SMOLVLM_CHAT_TEMPLATE)
 from vlrft.vision_stack import has_torchvision
 
 Arch = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-               "llava_onevision"]
+               "llava_onevision", "smolvlm"]
 ARCHES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                           "llava_onevision")
+                           "llava_onevision", "smolvlm")
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -65,6 +67,11 @@ GLM4V_SPECIAL_TOKENS = [
 # tokenizer_config.json names boi_token, eoi_token and image_token.
 GEMMA3_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
                          "<end_of_image>", "<image_soft_token>"]
+# SmolVLM's special tokens (SmolVLM2's tokenizer: SmolLM2's, and the image tokens its processor writes, a tile's
+# <row_r_col_c> for up to 6 x 6 tiles).
+SMOLVLM_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>",
+                          "<fake_token_around_image>", "<image>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 # GLM-4's pre-tokenizer split: as Qwen's, but digits in runs of up to three.
 GLM4_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -122,7 +129,7 @@ class TinySpec:
     def family(self) -> str:
         """'glm4v', 'gemma3' or 'qwen' (the tokenizer, chat template and special tokens the four Qwen families
         share)."""
-        return self.arch if self.arch in ("glm4v", "gemma3", "internvl", "llava_onevision") else "qwen"
+        return self.arch if self.arch in ("glm4v", "gemma3", "internvl", "llava_onevision", "smolvlm") else "qwen"
 
     @property
     def head_dim(self) -> int:
@@ -147,7 +154,8 @@ def _train_tokenizer_json(vocab_size: int, family: str = "qwen") -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens={"glm4v": GLM4V_SPECIAL_TOKENS, "gemma3": GEMMA3_SPECIAL_TOKENS}.get(family, SPECIAL_TOKENS),
+        special_tokens={"glm4v": GLM4V_SPECIAL_TOKENS, "gemma3": GEMMA3_SPECIAL_TOKENS,
+                        "smolvlm": SMOLVLM_SPECIAL_TOKENS}.get(family, SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -163,6 +171,8 @@ def build_tokenizer(vocab_size: int = 512, family: str = "qwen"):
         return _build_glm4v_tokenizer(vocab_size)
     if family == "gemma3":
         return _build_gemma3_tokenizer(vocab_size)
+    if family == "smolvlm":
+        return _build_smolvlm_tokenizer(vocab_size)
     from transformers import Qwen2Tokenizer
 
     # InternVL 3 and LLaVA-OneVision ship Qwen2's tokenizer with their image tokens as named special tokens
@@ -372,6 +382,71 @@ def _build_llava_onevision_config(spec: TinySpec, tokenizer):
                                 tie_word_embeddings=spec.tie_word_embeddings, **spec.extra)
 
 
+def _build_smolvlm_tokenizer(vocab_size: int):
+    """SmolVLM2's tokenizer: `<|im_start|>` as BOS (written by the chat template), `<end_of_utterance>` ending a
+    turn, `<|im_end|>` padding, and the image tokens as the named special tokens its processor reads."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json(vocab_size, "smolvlm")),
+        bos_token="<|im_start|>", eos_token="<end_of_utterance>", pad_token="<|im_end|>", unk_token="<|endoftext|>",
+        model_max_length=32768, padding_side="left",
+        extra_special_tokens={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                              "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SMOLVLM_SPECIAL_TOKENS[4:]})
+    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+# Tiny SmolVLM: 32 x 32 tiles in patches of 8, pixel-shuffled 2 x 2 to 4 `<image>` tokens a tile; the longest edge
+# resized to 64, so an image is 2 x 1 or 2 x 2 tiles plus its global 32 x 32 view.
+SMOLVLM_TILE, SMOLVLM_LONGEST_EDGE = 32, 64
+
+
+def _build_smolvlm_processor(spec: "TinySpec"):
+    """SmolVLM's processor: image splitting into max_image_size tiles plus the global image (PIL backend without
+    torchvision, then no video processor), image_seq_len `<image>` tokens a tile."""
+    from transformers import SmolVLMProcessor
+
+    sizes = dict(size={"longest_edge": SMOLVLM_LONGEST_EDGE}, max_image_size={"longest_edge": SMOLVLM_TILE},
+                 do_image_splitting=True)
+    processor_cls = SmolVLMProcessor
+    if has_torchvision():
+        from transformers import SmolVLMImageProcessor, SmolVLMVideoProcessor
+
+        image_processor, video_processor = SmolVLMImageProcessor(**sizes), SmolVLMVideoProcessor(**sizes)
+    else:
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        from vlrft.models.loading import _image_only_processor_class
+
+        image_processor, video_processor = SmolVLMImageProcessorPil(**sizes), None
+        processor_cls = _image_only_processor_class(SmolVLMProcessor)
+    return processor_cls(image_processor=image_processor, tokenizer=build_tokenizer(spec.vocab_size, "smolvlm"),
+                         video_processor=video_processor, image_seq_len=4, chat_template=SMOLVLM_CHAT_TEMPLATE)
+
+
+def _build_smolvlm_config(spec: TinySpec, tokenizer):
+    """SmolVLMConfig as released (SmolVLM2): a Llama language model, a SigLIP-style tower over 32 x 32 tiles and the
+    pixel-shuffle connector (scale_factor 2: 16 patches to 4 tokens a tile)."""
+    from transformers import SmolVLMConfig
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=ids("<|im_end|>"),
+                bos_token_id=ids("<|im_start|>"), eos_token_id=ids("<end_of_utterance>"),
+                tie_word_embeddings=spec.tie_word_embeddings)
+    vision = dict(hidden_size=spec.vision_hidden_size, intermediate_size=2 * spec.vision_hidden_size,
+                  num_hidden_layers=spec.vision_depth, num_attention_heads=spec.vision_heads,
+                  image_size=SMOLVLM_TILE, patch_size=8)
+    return SmolVLMConfig(text_config=text, vision_config=vision, scale_factor=2, image_token_id=ids("<image>"),
+                         tie_word_embeddings=spec.tie_word_embeddings, **spec.extra)
+
+
 def _build_glm4v_processor(spec: "TinySpec"):
     """GLM-4.1V's processor: its image (and, with torchvision, video) processor from a config dict as in its
     preprocessor_config.json. Its resize bounds count the two temporal frames of an image (`smart_resize` compares
@@ -409,6 +484,8 @@ def build_processor(spec: TinySpec = TinySpec()):
         return _build_internvl_processor(spec)
     if spec.family == "llava_onevision":
         return _build_llava_onevision_processor(spec)
+    if spec.family == "smolvlm":
+        return _build_smolvlm_processor(spec)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     qwen3 = spec.arch in ("qwen3_vl", "qwen3_vl_moe")  # Qwen3-VL-MoE ships Qwen3-VL's processor
@@ -477,6 +554,8 @@ def build_config(spec: TinySpec, tokenizer):
         return _build_internvl_config(spec, tokenizer)
     if spec.family == "llava_onevision":
         return _build_llava_onevision_config(spec, tokenizer)
+    if spec.family == "smolvlm":
+        return _build_smolvlm_config(spec, tokenizer)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [

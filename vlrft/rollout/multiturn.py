@@ -93,7 +93,7 @@ class ObservationTemplate:
         out = self.processor(text=[self.text(output, turn_ids)], images=images or None, return_tensors=None)
         ids = [int(i) for i in out["input_ids"][0]]
         visual = VisualBatch.from_processor_output(crop_rows(self.processor, out, [len(images)]), [len(images)], [0],
-                                                   merge_size)
+                                                   merge_size, int(getattr(self.processor, "image_seq_len", 0) or 0))
         return ids, visual, images
 
 
