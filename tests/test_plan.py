@@ -19,7 +19,7 @@ CONFIG_7B = REPO / "configs" / "qwen2_5_vl_7b_grpo_geometry3k.yaml"
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                  "llava_onevision"])
+                                  "llava_onevision", "smolvlm"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, tied, tiny_vlm_dir):
     from vlrft.models.loading import load_policy
@@ -29,6 +29,7 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
     shape = load_model_shape(str(folder))
     assert shape.num_parameters == sum(p.numel() for p in model.parameters())
     tower = [model.model.visual] if hasattr(model.model, "visual") else \
+        [model.model.vision_model, model.model.connector] if arch == "smolvlm" else \
         [model.model.vision_tower, model.model.multi_modal_projector]  # Gemma 3, InternVL, LLaVA-OneVision
     newline = [model.model.image_newline] if arch == "llava_onevision" else []
     assert shape.count("vision") == sum(p.numel() for part in tower for p in part.parameters()) + \
@@ -39,7 +40,7 @@ def test_parameter_count_from_config_json_equals_the_instantiated_model(arch, ti
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                  "llava_onevision"])
+                                  "llava_onevision", "smolvlm"])
 def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     """Also with model.freeze_vision_tower: no adapter in the vision tower, its merger or Qwen3-VL's deepstack
     mergers ("all-linear" reaches them all otherwise, and the frozen tower would train through its adapters)."""
@@ -56,7 +57,8 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
             trained = [name for name, p in model.named_parameters() if p.requires_grad]
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             assert shape.lora_parameters(4, targets, exclude_vision=frozen) == trainable, (targets, frozen)
-            in_vision = [name for name in trained if ".visual." in name or ".vision_tower." in name]
+            in_vision = [name for name in trained if any(f".{v}." in name for v in ("visual", "vision_tower",
+                                                                                     "vision_model"))]
             assert (not in_vision) if frozen else (bool(in_vision) or targets != ["all-linear"]), (targets, frozen)
 
 
@@ -75,7 +77,10 @@ def test_lora_parameter_count_equals_peft(arch, tiny_vlm_dir):
     ("OpenGVLab/InternVL3-8B-hf", 7.94e9, 0.005e9),
     # model card: 8.03 B; counted 8,030,807,584 (Qwen2-7B language model 7,616,075,264 with its LM head, SigLIP
     # 397,747,744, projector and image_newline 16,984,576)
-    ("llava-hf/llava-onevision-qwen2-7b-ov-hf", 8.03e9, 0.005e9)])
+    ("llava-hf/llava-onevision-qwen2-7b-ov-hf", 8.03e9, 0.005e9),
+    # model card: 2.2 B (2.25 B in the Hub's count); counted 2,246,784,880 (Llama 1,812,563,968 with its LM head,
+    # SigLIP 412,987,248, connector 21,233,664)
+    ("HuggingFaceTB/SmolVLM2-2.2B-Instruct", 2.25e9, 0.01e9)])
 def test_shipped_model_configs_give_the_published_sizes_and_match_transformers(name, published, within):
     from transformers import AutoConfig, AutoModelForImageTextToText
 

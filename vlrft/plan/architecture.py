@@ -5,7 +5,7 @@ and the sizes that drive activations and the KV cache. Reading `config.json` ins
 instantiating the model keeps `vlrft plan` instant and lets it work for a 72B model on a laptop.
 Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE (its experts counted whole, and the
 parameters one token runs through as `active_parameters`), GLM-4.1V, Gemma 3, InternVL 3 and LLaVA-OneVision
-(both with a Qwen2 language model, as released).
+(both with a Qwen2 language model, as released), and SmolVLM (a Llama language model).
 
 Hub names that are not local folders (e.g. `Qwen/Qwen2.5-VL-7B-Instruct`) resolve to the copies
 of their published `config.json` architecture fields shipped in `vlrft/plan/model_configs/`.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl", "llava_onevision")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl", "llava_onevision",
+             "smolvlm")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe")  # one vision tower and text attention; the MoE one has experts as MLPs
 
@@ -43,7 +44,7 @@ class Tensor:
     @property
     def in_tower(self) -> bool:
         """Inside the vision module (what model.freeze_vision_tower freezes): a projector outside it trains."""
-        return self.name.startswith(("model.visual.", "model.vision_tower."))
+        return self.name.startswith(("model.visual.", "model.vision_tower.", "model.vision_model."))
 
     @property
     def is_linear_weight(self) -> bool:
@@ -123,6 +124,12 @@ class ModelShape:
             return _text_tensors(self.text, self.tie_word_embeddings) + _internvl_vision_tensors(self.vision)
         if self.model_type == "llava_onevision":
             return _text_tensors(self.text, self.tie_word_embeddings) + _llava_onevision_vision_tensors(self.vision)
+        if self.model_type == "smolvlm":  # its connector: pixel shuffle, then one bias-free linear
+            v = self.vision
+            return (_text_tensors(self.text, self.tie_word_embeddings, "model.text_model.")
+                    + _siglip_tower(v, "model.vision_model.")
+                    + [Tensor("model.connector.modality_projection.proj.weight",
+                              (v.out_hidden_size, v.hidden_size * v.spatial_merge_size ** 2), "vision")])
         return _text_tensors(self.text, self.tie_word_embeddings) + _vision_tensors(self.vision)
 
     def count(self, part: str | None = None) -> int:
@@ -177,11 +184,11 @@ class ModelShape:
                    for t in self.lora_targets(target_modules, exclude_vision))
 
 
-def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
+def _text_tensors(t: TextShape, tied: bool, prefix: str = "model.language_model.") -> list[Tensor]:
     h, q, kv = t.hidden_size, t.num_heads * t.head_dim, t.kv_dim
-    out = [Tensor("model.language_model.embed_tokens.weight", (t.vocab_size, h), "text")]
+    out = [Tensor(f"{prefix}embed_tokens.weight", (t.vocab_size, h), "text")]
     for i in range(t.num_layers):
-        p = f"model.language_model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             out.append(Tensor(f"{p}self_attn.{name}.weight", (rows, h), "text"))
             if t.attention_bias:
@@ -202,7 +209,7 @@ def _text_tensors(t: TextShape, tied: bool) -> list[Tensor]:
                     Tensor(f"{p}mlp.down_proj.weight", (h, i_size), "text")]
         out += [Tensor(f"{p}input_layernorm.weight", (h,), "text"),
                 Tensor(f"{p}post_attention_layernorm.weight", (h,), "text")]
-    out.append(Tensor("model.language_model.norm.weight", (h,), "text"))
+    out.append(Tensor(f"{prefix}norm.weight", (h,), "text"))
     if not tied:
         out.append(Tensor("lm_head.weight", (t.vocab_size, h), "head"))
     return out
@@ -335,9 +342,9 @@ def _siglip_tensors(v: VisionShape) -> list[Tensor]:
         Tensor("model.multi_modal_projector.mm_soft_emb_norm.weight", (h,), "vision")]
 
 
-def _siglip_tower(v: VisionShape) -> list[Tensor]:
-    """A SigLIP vision tower without its pooling head (Gemma 3, LLaVA-OneVision)."""
-    h, p = v.hidden_size, "model.vision_tower."
+def _siglip_tower(v: VisionShape, p: str = "model.vision_tower.") -> list[Tensor]:
+    """A SigLIP vision tower without its pooling head (Gemma 3, LLaVA-OneVision, SmolVLM's `model.vision_model`)."""
+    h = v.hidden_size
     out = [
         Tensor(f"{p}embeddings.patch_embedding.weight", (h, v.in_channels, v.patch_size, v.patch_size), "vision"),
         Tensor(f"{p}embeddings.patch_embedding.bias", (h,), "vision"),
@@ -412,6 +419,8 @@ def shape_from_config(config: dict, source: str = "config.json") -> ModelShape:
         return _gemma3_shape(config, source)
     if model_type in ("internvl", "llava_onevision"):
         return _qwen2_tower_shape(config, source)
+    if model_type == "smolvlm":
+        return _smolvlm_shape(config, source)
     text_cfg = {**config, **(config.get("text_config") or {})}
     vision_cfg = config.get("vision_config") or {}
     w = source
@@ -581,6 +590,33 @@ def _qwen2_tower_shape(config: dict, w: str) -> ModelShape:
                              in_channels=v.num_channels, num_position_embeddings=(v.image_size // v.patch_size) ** 2)
     text_cfg = {**config, **(config.get("text_config") or {})}
     return ModelShape(model_type, text, vision, bool(parsed.tie_word_embeddings), w, _checkpoint_bytes(config, text_cfg))
+
+
+def _smolvlm_shape(config: dict, w: str) -> ModelShape:
+    """SmolVLM: a Llama language model, a SigLIP tower over image_size^2 tiles, and a connector that pixel-shuffles
+    scale_factor x scale_factor patches into one token; read through SmolVLMConfig (its sub-configs' defaults)."""
+    from transformers import SmolVLMConfig
+
+    try:
+        parsed = SmolVLMConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{w}: not a SmolVLM config transformers can read ({exc})") from None
+    t, v = parsed.text_config, parsed.vision_config
+    if getattr(t, "attention_bias", False) or getattr(t, "mlp_bias", False):
+        raise UserError(f"{w}: a language model with attention or MLP biases is not SmolVLM's released layout")
+    text = TextShape(hidden_size=t.hidden_size, dense_intermediate_size=t.intermediate_size,
+                     num_layers=t.num_hidden_layers, num_heads=t.num_attention_heads,
+                     num_kv_heads=t.num_key_value_heads or t.num_attention_heads,
+                     head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+                     vocab_size=t.vocab_size, attention_bias=False, qk_norm=False)
+    side = v.image_size // v.patch_size
+    vision = VisionShape(kind="smolvlm", depth=v.num_hidden_layers, hidden_size=v.hidden_size,
+                         intermediate_size=v.intermediate_size, out_hidden_size=t.hidden_size, patch_size=v.patch_size,
+                         temporal_patch_size=1, spatial_merge_size=int(parsed.scale_factor),
+                         in_channels=v.num_channels, num_position_embeddings=side ** 2)
+    tied = bool(config.get("tie_word_embeddings", getattr(parsed, "tie_word_embeddings", False)))
+    text_cfg = {**config, **(config.get("text_config") or {})}
+    return ModelShape("smolvlm", text, vision, tied, w, _checkpoint_bytes(config, text_cfg))
 
 
 def shipped_config_path(name: str) -> Path:
