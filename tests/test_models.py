@@ -1,4 +1,5 @@
-"""Tiny-VLM toolkit and model/processor loading: the four Qwen-VL architectures (Qwen3-VL-MoE too), GLM-4.1V, Gemma 3."""
+"""Tiny-VLM toolkit and model/processor loading: the four Qwen-VL architectures (Qwen3-VL-MoE too), GLM-4.1V, Gemma 3,
+SmolVLM."""
 
 import subprocess
 import sys
@@ -158,6 +159,35 @@ def test_gemma3_folder_has_the_released_layout(tiny_vlm_dir):
     assert model.config.tie_word_embeddings and not model.config.vision_config.vision_use_head
 
 
+def test_smolvlm_folder_has_the_released_layout(tiny_vlm_dir):
+    """SmolVLM's tiny folder: its classes, `<|im_start|>User:` turns ending `<end_of_utterance>`, an image split into
+    32 x 32 tiles (2 x 2 for a square, 2 x 1 for a wide one), each `<fake_token_around_image><row_r_col_c>` and 4
+    `<image>` tokens, then the whole image as `<global-img>` and 4 more; tiles padded per sample with all-zero ones
+    masked out in pixel_attention_mask; a Llama language model under a SigLIP tower."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    folder = tiny_vlm_dir("smolvlm")
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    assert type(model).__name__ == "SmolVLMForConditionalGeneration" and type(processor).__name__ == "SmolVLMProcessor"
+    assert image_prompt(processor) == "<|im_start|>User:<image>What color is the shape?<end_of_utterance>\nAssistant:"
+    tok = processor.tokenizer
+    wide_text = [image_prompt(processor), image_prompt(processor)]
+    inputs = processor(text=wide_text, images=[[image(90, 90)], [image(30, 200)]], return_tensors="pt", padding=True)
+    assert tuple(inputs["pixel_values"].shape) == (2, 5, 3, 32, 32)
+    assert inputs["pixel_attention_mask"].flatten(2).any(-1).tolist() == [[True] * 5, [True] * 3 + [False] * 2]
+    assert not inputs["pixel_values"][1, 3:].any()  # padding tiles are all zero, which the model drops
+    wide = tok.decode(inputs["input_ids"][1][inputs["attention_mask"][1].bool()])
+    tile = "<image>" * 4
+    assert wide == ("<|im_start|>User:<fake_token_around_image><row_1_col_1>" + tile + "<fake_token_around_image>"
+                    "<row_1_col_2>" + tile + "\n\n<fake_token_around_image><global-img>" + tile +
+                    "<fake_token_around_image>What color is the shape?<end_of_utterance>\nAssistant:")
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<image>") and processor.image_seq_len == 4
+    assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<end_of_utterance>")
+    assert type(model.model.text_model).__name__ == "LlamaModel"
+    assert {"LlamaDecoderLayer", "SmolVLMVisionAttention"} <= set(model._no_split_modules)
+
+
 def test_vlrft_tiny_command_builds_a_qwen3_vl_moe_with_the_experts_asked_for(tmp_path, capsys):
     """`vlrft tiny DIR --arch qwen3_vl_moe --num-experts 8 --num-experts-per-tok 2`: the spec's MoE sizes are flags."""
     import json
@@ -185,7 +215,7 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
     (weird / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(UserError, match="unknown architecture 'bert'"):
         load_policy(weird)
-    for family in ("paligemma", "llava_next", "smolvlm"):  # image-text-to-text, but not (yet) tested here
+    for family in ("paligemma", "llava_next", "idefics3"):  # image-text-to-text, but not (yet) tested here
         other = tmp_path / family
         other.mkdir()
         (other / "config.json").write_text(f'{{"model_type": "{family}"}}')
@@ -196,7 +226,7 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
             assert str(error.value) == (
                 f"model family '{family}' of '{other}' is not supported by vlrft yet; supported: Qwen2-VL (qwen2_vl), "
                 "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), Qwen3-VL-MoE (qwen3_vl_moe), GLM-4.1V (glm4v), Gemma 3 "
-                "(gemma3), InternVL 3 (internvl), LLaVA-OneVision (llava_onevision); check model.path")
+                "(gemma3), InternVL 3 (internvl), LLaVA-OneVision (llava_onevision), SmolVLM (smolvlm); check model.path")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()
     (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())
@@ -270,7 +300,9 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
     ("glm4v", ["Glm4vTextDecoderLayer"] * 2 + ["Glm4vVisionBlock"] * 2),
     ("qwen3_vl_moe", ["Qwen3VLMoeTextDecoderLayer"] * 2 + ["Qwen3VLMoeVisionBlock"] * 2),
     # Gemma 3 lists SigLIP's embeddings as a unit of their own too
-    ("gemma3", ["Gemma3DecoderLayer"] * 2 + ["SiglipEncoderLayer"] * 2 + ["SiglipVisionEmbeddings"])])
+    ("gemma3", ["Gemma3DecoderLayer"] * 2 + ["SiglipEncoderLayer"] * 2 + ["SiglipVisionEmbeddings"]),
+    # SmolVLM lists its tower's attention, not its encoder layers, and its Llama's decoder layers
+    ("smolvlm", ["LlamaDecoderLayer"] * 2 + ["SmolVLMVisionAttention"] * 2)])
 def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arch, units, tiny_vlm_dir, tmp_path):
     """FSDP2 shards GLM-4.1V, Qwen3-VL-MoE and Gemma 3 by the classes they list in `_no_split_modules` (decoder layers
     and vision blocks, nothing hard-coded per family; a MoE layer's experts and router shard with their layer);
@@ -306,8 +338,9 @@ def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arc
         b.logsumexp(-1).sum().backward()
         grad = sharded.lm_head.weight.grad.full_tensor()
         assert torch.allclose(plain.lm_head.weight.grad, grad, atol=1e-6 * max(1.0, float(grad.abs().max())))
-        mlp = [(n, p) for n, p in sharded.model.language_model.layers[0].mlp.named_parameters()]
-        plain_mlp = dict(plain.model.language_model.layers[0].mlp.named_parameters())
+        lm = "text_model" if {arch!r} == "smolvlm" else "language_model"
+        mlp = [(n, p) for n, p in getattr(sharded.model, lm).layers[0].mlp.named_parameters()]
+        plain_mlp = dict(getattr(plain.model, lm).layers[0].mlp.named_parameters())
         assert mlp and all(torch.allclose(plain_mlp[n].grad, p.grad.full_tensor(), atol=1e-6) for n, p in mlp)
         dist.destroy_process_group()
         print("OK")
@@ -404,3 +437,20 @@ def test_internvl_and_llava_onevision_lora_names_and_fsdp2_units(arch, tower, un
     assert in_tower == tower
     with pytest.raises(UserError, match=r"\['gate_up_proj'\] name no linear layer of .* its linear layers are"):
         apply_lora(load_policy(folder), 4, 8, 0.0, ["q_proj", "gate_up_proj"], exclude_vision=True)
+
+
+def test_smolvlm_lora_wraps_its_llama_and_connector_and_the_tower_unless_frozen(tiny_vlm_dir):
+    """LoRA on SmolVLM: 'all-linear' wraps the Llama's projections and the connector's (model.connector, outside the
+    tower freeze_vision_tower freezes), and the SigLIP tower's (q/k/v/out_proj, fc1, fc2) only when it trains."""
+    from vlrft.models.actor import apply_lora
+
+    def wrapped(model, where):
+        return {n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters()
+                if ".lora_A." in n and f".{where}." in n}
+
+    frozen = apply_lora(load_policy(tiny_vlm_dir("smolvlm")), 4, 8, 0.0, ["all-linear"], exclude_vision=True)
+    assert wrapped(frozen, "text_model") == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"}
+    assert wrapped(frozen, "connector") == {"proj"} and not wrapped(frozen, "vision_model")
+    full = apply_lora(load_policy(tiny_vlm_dir("smolvlm")), 4, 8, 0.0, ["all-linear"])
+    assert wrapped(full, "vision_model") == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
