@@ -117,10 +117,10 @@ def _plain_transformers_logprobs(model, processor, prompts, completions, row_pro
         prompt_length = inputs["input_ids"].shape[1]
         ids = torch.cat([inputs["input_ids"], torch.tensor([completion])], dim=1)
         extra = {key: torch.cat([inputs[key], torch.zeros(1, len(completion), dtype=torch.long)], 1)
-                 for key in ("mm_token_type_ids", "token_type_ids") if key in inputs}  # Gemma 3: the latter
+                 for key in ("mm_token_type_ids", "token_type_ids") if key in inputs}  # Gemma 3: the latter; SmolVLM: none
         if images:
-            extra.update({k: inputs[k] for k in ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images")
-                          if k in inputs})
+            extra.update({k: inputs[k] for k in ("pixel_values", "image_grid_thw", "image_sizes", "batch_num_images",
+                                                 "pixel_attention_mask") if k in inputs})
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]
         logprobs = torch.log_softmax(logits[prompt_length - 1:-1].float(), dim=-1)
         rows.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
@@ -150,7 +150,7 @@ def assert_equals_reference(actor: ActorVL, seqs, share: bool, reference: list, 
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                  "llava_onevision"])
+                                  "llava_onevision", "smolvlm"])
 def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
     """ActorVL, with the prompt shared by its group's rows and without, against each row run alone through the
     family's own processor and a plain transformers forward: logprobs and every parameter's gradient within 1e-5."""
@@ -179,14 +179,14 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
     # Gemma 3 falls back to full rows by itself (sliding-window layers, bidirectional image attention: see
-    # vlrft.models.actor.supports_prompt_sharing); every other family shares (InternVL 3 and LLaVA-OneVision at 1-D
-    # positions) and is checked both ways
+    # vlrft.models.actor.supports_prompt_sharing); every other family shares (InternVL 3, LLaVA-OneVision and SmolVLM
+    # at 1-D positions) and is checked both ways. SmolVLM's rows hold 10 tiles (two images), none and 5
     assert actor.share_prompts == (arch != "gemma3")
     for share in (True, False) if actor.share_prompts else (False,):
         # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w) norms),
         # where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there
         grads = assert_equals_reference(actor, seqs, share, reference, reference_grads, per_magnitude=arch == "gemma3")
-        assert any(".visual." in name or ".vision_tower." in name for name in grads)  # Gemma 3: vision_tower
+        assert any(f".{tower}." in name for name in grads for tower in ("visual", "vision_tower", "vision_model"))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v"])

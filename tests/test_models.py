@@ -226,7 +226,8 @@ def test_loading_errors_say_what_to_fix(tmp_path, tiny_vlm_dir):
             assert str(error.value) == (
                 f"model family '{family}' of '{other}' is not supported by vlrft yet; supported: Qwen2-VL (qwen2_vl), "
                 "Qwen2.5-VL (qwen2_5_vl), Qwen3-VL (qwen3_vl), Qwen3-VL-MoE (qwen3_vl_moe), GLM-4.1V (glm4v), Gemma 3 "
-                "(gemma3), InternVL 3 (internvl), LLaVA-OneVision (llava_onevision), SmolVLM (smolvlm); check model.path")
+                "(gemma3), InternVL 3 (internvl), LLaVA-OneVision (llava_onevision), SmolVLM (smolvlm); check "
+                "model.path")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()
     (no_proc / "config.json").write_text((tiny_vlm_dir("qwen2_vl") / "config.json").read_text())

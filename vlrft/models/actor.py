@@ -78,9 +78,10 @@ def _item_order(counts: tuple[int, ...], row_prompt: tuple[int, ...]) -> list[in
     return [starts[p] + k for p in row_prompt for k in range(counts[p])]
 
 
-# Families with 1-D positions and causal attention everywhere (a Qwen2 language model behind their vision tower): a
-# continuation after a cached prompt sits at the prompt's length + 1, + 2, ..., which the shared forward places too.
-ONE_D_SHARING = ("internvl", "llava_onevision")
+# Families with 1-D positions and causal attention everywhere (a Qwen2 language model behind their vision tower;
+# SmolVLM's Llama): a continuation after a cached prompt sits at the prompt's length + 1, + 2, ..., which the shared
+# forward places too.
+ONE_D_SHARING = ("internvl", "llava_onevision", "smolvlm")
 
 
 def one_d_positions(model: nn.Module) -> bool:
@@ -90,7 +91,8 @@ def one_d_positions(model: nn.Module) -> bool:
 
 def supports_prompt_sharing(model: nn.Module) -> bool:
     """Whether the shared forward can place tokens after a cached prompt: by the model's M-RoPE rule (Qwen-VL,
-    GLM-4.1V), or at plain 1-D positions for causal models (InternVL 3, LLaVA-OneVision: `ONE_D_SHARING`).
+    GLM-4.1V), or at plain 1-D positions for causal models (InternVL 3, LLaVA-OneVision, SmolVLM:
+    `ONE_D_SHARING`).
 
     Gemma 3 cannot: half its layers attend within a sliding window, and each image's tokens attend to each other both
     ways (`token_type_ids`), which the shared forward's prompt caches (`vlrft.models.prompt_cache`) are not built or
