@@ -43,9 +43,11 @@ class TokenSpec:
 # Vision special tokens by name: Qwen-VL's <|vision_start|>, <|vision_end|>, <|vision_pad|>, <|image_pad|>,
 # <|video_pad|> (and any other <|vision_*|>, <|image_*|>, <|video_*|> a processor's tokenizer defines); GLM-4.1V's
 # <|image|>, <|video|>, <|begin_of_image|>, <|end_of_image|>, <|begin_of_video|>, <|end_of_video|>; Gemma 3's
-# <start_of_image>, <end_of_image>, <image_soft_token>.
+# <start_of_image>, <end_of_image>, <image_soft_token>; SmolVLM's <image>, <fake_token_around_image>, <global-img> and
+# its tiles' <row_r_col_c>.
 _VISION_TOKEN = re.compile(r"^(<\|((vision|image|video)_[a-z_]+|image|video|(begin|end)_of_(image|video))\|>"
-                           r"|<(start_of_image|end_of_image|image_soft_token)>)$")  # the last three: Gemma 3's
+                           r"|<(start_of_image|end_of_image|image_soft_token)>"  # Gemma 3's
+                           r"|<(image|fake_token_around_image|global-img|row_\d+_col_\d+)>)$")  # SmolVLM's
 _VISION_ID_NAMES = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                     "image_start_token_id", "image_end_token_id", "video_start_token_id", "video_end_token_id",
                     "boi_token_index", "eoi_token_index", "image_token_index")
