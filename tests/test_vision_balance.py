@@ -19,7 +19,7 @@ from vlrft.tokens import TokenSpec
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                        "llava_onevision"])
+                                        "llava_onevision", "smolvlm"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
@@ -65,8 +65,8 @@ def test_dummy_vision_calls_run_the_tower_and_change_no_value_or_gradient(mixed_
     assert plain_calls == int(has_images) and calls == 1 + takes_videos  # image (real or dummy) + video (dummy)
     assert torch.equal(lp, plain_lp)
     # what a real image reaches through get_image_features: the tower, and the projector outside it (Gemma 3,
-    # InternVL, LLaVA-OneVision; Qwen's merger is inside) and LLaVA-OneVision's image_newline, not the tower's layers
-    # after the feature layer (LLaVA-OneVision's post_layernorm)
+    # InternVL, LLaVA-OneVision; SmolVLM's connector; Qwen's merger is inside) and LLaVA-OneVision's image_newline,
+    # not the tower's layers after the feature layer (LLaVA-OneVision's post_layernorm)
     model.zero_grad(set_to_none=True)
     real = model.get_image_features(**batch.visual.select([0]).model_inputs(), return_dict=True)
     deepstack = getattr(real, "deepstack_features", None) or []  # Qwen3-VL's features for early decoder layers

@@ -90,13 +90,16 @@ def dummy_visual_input(model: nn.Module, device: torch.device) -> tuple[torch.Te
 
     m is the spatial merge size (2), so the tower sees 4 patches and returns one merged token. A tower without grids
     (Gemma 3's SigLIP, InternVL's InternViT, LLaVA-OneVision's SigLIP: every crop is image_size x image_size) gets
-    one such crop and no grid.
+    one such crop and no grid; a tiled one (SmolVLM's: pixels [samples, tiles, C, H, W]) one sample of one such tile
+    (all zero, which SmolVLM drops as padding unless, as here, no tile is real: then it encodes the first).
     """
     vision = model.config.vision_config
     if not hasattr(vision, "temporal_patch_size") and hasattr(vision, "image_size"):
         size = vision.image_size  # InternViT's is [height, width]
         height, width = (size, size) if isinstance(size, int) else size
-        return torch.zeros((1, int(getattr(vision, "num_channels", 3)), height, width), device=device), None
+        tiled = "pixel_attention_mask" in inspect.signature(model.get_image_features).parameters
+        return torch.zeros((1,) * (1 + tiled) + (int(getattr(vision, "num_channels", 3)), height, width),
+                           device=device), None
     merge = int(getattr(vision, "spatial_merge_size", 2))
     channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
     temporal = int(getattr(vision, "temporal_patch_size", 2))
