@@ -19,6 +19,7 @@ CORE = [
     "math-verify[antlr4_13_2]>=0.7",
     "aiohttp>=3.9",
     "packaging>=23",
+    "num2words>=0.5",  # SmolVLM's processor writes a video's frame count in words, and refuses to start without it
 ]
 EXTRAS = {
     # torchvision enables video and the fast image processors; install the build that matches your torch.

@@ -65,11 +65,11 @@ def test_bad_model_folders_are_one_line(tmp_path, tiny_vlm_dir):
     (weird / "config.json").write_text('{"model_type": "bert"}')
     (weird / "preprocessor_config.json").write_text("{}")
     assert_one_line_error(vlrft("generate", weird, "hi"), "unknown architecture 'bert'")
-    other = tmp_path / "smolvlm"  # an image-text-to-text family vlrft does not support (yet)
+    other = tmp_path / "idefics3"  # an image-text-to-text family vlrft does not support (yet)
     other.mkdir()
-    (other / "config.json").write_text('{"model_type": "smolvlm"}')
+    (other / "config.json").write_text('{"model_type": "idefics3"}')
     (other / "preprocessor_config.json").write_text("{}")
-    assert_one_line_error(vlrft("generate", other, "hi"), "model family 'smolvlm'", "not supported by vlrft yet",
+    assert_one_line_error(vlrft("generate", other, "hi"), "model family 'idefics3'", "not supported by vlrft yet",
                           "supported: Qwen2-VL (qwen2_vl)", "GLM-4.1V (glm4v)")
     no_proc = tmp_path / "no_proc"
     no_proc.mkdir()

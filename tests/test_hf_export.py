@@ -21,7 +21,7 @@ def _tensors(folder) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                  "llava_onevision"])
+                                  "llava_onevision", "smolvlm"])
 def test_streamed_export_holds_what_save_pretrained_writes_in_several_shard_files(tmp_path, tiny_vlm_dir, arch):
     from transformers import AutoModelForImageTextToText
 

@@ -820,15 +820,15 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
 @pytest.mark.parametrize("engine, family", [("sglang", "glm4v"), ("vllm", "qwen3_vl_moe"), ("sglang", "qwen3_vl_moe"),
                                             ("vllm", "gemma3"), ("sglang", "gemma3"), ("vllm", "internvl"),
                                             ("sglang", "internvl"), ("vllm", "llava_onevision"),
-                                            ("sglang", "llava_onevision")])
+                                            ("sglang", "llava_onevision"), ("vllm", "smolvlm"), ("sglang", "smolvlm")])
 def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, family, tiny_vlm_dir,
                                                                           tiny_processor):
     """Families an engine server was never run with train with the hf engine; vLLM/SGLang refuse them before they
     start, naming the way out, instead of failing inside the server or syncing weights under the wrong names
     (GLM-4.1V runs on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here; Gemma 3's placeholders expand to
     text around the image tokens, which the prompt folding does not invert; Qwen3-VL-MoE's fused experts are kept in
-    memory in another layout than the engines load, `vlrft.models.weights.unsyncable_weights`; InternVL 3 and
-    LLaVA-OneVision were never run on them)."""
+    memory in another layout than the engines load, `vlrft.models.weights.unsyncable_weights`; InternVL 3,
+    LLaVA-OneVision and SmolVLM were never run on them)."""
     from vlrft.errors import UserError
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy
