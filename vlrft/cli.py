@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("vlrft.commands.export_cmd", "merge a LoRA checkpoint into its base model (a full Hugging Face folder)"),
     "plan": ("vlrft.commands.plan_cmd", "per-GPU memory of a config by component, and whether it fits (exit 0/1)"),
     "env": ("vlrft.commands.env_cmd", "print this machine's stack (torch, GPUs, engines) and what in it does not fit"),
-    "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V, Gemma 3, InternVL 3, LLaVA-OneVision) + processor folder (tests, demo)"),
+    "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V, Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) + processor folder (tests, demo)"),
     "data": ("vlrft.commands.data_cmd", "check, convert or generate datasets (data check|convert|synth)"),
     "reward-server": ("vlrft.commands.reward_server_cmd", "serve reward functions over HTTP for the 'remote' reward"),
 }

@@ -1,5 +1,5 @@
-"""Build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V, Gemma 3, InternVL 3 or LLaVA-OneVision) and its
-processor (locally trained tokenizer) into a folder."""
+"""Build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V, Gemma 3, InternVL 3, LLaVA-OneVision or SmolVLM)
+and its processor (locally trained tokenizer) into a folder."""
 
 import argparse
 import dataclasses
