@@ -185,7 +185,12 @@ def test_smolvlm_folder_has_the_released_layout(tiny_vlm_dir):
     assert model.config.image_token_id == tok.convert_tokens_to_ids("<image>") and processor.image_seq_len == 4
     assert model.generation_config.eos_token_id == tok.convert_tokens_to_ids("<end_of_utterance>")
     assert type(model.model.text_model).__name__ == "LlamaModel"
-    assert {"LlamaDecoderLayer", "SmolVLMVisionAttention"} <= set(model._no_split_modules)
+    # FSDP2's units: the classes its _no_split_modules lists, its tower's attention (not its encoder layers) and its
+    # Llama's decoder layers (two ranks train it sharded: tests/test_families_distributed.py)
+    from vlrft.parallel.fsdp2 import shard_units
+
+    assert sorted(type(u).__name__ for u in shard_units(model)) == ["LlamaDecoderLayer"] * 2 + [
+        "SmolVLMVisionAttention"] * 2
 
 
 def test_vlrft_tiny_command_builds_a_qwen3_vl_moe_with_the_experts_asked_for(tmp_path, capsys):
@@ -301,9 +306,7 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
     ("glm4v", ["Glm4vTextDecoderLayer"] * 2 + ["Glm4vVisionBlock"] * 2),
     ("qwen3_vl_moe", ["Qwen3VLMoeTextDecoderLayer"] * 2 + ["Qwen3VLMoeVisionBlock"] * 2),
     # Gemma 3 lists SigLIP's embeddings as a unit of their own too
-    ("gemma3", ["Gemma3DecoderLayer"] * 2 + ["SiglipEncoderLayer"] * 2 + ["SiglipVisionEmbeddings"]),
-    # SmolVLM lists its tower's attention, not its encoder layers, and its Llama's decoder layers
-    ("smolvlm", ["LlamaDecoderLayer"] * 2 + ["SmolVLMVisionAttention"] * 2)])
+    ("gemma3", ["Gemma3DecoderLayer"] * 2 + ["SiglipEncoderLayer"] * 2 + ["SiglipVisionEmbeddings"])])
 def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arch, units, tiny_vlm_dir, tmp_path):
     """FSDP2 shards GLM-4.1V, Qwen3-VL-MoE and Gemma 3 by the classes they list in `_no_split_modules` (decoder layers
     and vision blocks, nothing hard-coded per family; a MoE layer's experts and router shard with their layer);
@@ -339,9 +342,8 @@ def test_fsdp2_units_are_the_no_split_modules_and_a_sharded_forward_is_exact(arc
         b.logsumexp(-1).sum().backward()
         grad = sharded.lm_head.weight.grad.full_tensor()
         assert torch.allclose(plain.lm_head.weight.grad, grad, atol=1e-6 * max(1.0, float(grad.abs().max())))
-        lm = "text_model" if {arch!r} == "smolvlm" else "language_model"
-        mlp = [(n, p) for n, p in getattr(sharded.model, lm).layers[0].mlp.named_parameters()]
-        plain_mlp = dict(getattr(plain.model, lm).layers[0].mlp.named_parameters())
+        mlp = [(n, p) for n, p in sharded.model.language_model.layers[0].mlp.named_parameters()]
+        plain_mlp = dict(plain.model.language_model.layers[0].mlp.named_parameters())
         assert mlp and all(torch.allclose(plain_mlp[n].grad, p.grad.full_tensor(), atol=1e-6) for n, p in mlp)
         dist.destroy_process_group()
         print("OK")
