@@ -281,11 +281,11 @@ def test_without_torchvision_images_work_and_video_names_the_package(tiny_vlm_di
         ids = torch.tensor(batch.prompt_ids)
         load_policy(glm)(input_ids=ids, mm_token_type_ids=(ids == proc.image_token_id).long(),
                          **batch.visual.model_inputs())
-        # Gemma 3, Qwen3-VL-MoE, InternVL 3 and LLaVA-OneVision too (their PIL image processors); Gemma's and
-        # InternVL's processors keep their saved image_seq_length (4 tokens an image or tile, not the default 256 the
-        # model's features would not match)
+        # Gemma 3, Qwen3-VL-MoE, InternVL 3, LLaVA-OneVision and SmolVLM too (their PIL image processors); Gemma's,
+        # InternVL's and SmolVLM's processors keep their saved image_seq_length / image_seq_len (4 tokens an image or
+        # tile, not the default the model's features would not match), SmolVLM's without a video processor
         from vlrft.vision import mm_token_type_ids, token_type_kwargs
-        for arch in ("gemma3", "qwen3_vl_moe", "internvl", "llava_onevision"):
+        for arch in ("gemma3", "qwen3_vl_moe", "internvl", "llava_onevision", "smolvlm"):
             folder = str(build_tiny_vlm({str(tmp_path)!r} + "/" + arch, TinySpec(arch=arch)))
             proc, model = load_processor(folder), load_policy(folder)
             batch = PromptEncoder(proc, DataConfig()).encode([Sample("big", "<image>What color?",

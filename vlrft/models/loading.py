@@ -9,6 +9,7 @@ raise `UserError` with the fix in the message.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -218,6 +219,12 @@ def _image_only_processor_class(cls):
         def get_attributes(klass):
             return [a for a in super().get_attributes() if a != "video_processor"]
 
+        if cls.__name__ == "SmolVLMProcessor":  # its own reads the video processor's frame defaults, for videos only
+            def apply_chat_template(self, *args, **kwargs):
+                from transformers.processing_utils import ProcessorMixin
+
+                return ProcessorMixin.apply_chat_template(self, *args, **kwargs)
+
         def __call__(self, *args, videos=None, **kwargs):
             if videos is not None:
                 require_video_support("processing video")
@@ -249,8 +256,10 @@ def load_processor(path: str | Path, trust_remote_code: bool = False):
                         "upgrade transformers or install torchvision")
     image_processor = AutoImageProcessor.from_pretrained(str(path), backend="pil", trust_remote_code=trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    # SmolVLM's constructor requires a video processor: none (get_attributes leaves it out)
+    none = {"video_processor": None} if "video_processor" in inspect.signature(cls.__init__).parameters else {}
     return _image_only_processor_class(cls)(image_processor=image_processor, tokenizer=tokenizer,
-                                             chat_template=getattr(tokenizer, "chat_template", None),
+                                             chat_template=getattr(tokenizer, "chat_template", None), **none,
                                              **_saved_processor_options(path, cls))
 
 
