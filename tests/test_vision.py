@@ -4,6 +4,8 @@ The batches here are built by hand so every expected row is known: pixel row r h
 so a selection's rows can be written down directly.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,3 +156,30 @@ def test_per_image_extra_keys_follow_their_images():
 def test_mm_token_type_ids():
     ids = torch.tensor([[1, IMG, IMG, 2, VID, 3]])
     assert mm_token_type_ids(ids, IMG, VID).tolist() == [[0, 1, 1, 0, 2, 0]]
+
+
+def test_tiled_pixels_keep_their_real_tiles_and_bad_tiles_are_one_line():
+    """SmolVLM's layout, built by hand: [samples, max tiles, C, H, W] padded per sample (a text-only sample all
+    padding) becomes one row per real tile; its token counts are tiles x tile_tokens; a tiled batch without its
+    pixel_attention_mask, without tile_tokens, or with tiles where its sample has no image is refused in one line,
+    and batches whose tiles stand for different token counts do not concatenate."""
+    pixels = torch.zeros(3, 2, 3, 4, 4)
+    mask = torch.zeros(3, 2, 4, 4, dtype=torch.long)
+    pixels[0, :2], mask[0, :2] = 1.0, 1  # two tiles, none, one
+    pixels[2, :1], mask[2, :1] = 2.0, 1
+    out = {"input_ids": [[1], [2], [3]], "pixel_values": pixels, "pixel_attention_mask": mask}
+    visual = VisualBatch.from_processor_output(out, [1, 0, 1], [0, 0, 0], 1, tile_tokens=4)
+    assert visual.images_per_sample == (2, 0, 1) and visual.image_tokens_per_sample() == [8, 0, 4]
+    assert torch.equal(visual.pixel_values, torch.cat([pixels[0], pixels[2, :1]]))
+    padded = visual.select([2, 1, 0]).model_inputs()
+    assert torch.equal(padded["pixel_values"], pixels[[2, 1, 0]]) and torch.equal(padded["pixel_attention_mask"],
+                                                                                   mask[[2, 1, 0]])
+    with pytest.raises(ValueError, match="need a pixel_attention_mask .* and the tokens a tile stands for"):
+        VisualBatch.from_processor_output({"pixel_values": pixels}, [1, 0, 1], [0, 0, 0], 1, tile_tokens=4)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        VisualBatch.from_processor_output(out, [1, 0, 1], [0, 0, 0], 1)
+    with pytest.raises(VisualMismatchError, match=r"tiles \[2, 0, 1\] do not follow their images \[1, 1, 1\]"):
+        VisualBatch.from_processor_output(out, [1, 1, 1], [0, 0, 0], 1, tile_tokens=4)
+    other = dataclasses.replace(visual, tile_tokens=9)
+    with pytest.raises(ValueError, match=r"tiles stand for \[4, 9\] tokens"):
+        VisualBatch.concat([visual, other])
