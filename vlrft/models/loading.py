@@ -163,9 +163,8 @@ FAMILY_SCOPE.update(
                     "takes one frame count per batch); engine hf through transformers' generate (vLLM/SGLang "
                     "refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
 )
-FAMILY_SCOPE["smolvlm"] = ("images split into tiles (videos refused); engine hf (vLLM/SGLang refused); each row in "
-                           "full, no prompt sharing (1-D positions: the shared forward places continuations by an "
-                           "M-RoPE rule, get_rope_index, which SmolVLM lacks); FSDP2 on two ranks")
+FAMILY_SCOPE["smolvlm"] = ("images split into tiles (videos refused); engine hf through transformers' generate "
+                           "(vLLM/SGLang refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks")
 
 
 def supported_families() -> str:
