@@ -18,8 +18,9 @@ from vlrft.models.vision_balance import VisualKinds
 from vlrft.tokens import TokenSpec
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
-                                        "llava_onevision", "smolvlm"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3",
+                                        *(pytest.param(a, marks=pytest.mark.slow)  # the fast tier's time budget
+                                          for a in ("internvl", "llava_onevision")), "smolvlm"])
 def mixed_batch(request, tiny_vlm_dir, tmp_path_factory):
     from PIL import Image
 
