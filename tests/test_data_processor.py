@@ -513,13 +513,6 @@ def test_llava_onevision_videos_have_one_frame_count_and_match_the_processor_alo
         assert inputs["batch_num_images"].tolist() == [0, 0, 1, 0]
 
 
-    # their videos are refused in one line naming the family
-    video = Sample("video", "<video>What happens?", videos=[[str(write_png(tmp_path / f"f{k}.png", wide))
-                                                             for k in range(4)]])
-    with pytest.raises(UserError, match=("InternVL 3" if arch == "internvl" else "LLaVA-OneVision") + ".*use images"):
-        encoder.encode([video])
-
-
 def test_smolvlm_tiles_slice_as_the_processor_lays_them_out(tiny_processor, mixed):
     """SmolVLM: its processor splits each image into 32 x 32 tiles plus the whole image resized (64 x 64: 2 x 2 + 1,
     128 x 64: 2 x 1 + 1) and pads each sample's tiles to the batch's most. The batch keeps the real tiles, one row
