@@ -2,9 +2,7 @@
 
 import json
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from _data_helpers import noise_image, png_with_huge_icc_profile, write_png
 from vlrft.cli import main

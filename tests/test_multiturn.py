@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlrft.batch import build_sequences
 from vlrft.config import DataConfig
 from vlrft.data import PromptEncoder, Sample
 from vlrft.data.processor import _pixel_bounds

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
     from vlrft.batch import SequenceBatch
-    from vlrft.config import RolloutConfig
     from vlrft.data import PromptBatch, PromptEncoder
     from vlrft.tools.types import ToolStats
     from vlrft.vision import VisualBatch

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from vlrft.daemon_calls import call_in_daemon_thread
 from vlrft.registry import TOOLS
 from vlrft.tools.parsing import MalformedCall
-from vlrft.tools.types import ToolCall, ToolConfigError, ToolContext, ToolOutput, ToolStats
+from vlrft.tools.types import ToolCall, ToolConfigError, ToolContext, ToolOutput
 
 ERROR_PREFIX = "Error: "
 logger = logging.getLogger("vlrft.tools")
