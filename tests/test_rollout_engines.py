@@ -178,6 +178,36 @@ def test_fold_refuses_runs_that_do_not_match_the_grids():
         fold_vision_placeholders([3, 7, 7, 4, 9, 3, 7, 7, 4], 6, 7, [], [4], "s2")
 
 
+def test_fold_without_grids_takes_one_run_of_any_length_per_item():
+    """LLaVA-OneVision has no grids: an image's placeholder count follows from its crops and size, so the fold asks
+    for one run per image and leaves the lengths to the exact-ids check after vLLM's expansion."""
+    ids = [1, 6, 6, 6, 6, 6, 4, 6, 6, 3, 7, 7, 7, 2]
+    assert fold_vision_placeholders(ids, 6, 7, 2, 1, "s") == [1, 6, 4, 6, 3, 7, 2]
+    with pytest.raises(EngineInputError, match=r"^s: the prompt has 2 image placeholder runs \(\[5, 2\] tokens long\) "
+                                               r"but 3 images, each of which must be one run$"):
+        fold_vision_placeholders(ids, 6, 7, 3, 1, "s")
+    with pytest.raises(EngineInputError, match=r"^s: the prompt has 1 video placeholder runs"):
+        fold_vision_placeholders(ids, 6, 7, 2, 0, "s")
+
+
+def test_vllm_requests_of_llava_onevision_fold_images_alone_and_refuse_images_encoded_together(encoded):
+    """An image alone in its prompt (base crop + anyres grid) is what vLLM's processor computes from the PIL image;
+    each image of a multi-image prompt is one crop, which vLLM's processor (every image as if alone) does not do."""
+    batch, tokens, _ = encoded("llava_onevision")
+    requests = vllm_requests(batch.select([0, 1]), tokens)
+    assert requests[0].payload == {"prompt_token_ids": batch.prompt_ids[0]}
+    folded = requests[1].payload["prompt_token_ids"]
+    assert folded.count(tokens.image_token_id) == 1 and batch.prompt_ids[1].count(tokens.image_token_id) > 1
+    assert expand_vision_placeholders(folded, tokens.image_token_id, tokens.video_token_id,
+                                      placeholder_runs(batch.prompt_ids[1], tokens.image_token_id), []) == \
+        batch.prompt_ids[1]
+    assert requests[1].payload["multi_modal_data"]["image"][0] is batch.images[1][0]
+    with pytest.raises(EngineInputError, match=r"^<memory> \(id 'three'\): LLaVA-OneVision encodes each image of a "
+                                               r"multi-image prompt as one crop.*use rollout.engine=hf") as caught:
+        vllm_requests(batch, tokens)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 def test_vllm_requests_carry_our_ids_folded_and_our_images(arch, encoded):
     batch, tokens, _ = encoded(arch)
@@ -819,16 +849,16 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
 
 @pytest.mark.parametrize("engine, family", [("sglang", "glm4v"), ("vllm", "qwen3_vl_moe"), ("sglang", "qwen3_vl_moe"),
                                             ("vllm", "gemma3"), ("sglang", "gemma3"), ("vllm", "internvl"),
-                                            ("sglang", "internvl"), ("vllm", "llava_onevision"),
-                                            ("sglang", "llava_onevision"), ("vllm", "smolvlm"), ("sglang", "smolvlm")])
+                                            ("sglang", "internvl"), ("sglang", "llava_onevision"), ("vllm", "smolvlm"),
+                                            ("sglang", "smolvlm")])
 def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, family, tiny_vlm_dir,
                                                                           tiny_processor):
     """Families an engine server was never run with train with the hf engine; vLLM/SGLang refuse them before they
     start, naming the way out, instead of failing inside the server or syncing weights under the wrong names
-    (GLM-4.1V runs on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here; Gemma 3's placeholders expand to
-    text around the image tokens, which the prompt folding does not invert; Qwen3-VL-MoE's fused experts are kept in
-    memory in another layout than the engines load, `vlrft.models.weights.unsyncable_weights`; InternVL 3,
-    LLaVA-OneVision and SmolVLM were never run on them)."""
+    (GLM-4.1V and LLaVA-OneVision run on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here; Gemma 3's
+    placeholders expand to text around the image tokens, which the prompt folding does not invert; Qwen3-VL-MoE's fused
+    experts are kept in memory in another layout than the engines load, `vlrft.models.weights.unsyncable_weights`;
+    InternVL 3 and SmolVLM were never run on them)."""
     from vlrft.errors import UserError
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy
@@ -844,5 +874,6 @@ def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine
 
         assert {n.rsplit(".", 1)[-1] for n in unsyncable_weights(model)} == {"gate_up_proj", "down_proj"}
     with pytest.raises(UserError, match=f"rollout.engine={engine} is not tested with model family '{family}' "
-                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl(, glm4v)?\); use rollout.engine=hf"):
+                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl(, glm4v, llava_onevision)?\); use "
+                                        "rollout.engine=hf"):
         make_engine(cfg, deps)

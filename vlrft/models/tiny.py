@@ -621,6 +621,19 @@ def build_tiny_model(spec: TinySpec, tokenizer):
     return model
 
 
+def _release_vision_names(path: Path) -> None:
+    """LLaVA-OneVision's SigLIP tower under its released names (`vision_tower.vision_model.*`, llava-hf's checkpoints):
+    transformers 5 keeps it without `vision_model` in memory and saves a model built from a config so, which vLLM's
+    loader refuses; a model loaded from the released layout is saved (and synced) in that layout again."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    renamed = {("vision_tower.vision_model." + name.removeprefix("vision_tower."))
+               if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model.") else name: value
+               for name, value in tensors.items()}
+    save_file(renamed, str(path), metadata={"format": "pt"})
+
+
 def build_tiny_vlm(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     """Build a tiny `spec.arch` model + processor and save both to `out_dir` with `save_pretrained`."""
     out = Path(out_dir)
@@ -628,6 +641,8 @@ def build_tiny_vlm(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     processor = build_processor(spec)
     model = build_tiny_model(spec, processor.tokenizer)
     model.save_pretrained(out)
+    if spec.arch == "llava_onevision":
+        _release_vision_names(out / "model.safetensors")
     processor.save_pretrained(out)
     (out / "vlrft_tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
     return out

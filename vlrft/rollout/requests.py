@@ -29,6 +29,10 @@ One tokenization (docs/design.md, spine rule 1), engine by engine:
 Qwen3-VL videos interleave timestamp text between frame groups; folding them needs the text, so the
 vLLM path refuses them (SGLang and the transformers engine take them).
 
+LLaVA-OneVision has no grids: each image (video) must be one run, folded whatever its length, and
+vLLM's `<image>` / `<video>` replacement is checked by the exact-ids check. A prompt whose images its
+processor encoded together (one crop each) is refused: vLLM's processor crops every image as if alone.
+
 Sources read (main branches, 2025-2026):
 https://github.com/vllm-project/vllm/blob/main/vllm/multimodal/processing/processor.py
 https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/qwen2_vl.py
@@ -93,16 +97,24 @@ def tokens_per_item(grid_thw: "torch.Tensor | None", merge_size: int) -> list[in
 
 
 def fold_vision_placeholders(ids: Sequence[int], image_token_id: int, video_token_id: int,
-                             image_tokens: Sequence[int], video_tokens: Sequence[int], name: str) -> list[int]:
+                             image_tokens: Sequence[int] | int, video_tokens: Sequence[int] | int,
+                             name: str) -> list[int]:
     """Our prompt ids with each image's (video's) run of placeholders folded to one placeholder.
 
     `image_tokens[k]` is how many placeholders image k must own; every image must be exactly one
     run of that length (likewise videos), otherwise the fold would not be the inverse of the
-    processor's expansion and we refuse the prompt rather than guess.
+    processor's expansion and we refuse the prompt rather than guess. A count instead of a list
+    (families without grids, whose token counts follow from crops and sizes: LLaVA-OneVision) asks
+    for that many runs of any length; the exact-ids check after vLLM's expansion checks the lengths.
     """
-    for token_id, expected, kind in ((image_token_id, list(image_tokens), "image"),
-                                     (video_token_id, list(video_tokens), "video")):
+    for token_id, expected, kind in ((image_token_id, image_tokens, "image"), (video_token_id, video_tokens, "video")):
         runs = placeholder_runs(ids, token_id)
+        if isinstance(expected, int):
+            if len(runs) != expected:
+                raise EngineInputError(f"{name}: the prompt has {len(runs)} {kind} placeholder runs ({runs} tokens "
+                                       f"long) but {expected} {kind}s, each of which must be one run")
+            continue
+        expected = list(expected)
         if runs != expected:
             hint = (" (this model splits a video into frame groups with timestamp text between them; vLLM "
                     "re-expands placeholders itself, so such prompts cannot keep one tokenization: use "
@@ -155,15 +167,36 @@ def video_metadata_dict(metadata: Any) -> dict[str, Any]:
     return out
 
 
+def check_images_encoded_alone(visual: Any, name: str) -> None:
+    """Refuse a LLaVA-OneVision prompt whose images its processor encoded together.
+
+    LLaVA-OneVision's processor gives each image of a multi-image prompt one crop (plus a newline
+    token), an image alone its base crop and anyres grid (2 crops or more). vLLM's processor is
+    handed a prompt's images as one flat list, which transformers takes as images each alone in its
+    prompt, so it would crop them otherwise (and fails to place the placeholders). Images that each
+    were encoded alone (a multi-turn trajectory's tool images) are what vLLM computes.
+    """
+    crops = visual.extra.get("num_patches")
+    if "batch_num_images" in visual.extra and crops is not None and any(int(n) == 1 for n in crops.tolist()):
+        raise EngineInputError(f"{name}: LLaVA-OneVision encodes each image of a multi-image prompt as one crop, but "
+                               "vLLM's processor crops every image as if alone (anyres), so the prompt cannot keep "
+                               "one tokenization: use rollout.engine=hf for prompts with several images")
+
+
 def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec") -> list[PromptRequest]:
     """One vLLM prompt dict per prompt: folded ids + the PIL images / video frames our processor saw."""
     requests = []
     for i in range(len(batch)):
         visual = batch.visual.select([i])
         name = sample_name(batch, i)
+        check_images_encoded_alone(visual, name)
+        # Grid families own prod(grid) / merge**2 placeholders an item; others (LLaVA-OneVision) one run each.
+        image_tokens = tokens_per_item(visual.image_grid_thw, visual.merge_size) \
+            if visual.image_grid_thw is not None else visual.num_images
+        video_tokens = tokens_per_item(visual.video_grid_thw, visual.merge_size) \
+            if visual.video_grid_thw is not None else visual.num_videos
         folded = fold_vision_placeholders(batch.prompt_ids[i], tokens.image_token_id, tokens.video_token_id,
-                                          tokens_per_item(visual.image_grid_thw, visual.merge_size),
-                                          tokens_per_item(visual.video_grid_thw, visual.merge_size), name)
+                                          image_tokens, video_tokens, name)
         payload: dict[str, Any] = {"prompt_token_ids": folded}
         media: dict[str, Any] = {}
         if batch.images[i]:
