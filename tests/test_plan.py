@@ -209,7 +209,7 @@ def test_the_hf_engine_counts_the_whole_weights_it_samples_from():
 def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision_and_holds_a_prompt_once():
     """The lean step (plain LoRA included) keeps a bf16 cache under bf16 autocast, and from the engine's
     SHARED_PROMPT_TOKENS on each prompt's keys and values once for its group (not with tools: later turns decode
-    each row alone); transformers' layers keep float32 keys and every row's copy of its prompt."""
+    each row alone); transformers' layers keep float32 keys, bf16 values and every row's copy of its prompt."""
     from vlrft.config import ToolConfig
     from vlrft.sampling import SHARED_PROMPT_TOKENS  # the decoder's and the plan's one constant
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
@@ -233,8 +233,9 @@ def test_the_hf_engine_kv_cache_is_bf16_with_lean_decoding_under_mixed_precision
     trajectories = rows * (cfg.data.max_prompt_length + tools.tokens_after_prompt)
     assert plan_memory(replace(cfg, rollout=tools), shape, hw,
                        StrategyChoice("fsdp2")).component("engine_kv_cache") == 2 * per_token * trajectories
-    assert (lean, layers, float32, lora) == (2 * per_token * shared, 4 * per_token * per_row, 4 * per_token * shared,
-                                             2 * per_token * shared)
+    # transformers' layers: float32 keys, bf16 values (per_token counts keys and values)
+    assert (lean, layers, float32, lora) == (2 * per_token * shared, (4 + 2) * per_token // 2 * per_row,
+                                             4 * per_token * shared, 2 * per_token * shared)
     assert plan_memory(short, shape, hw, StrategyChoice("fsdp2")).component("engine_kv_cache") == 2 * per_token * copied
 
 
@@ -843,3 +844,132 @@ def test_deepspeed_reference_is_sharded_and_offload_takes_the_gradients_off_the_
         assert off.component("gradients") == 0 and off.component("optimizer") == 0, stage
         host = next(c for c in off.host if c.name == "offloaded_state")
         assert host.bytes == (4 + 4 + 8) * n  # the node's 8 ranks: float32 master, gradients, AdamW moments
+
+
+def _hand_kv_per_token(shipped: str) -> int:
+    """Keys and values of one token in every layer, in elements, from transformers' reading of a shipped config.json
+    (not vlrft's): layers x kv heads x head_dim x 2."""
+    from transformers import AutoConfig
+
+    raw = json.loads(shipped_config_path(shipped).read_text())
+    text = AutoConfig.for_model(raw.pop("model_type"), **raw).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
+
+
+@pytest.mark.parametrize("recipe, shipped", [
+    ("gemma3_4b_grpo_geometry3k.yaml", "google/gemma-3-4b-it"),
+    ("internvl3_8b_grpo_geometry3k.yaml", "OpenGVLab/InternVL3-8B-hf"),
+    ("smolvlm2_2b_grpo_geometry3k.yaml", "HuggingFaceTB/SmolVLM2-2.2B-Instruct"),
+    ("internvl3_8b_grpo_geometry3k.yaml", "llava-hf/llava-onevision-qwen2-7b-ov-hf")])
+def test_a_family_that_samples_through_generate_holds_every_rows_prompt_and_completion(recipe, shipped):
+    """Gemma 3, InternVL 3, LLaVA-OneVision and SmolVLM sample through transformers' `generate` (vlrft.sampling.
+    hf_decoder), which repeats each prompt n times: every row holds its prompt's and completion's keys (float32 under
+    bf16 autocast) and values (bf16), whatever rollout.lean_decode says; the prefill runs every row's prompt."""
+    from vlrft.plan.memory import generate_scores_bytes
+
+    cfg = load_config(REPO / "configs" / recipe, [f"model.path={shipped}"], validate=False)
+    hw = Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    shape = load_model_shape(shipped)
+    rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
+    tokens = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    elements = tokens * _hand_kv_per_token(shipped) // 2  # keys (or values) of every row's tokens
+    for lean_decode in (True, False):
+        run = replace(cfg, rollout=replace(cfg.rollout, lean_decode=lean_decode))
+        mixed = plan_memory(run, shape, hw, StrategyChoice("fsdp2"))
+        assert mixed.component("engine_kv_cache") == elements * (4 + 2)
+        float32 = plan_memory(run, shape, hw, StrategyChoice("fsdp2", mixed_precision=False))
+        assert float32.component("engine_kv_cache") == elements * (4 + 4)
+        assert mixed.component("engine_scores") == generate_scores_bytes(shape, rows) > 0
+        [kv] = [c for c in mixed.components if c.name == "engine_kv_cache"]
+        assert "generate" in kv.note and f"{rows} rollouts" in kv.note
+    # the prefill: every row's prompt, n times what one prompt each gives
+    grouped = plan_memory(replace(cfg, model=replace(cfg.model, path="Qwen/Qwen2.5-VL-7B-Instruct")),
+                          load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct"), hw, StrategyChoice("fsdp2"))
+    assert grouped.component("engine_scores") == 0
+    [prefill] = [c for c in mixed.components if c.name == "engine_prefill"]
+    assert f"repeated {cfg.rollout.n} times" in prefill.note
+
+
+def test_a_qwen_family_keeps_the_grouped_kv_figure_and_glm_decodes_through_transformers_layers():
+    """The families the group decoder takes: Qwen2/2.5/3-VL with the lean step hold each prompt once (bf16 under
+    autocast); GLM-4.1V and Qwen3-VL-MoE decode through transformers' layers (every row its prompt, float32 keys)."""
+    hw = Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
+    for shipped, grouped in [("Qwen/Qwen2.5-VL-7B-Instruct", True), ("Qwen/Qwen3-VL-4B-Instruct", True),
+                             ("Qwen/Qwen3-VL-30B-A3B-Instruct", False), ("THUDM/GLM-4.1V-9B-Thinking", False)]:
+        cfg = load_config(CONFIG_7B, ["rollout.engine=hf", f"model.path={shipped}"], validate=False)
+        prompts = cfg.prompts_per_step // hw.world_size
+        rows, prompt, new = prompts * cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+        per_token = _hand_kv_per_token(shipped) // 2
+        plan = plan_memory(cfg, load_model_shape(shipped), hw, StrategyChoice("fsdp2"))
+        expected = (prompts * prompt + rows * new) * per_token * (2 + 2) if grouped else \
+            rows * (prompt + new) * per_token * (4 + 2)
+        assert plan.component("engine_kv_cache") == expected, shipped
+        assert plan.component("engine_scores") == 0
+
+
+def test_every_family_decodes_the_way_the_plan_counts(tiny_vlm_dir):
+    """vlrft.sampling.hf_decoder is the one table the engine and the plan read: the group decoder is named for
+    exactly the families with an M-RoPE rule (which it needs), the lean step for exactly those whose text decoder it
+    takes."""
+    from vlrft.decoding.lean_weights import unsupported_reason
+    from vlrft.models.actor import split_head
+    from vlrft.models.loading import load_policy
+    from vlrft.models.positions import has_rope_index
+    from vlrft.plan.architecture import SUPPORTED
+    from vlrft.sampling import hf_decoder
+
+    for arch in SUPPORTED:
+        model = load_policy(tiny_vlm_dir(arch))
+        backbone = split_head(model)[0]
+        decoder = hf_decoder(model.config.model_type)
+        assert model.config.model_type == arch
+        assert (decoder != "generate") == has_rope_index(backbone), arch
+        text = getattr(backbone, "language_model", None)
+        takes_lean = text is not None and unsupported_reason(text) is None
+        assert (decoder == "lean") == takes_lean, (arch, unsupported_reason(text) if text is not None else None)
+    assert {arch for arch in SUPPORTED if hf_decoder(arch) == "generate"} == \
+        {"gemma3", "internvl", "llava_onevision", "smolvlm"}
+
+
+@pytest.mark.parametrize("mixed_precision", [False, True])
+def test_the_cache_generate_holds_for_a_tiny_smolvlm_is_the_plans_kv_figure(tiny_vlm_dir, mixed_precision):
+    """Measured: the hf engine samples a tiny SmolVLM through `generate` (rows = prompts x n), and the KV cache
+    `generate` leaves (transformers' cache object) is the plan's engine_kv_cache for the same numbers, less the
+    last sampled token of each row (sampled, never fed back); float32 keys and bf16 values under bf16 autocast."""
+    from _rollout_helpers import engine_setup
+
+    from vlrft.data import Sample
+    from vlrft.rollout import SamplingParams
+    from vlrft.rollout.hf import HFEngine
+
+    samples = [Sample(id=str(i), prompt=f"Question {i}: describe the shape. " * (4 + i)) for i in range(3)]
+    processor, model, tokens, batch = engine_setup(tiny_vlm_dir("smolvlm"), samples)
+    longest, group, new = max(len(ids) for ids in batch.prompt_ids), 4, 6
+    seen = {}
+    generate = model.generate
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs, return_dict_in_generate=True)
+        seen["cache"], seen["rows"] = out.past_key_values, out.sequences.shape[0]
+        return out.sequences
+
+    model.generate = recording
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mixed_precision else None
+    engine = HFEngine(lambda: model, processor, tokens, max_batch_prompts=len(samples), autocast=autocast)
+    engine.generate(batch, SamplingParams(n=group, max_new_tokens=new, min_new_tokens=new, temperature=1.0))
+    rows = len(samples) * group
+    assert seen["rows"] == rows  # every prompt repeated n times
+    layers = seen["cache"].layers
+    assert {(layer.keys.dtype, layer.values.dtype) for layer in layers} == \
+        {(torch.float32, torch.bfloat16 if mixed_precision else torch.float32)}
+    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    cfg = load_config(CONFIG_7B, ["rollout.engine=hf", f"rollout.n={group}", f"rollout.max_new_tokens={new}",
+                                  f"rollout.global_batch_completions={rows}", f"data.max_prompt_length={longest}"],
+                      validate=False)
+    shape = shape_from_config(model.config.to_dict())
+    plan = plan_memory(cfg, shape, Hardware(gpus_per_node=1), StrategyChoice("single", mixed_precision=mixed_precision),
+                       images_per_prompt=0)
+    per_token = shape.text.num_layers * shape.text.kv_dim * (4 + (2 if mixed_precision else 4))
+    assert plan.component("engine_kv_cache") == rows * (longest + new) * per_token
+    assert measured == rows * (longest + new - 1) * per_token

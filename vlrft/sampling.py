@@ -25,6 +25,30 @@ SHARED_PROMPT_TOKENS = 128
 # The attention implementations whose layers the lean decode step reproduces (it computes with SDPA or baddbmm).
 LEAN_ATTENTION = ("sdpa", "eager")
 
+# How the hf engine samples each family (config.json `model_type`); the engine (vlrft.rollout.hf, vlrft.decoding) and
+# the memory plan (vlrft.plan.memory) both read these, so the plan counts the decoder that runs.
+# The group decoder (vlrft.decoding): each prompt prefilled once, then its n completions; it places tokens after a
+# cached prompt by the model's M-RoPE rule (`get_rope_index`), so it takes these families only.
+GROUP_DECODE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+# Of those, the ones whose text decoder the lean decode step takes (its class name; vlrft.decoding.lean_weights);
+# the others decode through transformers' layers, every row holding its own copy of its prompt's KV.
+LEAN_DECODE_FAMILIES = {"qwen2_vl": "Qwen2VLTextModel", "qwen2_5_vl": "Qwen2_5_VLTextModel",
+                        "qwen3_vl": "Qwen3VLTextModel"}
+# Every other family (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) samples through transformers' `generate`: the
+# prompts repeated n times before the prefill, every row a KV cache of its prompt and completion.
+HF_DECODERS = ("lean", "transformers_layers", "generate")
+
+
+def hf_decoder(model_type: str, lean_decode: bool = True, attn_implementation: str = "sdpa") -> str:
+    """How the hf engine samples a `model_type` (one of HF_DECODERS): the lean group decoder, the group decoder
+    through transformers' layers, or transformers' `generate`. `lean_decode`: rollout.lean_decode;
+    `attn_implementation`: model.attn_implementation."""
+    if model_type not in GROUP_DECODE_FAMILIES:
+        return "generate"
+    if lean_decode and model_type in LEAN_DECODE_FAMILIES and attn_implementation in LEAN_ATTENTION:
+        return "lean"
+    return "transformers_layers"
+
 
 def shares_prompt(n: int, prompt_tokens: int) -> bool:
     """Whether the lean decoder holds each prompt's KV cache once for its group of `n` rows."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.reward_models import RewardModelShape
-from vlrft.sampling import LEAN_ATTENTION, PREFILL_TOKENS, shares_prompt  # the hf decoder's, not copies
+from vlrft.sampling import PREFILL_TOKENS, hf_decoder, shares_prompt  # the hf decoder's, not copies
 
 GiB = 1 << 30
 CUDA_RESERVE = 2 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
@@ -232,6 +232,14 @@ def logits_bytes(shape: ModelShape, micro_batch: int, completion_len: int) -> in
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     return 2 * shape.text.num_layers * shape.text.kv_dim * dtype_bytes
+
+
+GENERATE_SCORE_COPIES = 4  # float32 [rows, vocabulary] tensors alive in a `generate` step (see engine_components)
+
+
+def generate_scores_bytes(shape: ModelShape, rows: int) -> int:
+    """The score tensors of one `generate` sampling step over `rows` rows."""
+    return GENERATE_SCORE_COPIES * rows * shape.text.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -554,31 +562,55 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
     if r.engine == "hf":
         prompts = cfg.prompts_per_step // world
         rows = prompts * r.n
-        # Under bf16 autocast the lean decode step keeps its KV cache in bf16; transformers' layers keep the rotated
-        # keys in float32 (values bf16), so those count as float32. The lean step takes SDPA/eager attention only
-        # (`vlrft.decoding.lean_weights.unsupported_reason`; plain LoRA it reads).
-        lean = r.lean_decode and m.attn_implementation in LEAN_ATTENTION
-        kv_dtype = ("bf16", 2) if hi == 2 and lean else ("float32", 4)
+        # How the engine samples this family (vlrft.sampling.hf_decoder, which the engine reads too): the lean group
+        # decoder (SDPA/eager attention, Qwen2/2.5/3-VL text decoders; plain LoRA it reads), the group decoder through
+        # transformers' layers, or transformers' `generate` (families without an M-RoPE rule).
+        decoder = hf_decoder(shape.model_type, r.lean_decode, m.attn_implementation)
+        lean = decoder == "lean"
+        # Under bf16 autocast over float32 weights the lean decode step keeps its KV cache in bf16; transformers'
+        # layers (and `generate`) keep the keys in float32 (rotated by the float32 residual stream's cos/sin) and the
+        # values in bf16.
+        if hi == 2:
+            kv_dtype = ("bf16", 2, 2) if lean else ("float32-key, bf16-value", 4, 2)
+        else:
+            kv_dtype = ("float32", 4, 4)
+        per_token = shape.text.num_layers * shape.text.kv_dim * (kv_dtype[1] + kv_dtype[2])
         # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
         if lean and shares_prompt(r.n, d.max_prompt_length) and not r.tools:
-            kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * kv_bytes_per_token(shape, kv_dtype[1])
+            kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * per_token
             what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
                     f"{r.tokens_after_prompt} tokens each")
         else:
-            kv = rows * seq_len * kv_bytes_per_token(shape, kv_dtype[1])
-            what = f"the rank's {rows} rollouts x {seq_len} tokens"
-        comps.append(Component("engine_kv_cache", kv, rollout, f"hf engine: {kv_dtype[0]} KV cache of {what}"))
+            kv = rows * seq_len * per_token
+            what = f"the rank's {rows} rollouts x {seq_len} tokens, each row its own prompt"
+        how = {"lean": "lean group decoder", "transformers_layers": "group decoder through transformers' layers",
+               "generate": "transformers' generate"}[decoder]
+        comps.append(Component("engine_kv_cache", kv, rollout, f"hf engine ({how}): {kv_dtype[0]} KV cache of {what}"))
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
-        # the prefill of the rank's prompts, PREFILL_TOKENS at a time: one layer's activations at a time, of the vision
-        # tower's patches or of the text layers' tokens
         text_layer, vision_layer = _per_token_layer_bytes(shape, hi)
-        at_once = max(1, min(prompts, PREFILL_TOKENS // max(1, d.max_prompt_length)))  # prompts per prefill call
-        prefill = at_once * max(d.max_prompt_length * text_layer, patches * vision_layer)
-        comps.append(Component("engine_prefill", prefill, rollout,
-                               f"hf engine: the prefill of {at_once} of the rank's {prompts} prompts at once "
-                               f"(rollout prefills {PREFILL_TOKENS} tokens at a time), a layer at a time"))
+        if decoder == "generate":
+            # `generate` gets all the rank's prompts in one call (max_batch_prompts), encodes their images once, then
+            # repeats every prompt n times and prefills the rows together: a layer's activations of every row's
+            # prompt; its first logits are of the last position only (logits_to_keep=1), and each step keeps a few
+            # [rows, vocabulary] float32 score tensors (logits, processed scores, the recorder's log-softmax, probs)
+            prefill = max(rows * d.max_prompt_length * text_layer, prompts * patches * vision_layer)
+            comps.append(Component("engine_prefill", prefill, rollout,
+                                   f"hf engine (transformers' generate): the prefill of the rank's {prompts} prompts "
+                                   f"repeated {r.n} times ({rows} rows of {d.max_prompt_length} tokens at once), a "
+                                   "layer at a time"))
+            comps.append(Component("engine_scores", generate_scores_bytes(shape, rows), rollout,
+                                   f"hf engine (transformers' generate): {GENERATE_SCORE_COPIES} float32 score "
+                                   f"tensors of {rows} rows x {shape.text.vocab_size} vocabulary per step"))
+        else:
+            # the prefill of the rank's prompts, PREFILL_TOKENS at a time: one layer's activations at a time, of the
+            # vision tower's patches or of the text layers' tokens
+            at_once = max(1, min(prompts, PREFILL_TOKENS // max(1, d.max_prompt_length)))  # prompts per prefill call
+            prefill = at_once * max(d.max_prompt_length * text_layer, patches * vision_layer)
+            comps.append(Component("engine_prefill", prefill, rollout,
+                                   f"hf engine: the prefill of {at_once} of the rank's {prompts} prompts at once "
+                                   f"(rollout prefills {PREFILL_TOKENS} tokens at a time), a layer at a time"))
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         engine_bytes = 4 if m.dtype == "float32" else 2  # the engine is given model.dtype (weights and KV cache)

@@ -148,21 +148,19 @@ class HFEngine:
                             texts=[one.texts[r] for r in rows])
         from transformers import LogitsProcessorList
 
-        from vlrft.models.positions import has_rope_index
         from vlrft.decoding import sampling_warpers
+        from vlrft.models.actor import base_of
+        from vlrft.sampling import hf_decoder
         from vlrft.vision import mm_token_type_ids, token_type_kwargs
 
         model = self._get_model()
-        # the group decoder only for models it places by an M-RoPE rule (Gemma 3, InternVL 3, LLaVA-OneVision:
-        # transformers' generate)
-        from vlrft.models.actor import split_head
-
-        share = has_rope_index(split_head(model)[0]) and self.share_prompts is not False
-        if share:
+        # the group decoder for the families vlrft.sampling names (the memory plan reads the same); the others
+        # (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) through transformers' generate
+        model_type = getattr(getattr(base_of(model), "config", None), "model_type", None)
+        if hf_decoder(str(model_type)) != "generate" and self.share_prompts is not False:
             return self._generate_groups(model, batch, sampling)
         was_training = model.training
         model.eval()
-        from vlrft.models.actor import base_of
 
         copies = sampling.n if type(base_of(model)).__name__ in REPEAT_PROMPTS_FOR else 1
         config = self.generation_config(dataclasses.replace(sampling, n=sampling.n // copies))
