@@ -25,6 +25,7 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert report["families"]["glm4v"].startswith("GLM-4.1V: images (videos refused); engines hf and vllm")
     assert "no prompt sharing" in report["families"]["gemma3"]
     assert report["families"]["internvl"].startswith("InternVL 3: images, a variable number of tiles each")
+    assert "engines hf (transformers' generate) and vllm" in report["families"]["internvl"]
     assert report["families"]["llava_onevision"].startswith("LLaVA-OneVision: images, anyres crops with image_sizes")
     assert "engines hf (transformers' generate) and vllm" in report["families"]["llava_onevision"]
     assert report["families"]["smolvlm"].startswith("SmolVLM: images split into tiles (videos refused); engine hf")

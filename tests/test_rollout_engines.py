@@ -34,7 +34,8 @@ from vlrft.tokens import TokenSpec
 from vlrft.rollout.outputs import (EngineError, EngineSample, PromptMismatchError, sglang_samples, to_rollouts,
                                    vllm_samples)
 from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOutput, expand_vision_placeholders,
-                                    fold_vision_placeholders, placeholder_runs, sglang_requests, tokens_per_item,
+                                    fold_vision_placeholders, image_wrappers, placeholder_runs, sglang_requests,
+                                    tokens_per_item, unwrap_image_runs,
                                     vllm_requests)
 from vlrft.rollout.sglang import sglang_engine_kwargs, sglang_sampling_params
 from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
@@ -206,6 +207,36 @@ def test_vllm_requests_of_llava_onevision_fold_images_alone_and_refuse_images_en
                                                r"multi-image prompt as one crop.*use rollout.engine=hf") as caught:
         vllm_requests(batch, tokens)
     assert "\n" not in str(caught.value)
+
+
+def test_unwrap_drops_the_start_and_end_tokens_around_each_run_and_refuses_any_other_layout():
+    """InternVL 3: `<img>` (8) + `<IMG_CONTEXT>` (6) x N + `</img>` (9) per image; vLLM writes the 8 and 9 itself."""
+    ids = [1, 8, 6, 6, 6, 9, 4, 8, 6, 6, 9, 2]
+    assert unwrap_image_runs(ids, 6, 8, 9, "s") == [1, 6, 6, 6, 4, 6, 6, 2]
+    assert unwrap_image_runs([1, 2], 6, 8, 9, "s") == [1, 2]
+    for bad in ([1, 8, 6, 6, 4], [1, 8, 9, 2], [1, 6, 6, 9], [1, 8, 6, 6]):
+        with pytest.raises(EngineInputError, match=r"^s: "):
+            unwrap_image_runs(bad, 6, 8, 9, "s")
+
+
+def test_vllm_requests_of_internvl_are_one_context_token_an_image_without_its_wrappers(encoded):
+    """What vLLM's InternVL replacement (`<IMG_CONTEXT>` -> `<img>` + tiles x 4 `<IMG_CONTEXT>` + `</img>`) expands
+    back to exactly our ids; every tile count is vLLM's to recompute, checked by the exact-ids check."""
+    batch, tokens, processor = encoded("internvl")
+    wrappers = image_wrappers(processor)
+    assert wrappers == (processor.start_image_token_id, processor.end_image_token_id)
+    assert image_wrappers(object()) is None  # other processors: no wrappers to drop
+    requests = vllm_requests(batch, tokens, wrappers)
+    assert [r.prompt_ids for r in requests] == batch.prompt_ids
+    start, end = wrappers
+    for i, request in enumerate(requests[1:], start=1):
+        folded = request.payload["prompt_token_ids"]
+        assert folded.count(tokens.image_token_id) == len(batch.images[i]) and start not in folded and end not in folded
+        runs = placeholder_runs(batch.prompt_ids[i], tokens.image_token_id)
+        expanded = []
+        for tok in folded:
+            expanded.extend([start] + [tok] * runs.pop(0) + [end] if tok == tokens.image_token_id else [tok])
+        assert expanded == batch.prompt_ids[i]
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -843,22 +874,21 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
     engine = make_engine(moe, tiny_processor("qwen3_vl"), RecordingBackend())
     with pytest.raises(UserError, match=r"Qwen3VLMoeForConditionalGeneration: .*experts.*rollout.engine=hf"):
         engine.update_weights(moe)
-    for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl"):  # InternViT's 3-D cls_token is as published
         assert unsyncable_weights(load_policy(tiny_vlm_dir(arch))) == []
 
 
 @pytest.mark.parametrize("engine, family", [("sglang", "glm4v"), ("vllm", "qwen3_vl_moe"), ("sglang", "qwen3_vl_moe"),
-                                            ("vllm", "gemma3"), ("sglang", "gemma3"), ("vllm", "internvl"),
-                                            ("sglang", "internvl"), ("sglang", "llava_onevision"), ("vllm", "smolvlm"),
-                                            ("sglang", "smolvlm")])
+                                            ("vllm", "gemma3"), ("sglang", "gemma3"), ("sglang", "internvl"),
+                                            ("sglang", "llava_onevision"), ("vllm", "smolvlm"), ("sglang", "smolvlm")])
 def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, family, tiny_vlm_dir,
                                                                           tiny_processor):
     """Families an engine server was never run with train with the hf engine; vLLM/SGLang refuse them before they
     start, naming the way out, instead of failing inside the server or syncing weights under the wrong names
-    (GLM-4.1V and LLaVA-OneVision run on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here; Gemma 3's
-    placeholders expand to text around the image tokens, which the prompt folding does not invert; Qwen3-VL-MoE's fused
-    experts are kept in memory in another layout than the engines load, `vlrft.models.weights.unsyncable_weights`;
-    InternVL 3 and SmolVLM were never run on them)."""
+    (GLM-4.1V, LLaVA-OneVision and InternVL 3 run on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here;
+    Gemma 3's placeholders expand to text around the image tokens, which the prompt folding does not invert;
+    Qwen3-VL-MoE's fused experts are kept in memory in another layout than the engines load,
+    `vlrft.models.weights.unsyncable_weights`; SmolVLM was never run on them)."""
     from vlrft.errors import UserError
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy
@@ -874,6 +904,6 @@ def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine
 
         assert {n.rsplit(".", 1)[-1] for n in unsyncable_weights(model)} == {"gate_up_proj", "down_proj"}
     with pytest.raises(UserError, match=f"rollout.engine={engine} is not tested with model family '{family}' "
-                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl(, glm4v, llava_onevision)?\); use "
+                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl(, glm4v, llava_onevision, internvl)?\); use "
                                         "rollout.engine=hf"):
         make_engine(cfg, deps)

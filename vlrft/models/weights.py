@@ -133,8 +133,9 @@ def unsyncable_weights(model: nn.Module) -> list[str]:
     """In-memory names of the weights vLLM's and SGLang's loaders would read wrongly if sent as they are in memory:
     those transformers converts (not only renames) between a published checkpoint and memory, and fused MoE experts
     (3-D weights: transformers 5 keeps Qwen3-VL-MoE's `gate_up_proj` as [experts, 2 x intermediate, hidden], the
-    release and the engines [experts, hidden, 2 x intermediate]). `checkpoint_names` maps names, not layouts."""
-    names = [name for name, p in model.named_parameters() if p.dim() == 3]
+    release and the engines [experts, hidden, 2 x intermediate]). `checkpoint_names` maps names, not layouts. Other
+    3-D parameters (InternViT's cls_token [1, 1, C] and position_embeddings [1, N, C]) are as published."""
+    names = [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, apply_converters

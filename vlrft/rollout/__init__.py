@@ -7,7 +7,8 @@ from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, EngineDeps, RolloutEn
 ENGINES = ("hf", "vllm", "sglang")
 # The model families each engine server is tested with (tests/test_engine_contracts.py, tests/test_vllm_executed.py);
 # the hf engine runs every family vlrft loads (vlrft.models.loading.SUPPORTED_FAMILIES).
-SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
+SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision",
+                                   "internvl"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:

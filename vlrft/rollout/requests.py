@@ -29,6 +29,11 @@ One tokenization (docs/design.md, spine rule 1), engine by engine:
 Qwen3-VL videos interleave timestamp text between frame groups; folding them needs the text, so the
 vLLM path refuses them (SGLang and the transformers engine take them).
 
+InternVL 3's processor writes `<img>` + N `<IMG_CONTEXT>` + `</img>` for an image whose prompt had one
+`<IMG_CONTEXT>`, and vLLM's replacement (vllm/model_executor/models/interns1.py, which vLLM runs for
+transformers' `InternVLForConditionalGeneration`) writes the `<img>` / `</img>` around the run itself,
+so they are dropped with the fold (`unwrap_image_runs`).
+
 LLaVA-OneVision has no grids: each image (video) must be one run, folded whatever its length, and
 vLLM's `<image>` / `<video>` replacement is checked by the exact-ids check. A prompt whose images its
 processor encoded together (one crop each) is refused: vLLM's processor crops every image as if alone.
@@ -130,6 +135,42 @@ def fold_vision_placeholders(ids: Sequence[int], image_token_id: int, video_toke
     return folded
 
 
+def unwrap_image_runs(ids: Sequence[int], token_id: int, start_id: int, end_id: int, name: str) -> list[int]:
+    """Our ids without the `start_id` / `end_id` around each run of `token_id` (InternVL's `<img>` / `</img>`).
+
+    Every run must sit between one start and one end token and every start / end around a run,
+    as the processor wrote them; anything else is refused rather than guessed.
+    """
+    out: list[int] = []
+    i = 0
+    while i < len(ids):
+        tok = ids[i]
+        if tok == start_id:
+            j = i + 1
+            while j < len(ids) and ids[j] == token_id:
+                j += 1
+            if j == i + 1 or j == len(ids) or ids[j] != end_id:
+                raise EngineInputError(f"{name}: an image start token (id {start_id}) at position {i} is not "
+                                       f"followed by its placeholders (id {token_id}) and its end token (id {end_id})")
+            out.extend(ids[i + 1:j])
+            i = j + 1
+            continue
+        if tok in (token_id, end_id):
+            raise EngineInputError(f"{name}: token id {tok} at position {i} is outside an image's start and end "
+                                   f"tokens (ids {start_id}, {end_id})")
+        out.append(tok)
+        i += 1
+    return out
+
+
+def image_wrappers(processor: Any) -> tuple[int, int] | None:
+    """(start, end) token ids the processor writes around each image's placeholders and vLLM writes itself
+    (InternVL's `<img>`, `</img>`); None for processors without them."""
+    if not any(cls.__name__ == "InternVLProcessor" for cls in type(processor).__mro__):  # its image-only one too
+        return None
+    return int(processor.start_image_token_id), int(processor.end_image_token_id)
+
+
 def expand_vision_placeholders(ids: Sequence[int], image_token_id: int, video_token_id: int,
                                image_tokens: Sequence[int], video_tokens: Sequence[int]) -> list[int]:
     """The processor's expansion (each placeholder -> its item's token count): what vLLM does to folded ids."""
@@ -183,8 +224,10 @@ def check_images_encoded_alone(visual: Any, name: str) -> None:
                                "one tokenization: use rollout.engine=hf for prompts with several images")
 
 
-def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec") -> list[PromptRequest]:
-    """One vLLM prompt dict per prompt: folded ids + the PIL images / video frames our processor saw."""
+def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec",
+                  wrappers: tuple[int, int] | None = None) -> list[PromptRequest]:
+    """One vLLM prompt dict per prompt: folded ids + the PIL images / video frames our processor saw;
+    `wrappers`: `image_wrappers(processor)`, the tokens around each image that vLLM writes itself."""
     requests = []
     for i in range(len(batch)):
         visual = batch.visual.select([i])
@@ -195,7 +238,10 @@ def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec") -> list[PromptReque
             if visual.image_grid_thw is not None else visual.num_images
         video_tokens = tokens_per_item(visual.video_grid_thw, visual.merge_size) \
             if visual.video_grid_thw is not None else visual.num_videos
-        folded = fold_vision_placeholders(batch.prompt_ids[i], tokens.image_token_id, tokens.video_token_id,
+        ids = list(batch.prompt_ids[i])
+        if wrappers is not None:
+            ids = unwrap_image_runs(ids, tokens.image_token_id, *wrappers, name)
+        folded = fold_vision_placeholders(ids, tokens.image_token_id, tokens.video_token_id,
                                           image_tokens, video_tokens, name)
         payload: dict[str, Any] = {"prompt_token_ids": folded}
         media: dict[str, Any] = {}

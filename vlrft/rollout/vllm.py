@@ -47,7 +47,7 @@ from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import (DTYPES, ColocatedEngine, EngineOptions, RankLayout,
                                     tensor_parallel_group)
 from vlrft.rollout.outputs import EngineError, EngineSample, vllm_samples
-from vlrft.rollout.requests import PromptRequest, pixel_bounds, vllm_requests
+from vlrft.rollout.requests import PromptRequest, image_wrappers, pixel_bounds, vllm_requests
 
 if TYPE_CHECKING:
     from vlrft.tokens import TokenSpec
@@ -252,9 +252,10 @@ class VLLMEngine(ColocatedEngine):
             llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
                                                 pixel_bounds(deps.processor, cfg.data), sleep=sleep))
         actor = deps.actor
+        wrappers = image_wrappers(deps.processor)
         engine = cls(
             backend=VLLMBackend(llm, deps.tokens, owns_distributed=not distributed),
-            build_requests=lambda batch: vllm_requests(batch, deps.tokens),
+            build_requests=lambda batch: vllm_requests(batch, deps.tokens, wrappers),
             layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=deps.processor.tokenizer,
             tokens=deps.tokens,
             options=EngineOptions(dtype=DTYPES[cfg.model.dtype], device=strategy.device,
