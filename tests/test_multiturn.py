@@ -167,6 +167,38 @@ def test_training_logprobs_equal_the_engine_and_a_single_forward_over_the_conver
     assert torch.allclose(single[mask], torch.tensor(out.logprobs[r])[mask], atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llava_onevision", "internvl", "smolvlm", "gemma3"])
+def test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores(arch, tiny_vlm_dir, tmp_path):
+    """Families sampled through transformers' generate, two image prompts each getting a tool image: every second
+    turn samples from the prompt's image and the tool's (each encoded as its processor encodes them: LLaVA-OneVision
+    crops an image alone by anyres, so a trajectory holds two groups of crops), and the trainer's logprobs of the
+    sampled tokens over the whole trajectory equal the engine's."""
+    from PIL import Image
+
+    folder = tiny_vlm_dir(arch)
+    processor, model = load_processor(folder), load_policy(folder).eval()
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    encoder = PromptEncoder(processor, DATA)
+    tools = ToolSet([Tool("look", lambda call, context: zoom(ToolCall("zoom", {"region": "center"}), context),
+                          "look closer", {"type": "object", "properties": {}})], timeout_s=5)
+    samples = [Sample(id="wide", prompt="<image>What is it?", images=[Image.effect_noise((224, 112), 60).convert("RGB")]),
+               Sample(id="tall", prompt="<image>Where?", images=[Image.effect_noise((112, 224), 50).convert("RGB")])]
+    batch = encoder.encode(samples).batch
+    engine = MultiTurnEngine(HFEngine(lambda: model, processor, tokens), processor, tokens, tools, max_turns=2,
+                             max_trajectory_tokens=400, image_bounds=_pixel_bounds(processor.image_processor, DATA),
+                             merge_size=encoder.merge_size, parse_call=lambda text: ToolCall("look", {}))
+    # every token ends a turn, so each first turn is one token long and calls the tool
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=4, stop_token_ids=tuple(range(model.config.get_text_config().vocab_size))))
+    assert out.turns == [2, 2, 2, 2] and out.metrics()["tools/images_returned"][0] == 4
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    with torch.no_grad():
+        lp = actor.logprobs(out.sequences(batch, list(range(len(out))), tokens.pad_id)).logprobs
+    for r in range(len(out)):
+        mask = torch.tensor(out.sampled_mask[r], dtype=torch.bool)
+        assert torch.allclose(lp[r, :len(mask)][mask], torch.tensor(out.logprobs[r])[mask], atol=1e-4), r
+
+
 def test_tool_output_tokens_get_no_gradient(setup):
     _, model, tokens, batch, out, _ = setup
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)

@@ -357,12 +357,9 @@ def test_multi_turn_with_an_image_tool_samples_what_transformers_samples(stack):
     ours = MultiTurnEngine.from_deps(cfg, stack.deps, stack.engine).generate(batch, sampling)
     assert all(0 in mask for mask in ours.sampled_mask)  # observations inside the trajectories
     assert ours.turns == [2, 2] and ours.metrics()["tools/images_returned"][0] == 2
-    # LLaVA-OneVision: the hf engine (transformers' generate) fails on a trajectory's images encoded one by one
-    # (it splits the pixel rows by image_sizes over the prompt's count); the trainer's logprobs below still hold.
-    if stack.arch != "llava_onevision":
-        hf = HFEngine(lambda: stack.model, stack.processor, stack.tokens, max_batch_prompts=2)
-        reference = MultiTurnEngine.from_deps(cfg, stack.deps, hf).generate(batch, sampling)
-        assert ours.completion_ids == reference.completion_ids
+    hf = HFEngine(lambda: stack.model, stack.processor, stack.tokens, max_batch_prompts=2)
+    reference = MultiTurnEngine.from_deps(cfg, stack.deps, hf).generate(batch, sampling)
+    assert ours.completion_ids == reference.completion_ids
     seqs = ours.sequences(batch, list(range(len(ours))), stack.tokens.pad_id)
     with torch.no_grad():
         trainer = stack.actor.logprobs(seqs, temperature=1.0).logprobs.double()

@@ -49,7 +49,6 @@ class KeyRule:
     layout: Layout
     pixels: bool = False
     model_input: bool = True  # False: bookkeeping VisualBatch slices but the model's forward never sees
-    images_per_sample: bool = False  # it holds each sample's image count: a batch without it has images_per_sample
 
 
 # Processor output key -> slicing rule. The four Qwen-VL keys are fields of VisualBatch; any other
@@ -64,7 +63,9 @@ SLICING_RULES: dict[str, KeyRule] = {
     "pixel_attention_mask": KeyRule(Layout.PER_IMAGE),  # Idefics/SmolVLM-style families
     # InternVL / LLaVA-OneVision: pixel rows (crops) per image, when there is no grid (`crop_rows`)
     "num_patches": KeyRule(Layout.PER_IMAGE, model_input=False),
-    "batch_num_images": KeyRule(Layout.PER_SAMPLE, images_per_sample=True),  # LLaVA-OneVision (1: anyres crops)
+    # LLaVA-OneVision: per image, how many images the prompt it was encoded with had (1: anyres crops, more: one crop);
+    # `model_inputs` hands the forward one entry per such group (`encoding_groups`)
+    "batch_num_images": KeyRule(Layout.PER_IMAGE),
 }
 # Processor outputs that belong to the text side, not to VisualBatch.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids", "video_metadata"})
@@ -106,11 +107,14 @@ def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> 
     carry another padding than the same samples processed alone; the crops are unpadded to rows by the model's own
     rule (an image alone in its prompt: the base crop and its best anyres grid, by `image_sizes`; each image of a
     multi-image prompt: one crop), which its forward takes as they are (4-D pixel values), and `batch_num_images`
-    becomes the images of every prompt, text-only ones included (0)."""
+    is kept per image (the images of the prompt it was encoded with), so that a multi-turn trajectory that joins a
+    prompt's images with a tool's, each encoded alone, still tells the forward how each image was cropped."""
     name = type(processor).__name__
     out, pixels = dict(outputs), outputs.get("pixel_values")
-    if name == "LlavaOnevisionProcessor":  # every batch has it, so that any two concatenate
-        out["batch_num_images"] = list(images_per_sample)
+    if name == "LlavaOnevisionProcessor":
+        out.pop("batch_num_images", None)
+        if pixels is not None:
+            out["batch_num_images"] = [n for n in images_per_sample for _ in range(n)]
     if pixels is None or name not in CROP_PROCESSORS:
         return out
     if name == "InternVLProcessor":
@@ -139,6 +143,20 @@ def crop_rows(processor, outputs: Mapping, images_per_sample: Sequence[int]) -> 
     out["pixel_values"] = torch.cat([torch.as_tensor(p)[:n] for p, n in zip(pixels, counts)])
     out["num_patches"] = counts
     return out
+
+
+def encoding_groups(per_image: torch.Tensor) -> torch.Tensor:
+    """Per image, the size of the group of images it was encoded with -> one entry per group, in order (what
+    LLaVA-OneVision's forward takes as `batch_num_images`: a 1 is an image cropped alone, k > 1 a prompt's k images
+    of one crop each). Samples are selected whole, so a group is never cut."""
+    groups, i, sizes = [], 0, [int(n) for n in per_image.tolist()]
+    while i < len(sizes):
+        size = sizes[i]
+        if size < 1 or sizes[i:i + size] != [size] * size:
+            raise VisualMismatchError(f"batch_num_images {sizes}: the group of {size} image(s) at image {i} is cut")
+        groups.append(size)
+        i += size
+    return torch.tensor(groups, dtype=per_image.dtype, device=per_image.device)
 
 
 def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
@@ -290,8 +308,6 @@ class VisualBatch:
             for b in batches:
                 if key in b.extra:
                     parts.append(b.extra[key])
-                elif SLICING_RULES[key].images_per_sample:  # e.g. a text-only batch built without a processor
-                    parts.append(torch.tensor(b.images_per_sample, dtype=torch.long))
                 elif b._item_count(layout):
                     raise ValueError(f"cannot concatenate: one batch has '{key}' and another with "
                                      f"{layout.value} data lacks it")
@@ -417,6 +433,8 @@ class VisualBatch:
             for key in ("pixel_values", "pixel_attention_mask"):
                 if key in inputs:
                     inputs[key] = self._padded_per_sample(inputs[key])
+        if "batch_num_images" in inputs:
+            inputs["batch_num_images"] = encoding_groups(inputs["batch_num_images"])
         return inputs
 
     def _padded_per_sample(self, tiles: torch.Tensor) -> torch.Tensor:

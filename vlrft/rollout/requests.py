@@ -217,8 +217,8 @@ def check_images_encoded_alone(visual: Any, name: str) -> None:
     prompt, so it would crop them otherwise (and fails to place the placeholders). Images that each
     were encoded alone (a multi-turn trajectory's tool images) are what vLLM computes.
     """
-    crops = visual.extra.get("num_patches")
-    if "batch_num_images" in visual.extra and crops is not None and any(int(n) == 1 for n in crops.tolist()):
+    groups = visual.extra.get("batch_num_images")
+    if groups is not None and any(int(n) > 1 for n in groups.tolist()):
         raise EngineInputError(f"{name}: LLaVA-OneVision encodes each image of a multi-image prompt as one crop, but "
                                "vLLM's processor crops every image as if alone (anyres), so the prompt cannot keep "
                                "one tokenization: use rollout.engine=hf for prompts with several images")
