@@ -40,5 +40,5 @@ def test_the_plan_imports_the_decoders_sizes_rather_than_copying_them():
     import vlrft.sampling as sampling
 
     assert memory.PREFILL_TOKENS is sampling.PREFILL_TOKENS and memory.shares_prompt is sampling.shares_prompt
-    assert memory.LEAN_ATTENTION is sampling.LEAN_ATTENTION
+    assert memory.hf_decoder is sampling.hf_decoder  # which decoder a family samples with: the engine's own table
     assert not hasattr(memory, "SHARED_PROMPT_TOKENS")  # read through shares_prompt, not a copy
