@@ -50,5 +50,10 @@ setup(
     package_data={"vlrft.data.prepare": ["templates.yaml"], "vlrft.plan": ["model_configs/*.json"]},
     install_requires=CORE,
     extras_require=EXTRAS,
-    entry_points={"console_scripts": ["vlrft=vlrft.cli:main"]},
+    entry_points={
+        "console_scripts": ["vlrft=vlrft.cli:main"],
+        # vLLM loads these in every one of its processes: our weight-transfer backend "vlrft_shm" for
+        # `--weight-transfer-config '{"backend": "vlrft_shm"}'` (vlrft/rollout/weight_transfer.py)
+        "vllm.general_plugins": ["vlrft_weight_transfer=vlrft.rollout.weight_transfer:register"],
+    },
 )

@@ -1,0 +1,341 @@
+"""Weight sync into running vLLM servers through vLLM's native weight-transfer API, over shared memory.
+
+Two halves, one protocol:
+
+* `ShmWeightTransferEngine` (backend "vlrft_shm") runs inside every vLLM worker. vLLM creates it when the server
+  is started with `--weight-transfer-config '{"backend": "vlrft_shm"}'`; `register()` (our `vllm.general_plugins`
+  entry point, see setup.py) puts it in vLLM's engine registry in every vLLM process. Each `/update_weights` names
+  one safetensors file the trainer wrote (a bucket of checkpoint-named tensors); the engine reads it and loads each
+  tensor through the model's own `load_weights` inside vLLM's checkpoint-format layerwise reload (opened at
+  `/start_weight_update`, closed at `/finish_weight_update`), so each layer's post-load processing (the CPU
+  backend's oneDNN packing, quantisation) runs on the new weights.
+* `ServerWeightSync` runs in the trainer: it drives the four phases (start / update per bucket / finish / version)
+  on one or more servers, between `/pause` and `/resume`, and checks every worker's report.
+
+Accounting: a tensor counts as consumed when the model's `load_weights` returns a parameter for it (vLLM's loaders
+return the names they loaded). Names vLLM's loaders drop silently (a bias the model has no parameter for, a tied
+`lm_head`) or refuse (no such parameter) are reported unconsumed. The worker never raises on that (a raise mid
+update would leave layers half loaded on the meta device): it writes a JSON report next to the buckets at finish,
+after vLLM has finalised the reload, and the trainer fails naming the first unconsumed tensors. Servers must share
+the trainer's filesystem (same host; /dev/shm by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BACKEND = "vlrft_shm"
+PAUSE_MODE = "wait"  # see ServerWeightSync
+
+
+# ============================================================================================ worker side (vLLM)
+
+
+def register() -> None:
+    """`vllm.general_plugins` entry point: add our engine to vLLM's registry (vLLM loads plugins in every process,
+    possibly more than once in one, and the registry refuses a second registration)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "ShmWeightTransferEngine")
+
+
+def _engine_class():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    @dataclass
+    class ShmInitInfo:
+        folder: str  # where the trainer writes buckets and the workers write reports
+        server: str  # this server's id in the trainer (names its reports)
+
+    @dataclass
+    class ShmUpdateInfo:
+        file: str  # bucket file name inside `folder`
+        sync: int  # the trainer's sync counter (names the report)
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+    class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+        """Checkpoint-format buckets from safetensors files, loaded through vLLM's layerwise reload."""
+
+        init_info_cls = ShmInitInfo
+        update_info_cls = ShmUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self.init_info: ShmInitInfo | None = None
+            self._reset()
+
+        def _reset(self) -> None:
+            self.sync: int | None = None
+            self.received = 0
+            self.unconsumed: dict[str, str] = {}  # name -> why
+            self.loaded: set[str] = set()  # vLLM parameter names load_weights reported
+
+        def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+            if not os.path.isdir(init_info.folder):
+                raise ValueError(f"vlrft_shm: folder {init_info.folder!r} does not exist on this server's host")
+            self.init_info = init_info
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            if self.init_info is None:
+                raise RuntimeError("vlrft_shm: /init_weight_transfer_engine first")
+            self._reset()
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to wait for
+
+        def receive_weights(self, info: ShmUpdateInfo) -> None:
+            from safetensors.torch import load_file
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+            assert self.init_info is not None
+            self.sync = info.sync
+            self.received += len(info.names)
+            path = os.path.join(self.init_info.folder, os.path.basename(info.file))
+            try:
+                tensors = load_file(path, device=str(self.device))
+            except Exception as err:  # noqa: BLE001 - accounted below, never raised mid update
+                self.unconsumed.update({n: f"bucket {info.file} unreadable: {err}" for n in info.names})
+                return
+            with disable_mtp_completeness_check():
+                for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+                    tensor = tensors.pop(name, None)
+                    if tensor is None:
+                        self.unconsumed[name] = f"not in {info.file}"
+                    elif str(tensor.dtype).removeprefix("torch.") != dtype_name or list(tensor.shape) != shape:
+                        self.unconsumed[name] = f"{tensor.dtype} {list(tensor.shape)} in the file, " \
+                                                f"announced {dtype_name} {shape}"
+                    else:
+                        try:
+                            loaded = self.model.load_weights([(name, tensor)])
+                        except Exception as err:  # noqa: BLE001 - e.g. "There is no module or parameter named"
+                            self.unconsumed[name] = f"load_weights refused it: {str(err)[:200]}"
+                            continue
+                        if loaded:
+                            self.loaded.update(loaded)
+                        else:
+                            self.unconsumed[name] = "load_weights loaded nothing for it"
+            for name in tensors:  # in the file but not announced
+                self.unconsumed[name] = f"in {info.file} but not announced"
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            assert self.init_info is not None
+            params = {name for name, _ in self.model.named_parameters()}
+            report = {"sync": self.sync, "received": self.received, "unconsumed": self.unconsumed,
+                      "missing": sorted(params - self.loaded), "pid": os.getpid()}
+            if self.unconsumed:
+                from vllm.logger import init_logger
+
+                init_logger(__name__).error("vlrft_shm: %d tensor(s) not consumed: %s", len(self.unconsumed),
+                                            list(self.unconsumed)[:5])
+            name = f"report-{self.init_info.server}-{self.sync}-{os.getpid()}.json"
+            tmp = os.path.join(self.init_info.folder, "." + name)
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, os.path.join(self.init_info.folder, name))  # readers never see half a report
+            self._reset()
+
+        def shutdown(self) -> None:
+            self.init_info = None
+
+    return ShmWeightTransferEngine
+
+
+def __getattr__(name: str):  # vLLM's factory imports `ShmWeightTransferEngine` lazily; vLLM is imported only then
+    if name == "ShmWeightTransferEngine":
+        cls = _engine_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+# ============================================================================================ trainer side
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that did not reach every server, or left a tensor unconsumed."""
+
+
+@dataclass
+class SyncStats:
+    seconds: float
+    bytes: int
+    tensors: int
+    buckets: int
+    missing: list[str] = field(default_factory=list)  # vLLM parameters no tensor of this sync loaded
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class ServerWeightSync:
+    """Pushes the policy's weights into running vLLM servers (started with the "vlrft_shm" backend) on this host.
+
+        sync = ServerWeightSync(["http://127.0.0.1:8000"])   # checks every server, then /init_weight_transfer_engine
+        sync.sync(policy_weights.buckets(bucket_bytes, "cpu"), version="step-12")  # pause ... resume
+        sync.close()
+
+    Per sync, on every server: `/pause?mode=wait`, `/start_weight_update`, `/update_weights` per bucket (one
+    safetensors file in `folder`, written once and read by all servers), `/finish_weight_update`,
+    `/update_weight_version` (read back from `/weight_info`), `/reset_prefix_cache`, `/reset_mm_cache`,
+    `/reset_encoder_cache`, `/resume`.
+
+    Pause mode "wait": in-flight requests finish on the weights they started with, so every sample's tokens come
+    from one policy version (vlrft syncs between rollouts, so there are normally none). "abort" would discard work
+    the caller then sees as aborted; "keep" freezes them and continues them on the new weights, mixing two policies
+    (and stale KV) within one sample.
+
+    A sync fails (`WeightSyncError`, one line) if any server fails any phase or any worker leaves a tensor
+    unconsumed; the servers are then left paused, none reports the new version. `require_complete`: fail too
+    if a vLLM parameter received nothing (a partial sync).
+    """
+
+    def __init__(self, urls: str | Iterable[str], folder: str | None = None, timeout: float = 600.0,
+                 connect_timeout: float = 3.0, pause_mode: str = PAUSE_MODE, require_complete: bool = True):
+        import requests
+
+        self.urls = [urls.rstrip("/")] if isinstance(urls, str) else [u.rstrip("/") for u in urls]
+        if not self.urls:
+            raise ValueError("ServerWeightSync: no server URLs")
+        self.http = requests.Session()
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.pause_mode, self.require_complete = pause_mode, require_complete
+        base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.folder = tempfile.mkdtemp(prefix="vlrft-xfer-", dir=base)
+        os.chmod(self.folder, 0o755)
+        self.count = 0
+        self.workers = [self._call(u, "GET", "/get_world_size", short=True)["world_size"] for u in self.urls]
+        self._all("POST", "/init_weight_transfer_engine",
+                  lambda i: {"init_info": {"folder": self.folder, "server": f"s{i}"}})
+
+    # ------------------------------------------------------------------------------------------- HTTP
+    def _call(self, url: str, method: str, path: str, json_body: Any = None, params: dict | None = None,
+              short: bool = False) -> Any:
+        import requests
+
+        try:
+            response = self.http.request(method, url + path, json=json_body, params=params,
+                                         timeout=(self.connect_timeout, self.connect_timeout if short else
+                                                  self.timeout))
+        except requests.RequestException as err:
+            raise WeightSyncError(f"vLLM server {url} unreachable ({path}): {type(err).__name__}") from None
+        if response.status_code != 200:
+            raise WeightSyncError(f"vLLM server {url}{path} answered {response.status_code}: "
+                                  f"{' '.join(response.text.split())[:300]}")
+        return response.json() if response.content else None
+
+    def _all(self, method: str, path: str, body=None, params: dict | None = None) -> list[Any]:
+        """The same call on every server at once; fails (after all have answered) if any failed."""
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [pool.submit(self._call, url, method, path, body(i) if callable(body) else body, params)
+                       for i, url in enumerate(self.urls)]
+            errors = [f.exception() for f in futures]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise WeightSyncError(f"{failed[0]}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+        return [f.result() for f in futures]
+
+    # ------------------------------------------------------------------------------------------- phases
+    def pause(self) -> None:
+        self._all("POST", "/pause", params={"mode": self.pause_mode})
+
+    def resume(self) -> None:
+        self._all("POST", "/resume")
+
+    def versions(self) -> list[str]:
+        return [r["weight_version"] for r in self._all("GET", "/weight_info")]
+
+    def sync(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str) -> SyncStats:
+        """One full sync of `buckets` (lists of (checkpoint name, tensor)); `version` is set on every server."""
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        self.count += 1
+        nbytes = tensors = files = 0
+        self.pause()
+        self._all("POST", "/start_weight_update")
+        for bucket in buckets:
+            names = [n for n, _ in bucket]
+            if len(set(names)) != len(names):
+                raise WeightSyncError(f"bucket {files} names a tensor twice")
+            file = f"b{self.count}-{files}-{uuid.uuid4().hex[:8]}.safetensors"
+            path = os.path.join(self.folder, file)
+            contiguous = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
+            save_file(contiguous, path)
+            info = {"file": file, "sync": self.count, "names": names,
+                    "dtype_names": [str(t.dtype).removeprefix("torch.") for t in contiguous.values()],
+                    "shapes": [list(t.shape) for t in contiguous.values()]}
+            try:
+                self._all("POST", "/update_weights", {"update_info": info})
+            finally:
+                os.unlink(path)
+            nbytes += sum(t.numel() * t.element_size() for t in contiguous.values())
+            tensors, files = tensors + len(names), files + 1
+            del bucket, contiguous
+        self._all("POST", "/finish_weight_update")
+        missing = self._check_reports(tensors)
+        self._all("POST", "/update_weight_version", {"new_version": version})
+        if set(self.versions()) != {version}:
+            raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
+        for url, result in zip(self.urls, self._all("POST", "/reset_prefix_cache")):
+            if not result.get("success"):
+                raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
+        self._all("POST", "/reset_mm_cache")
+        self._all("POST", "/reset_encoder_cache")
+        self.resume()
+        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
+
+    def _check_reports(self, sent: int) -> list[str]:
+        """Every worker of every server reported this sync, with every tensor consumed."""
+        missing: set[str] = set()
+        for i, (url, workers) in enumerate(zip(self.urls, self.workers)):
+            prefix = f"report-s{i}-{self.count}-"
+            paths = [os.path.join(self.folder, f) for f in os.listdir(self.folder) if f.startswith(prefix)]
+            if len(paths) != workers:
+                raise WeightSyncError(f"vLLM server {url}: {len(paths)} of its {workers} workers reported sync "
+                                      f"{self.count} (is it running the {BACKEND} backend on this host?)")
+            for path in paths:
+                with open(path) as f:
+                    report = json.load(f)
+                os.unlink(path)
+                if report["unconsumed"]:
+                    first = list(report["unconsumed"].items())[:3]
+                    raise WeightSyncError(
+                        f"vLLM server {url} did not consume {len(report['unconsumed'])} of {sent} tensors: " +
+                        "; ".join(f"{n} ({why})" for n, why in first) + " (servers left paused)")
+                if report["received"] != sent:
+                    raise WeightSyncError(f"vLLM server {url}: a worker received {report['received']} of the "
+                                          f"{sent} tensors sent")
+                missing |= set(report["missing"])
+        if missing and self.require_complete:
+            raise WeightSyncError(f"{len(missing)} vLLM parameters got no tensor in this sync: "
+                                  f"{sorted(missing)[:3]} (servers left paused)")
+        return sorted(missing)
+
+    def close(self) -> None:
+        """Release the servers' transfer engines (they keep serving) and remove the bucket folder."""
+        try:
+            self._all("POST", "/shutdown_weight_transfer_engine")
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
