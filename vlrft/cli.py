@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("vlrft.commands.env_cmd", "print this machine's stack (torch, GPUs, engines) and what in it does not fit"),
     "tiny": ("vlrft.commands.tiny_cmd", "build a tiny random-weight VLM (Qwen-VL, Qwen3-VL-MoE, GLM-4.1V, Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) + processor folder (tests, demo)"),
     "data": ("vlrft.commands.data_cmd", "check, convert or generate datasets (data check|convert|synth)"),
+    "serve-command": ("vlrft.commands.serve_command_cmd", "print the command that starts a vLLM rollout server "
+                      "(rollout.engine=vllm_server)"),
     "reward-server": ("vlrft.commands.reward_server_cmd", "serve reward functions over HTTP for the 'remote' reward"),
 }
 

@@ -137,9 +137,10 @@ class ToolConfig:
 class RolloutConfig:
     """Sampling completions: the engine, the batch and the sampling options."""
 
-    engine: Literal["hf", "vllm", "sglang"] = option(
+    engine: Literal["hf", "vllm", "sglang", "vllm_server"] = option(
         "hf", "'hf': transformers on the policy itself (no extra memory); 'vllm' / 'sglang': a colocated engine on "
-        "the GPU (much faster sampling)")
+        "the GPU (much faster sampling); 'vllm_server': vLLM servers of their own (rollout.server_urls, "
+        "docs/engines.md 'Rollout servers')")
     n: int = option(8, "completions per prompt (the group size of GRPO/RLOO)", minimum=1)
     global_batch_completions: int = option(64, "completions per step over all ranks (= prompts per step * "
                                            "rollout.n); was rollout.batch_size", minimum=1)
@@ -177,6 +178,15 @@ class RolloutConfig:
                                         "this many MB", minimum=1)
     engine_kwargs: dict[str, Any] = option(help="vLLM/SGLang: passed verbatim to vllm.LLM / sglang.Engine",
                                            factory=dict)
+    # Rollout servers (rollout.engine=vllm_server)
+    server_urls: list[str] = option(help="vllm_server: the vLLM servers' base URLs, e.g. [http://10.0.0.5:8000]; a "
+                                    "prompt's group goes to the one with the fewest outstanding requests",
+                                    factory=list)
+    server_timeout_s: float = option(600.0, "vllm_server: seconds one request may take before its server counts as "
+                                     "dead (its requests go to the others)")
+    max_staleness: int = option(0, "vllm_server: policy versions a rollout may lag behind the weights it trains: "
+                                "0 = synchronous (generate, then train); k >= 1 = the servers generate the next "
+                                "steps while the trainer trains, each rollout at most k syncs old", minimum=0)
     # Multi-turn rollouts with tools (docs/multiturn.md); off while `tools` is empty
     tools: list[ToolConfig] = option(help="tools the model may call (list of {name, alias, description, "
                                      "parameters, kwargs}); non-empty turns on multi-turn rollouts", factory=list)
@@ -589,7 +599,18 @@ class Config:
     def _validate_engine(self, world: int, per_node: int | None) -> None:
         """vLLM / SGLang: memory share, sync buckets, and tensor-parallel groups that fit the processes and nodes."""
         r = self.rollout
+        if r.engine != "vllm_server" and r.max_staleness:
+            _fail("rollout.max_staleness", r.max_staleness, "0 unless rollout.engine=vllm_server (colocated engines "
+                  "share the trainer's devices and sample synchronously)")
         if r.engine == "hf":
+            return
+        if r.engine == "vllm_server":
+            if not r.server_urls:
+                _fail("rollout.server_urls", r.server_urls, "the vLLM servers' URLs, e.g. [http://127.0.0.1:8000] "
+                      "(`vlrft serve-command` prints the command that starts one)")
+            if r.server_timeout_s <= 0:
+                _fail("rollout.server_timeout_s", r.server_timeout_s, "a number of seconds > 0")
+            _positive("rollout.weight_sync_bucket_mb", r.weight_sync_bucket_mb)
             return
         if not 0 < r.gpu_memory_utilization <= 1:
             _fail("rollout.gpu_memory_utilization", r.gpu_memory_utilization, "a fraction in (0, 1]")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, EngineDeps, RolloutEngine, Rollouts, SamplingParams
 
-ENGINES = ("hf", "vllm", "sglang")
+ENGINES = ("hf", "vllm", "sglang", "vllm_server")
 # The model families each engine server is tested with (tests/test_engine_contracts.py, tests/test_vllm_executed.py);
 # the hf engine runs every family vlrft loads (vlrft.models.loading.SUPPORTED_FAMILIES).
 SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision",
-                                   "internvl"), "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
+                                   "internvl"),
+                          "vllm_server": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision", "internvl"),
+                          "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
@@ -53,6 +55,10 @@ def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
         from vlrft.rollout.vllm import VLLMEngine
 
         return VLLMEngine.from_deps(cfg, deps)
+    if name == "vllm_server":
+        from vlrft.rollout.server import ServerEngine
+
+        return ServerEngine.from_deps(cfg, deps)
     if name == "sglang":
         from vlrft.rollout.sglang import SGLangEngine
 

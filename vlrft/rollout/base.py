@@ -54,10 +54,13 @@ class Rollouts:
     # {"role": "assistant", "text", "finish"}; a call {"role": "tool", "call": {"name", "arguments"} or None, "status",
     # "text", "images", "reward", "shown"} (status "ok", a tools/* counter name, "unanswered" or "cut")
     transcripts: list[list[dict]] | None = None
+    # Rollout servers: the weight version that sampled each row (0: as loaded, +1 per sync); None: colocated engines,
+    # which always sample with the trainer's current weights
+    weight_versions: list[int] | None = None
 
     # Per-row fields that may be None; `texts` is left out: [] is its "not filled"
     _OPTIONAL_ROWS = ("logprobs", "sampled_mask", "observation_visual", "observation_images", "turns", "tool_rewards",
-                      "tool_stats", "transcripts")
+                      "tool_stats", "transcripts", "weight_versions")
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.finish_reasons) or len(self.completion_ids) % self.n:
@@ -120,7 +123,7 @@ class Rollouts:
         optional = {}
         for name in cls._OPTIONAL_ROWS:
             present = [getattr(p, name) is not None for p in parts]
-            if name not in ("logprobs", "transcripts") and any(present) and not all(present):
+            if name not in ("logprobs", "transcripts", "weight_versions") and any(present) and not all(present):
                 raise ValueError(f"cannot concatenate rollouts with and without {name} (single- and multi-turn)")
             optional[name] = [v for p in parts for v in getattr(p, name)] if all(present) else None
         return cls(n=n, completion_ids=[c for p in parts for c in p.completion_ids],

@@ -34,12 +34,13 @@ from vlrft.rollout.base import EngineDeps, Rollouts, SamplingParams, engine_stat
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
-from vlrft.trainer.collect import Collected, CollectDeps, collect
+from vlrft.trainer.collect import Collected, CollectDeps
 from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
 from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.micro_batches import share_every_forward
 from vlrft.trainer.out_of_memory import explain_out_of_memory, sampling_fixes, training_fixes
+from vlrft.trainer.producer import make_producer, staleness_metrics
 from vlrft.trainer.update import UpdateDeps, skips_zero_advantage_rows, update
 
 
@@ -65,6 +66,8 @@ class Trainer:
         """`evaluate_only`: for `vlrft eval`, which writes nothing into train.output_dir (no folder checks)."""
         self.cfg = cfg
         self.evaluate_only = evaluate_only
+        self.producer = None  # where steps' rollouts come from (`rollout_producer`)
+        self._resume_state: dict | None = None  # the sampler and engine as after the last trained step's collection
         self.strategy = strategy or make_strategy(cfg.train.strategy, cfg)
         self.device = self.strategy.device
         world, rank = self.strategy.world_size, self.strategy.rank
@@ -107,6 +110,10 @@ class Trainer:
             self.strategy.check_resumable(self.resume_from, resumed.get("world_size", 1))
         self.step_count = 0
         self._times: dict[str, float] = defaultdict(float)
+        if cfg.rollout.engine == "vllm_server":  # an unreachable server is named before anything loads
+            from vlrft.rollout.server import ServerPool
+
+            ServerPool(cfg.rollout.server_urls, cfg.rollout.server_timeout_s).check_reachable()
         # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
         # the training files are not read (they may not even exist there).
         self.train_samples = [] if evaluate_only else \
@@ -356,7 +363,7 @@ class Trainer:
         r = self.cfg.rollout
         truncation = SamplingTruncation(top_k=max(0, r.top_k), top_p=r.top_p, min_p=r.min_p)
         # SGLang reports the untruncated distribution's logprobs (docs/engines.md): nothing to add back there
-        truncated_logprobs = r.engine in ("hf", "vllm")
+        truncated_logprobs = r.engine in ("hf", "vllm", "vllm_server")
         return truncation if self.cfg.algorithm.tis_cap is not None and truncation.active and truncated_logprobs \
             else None
 
@@ -454,8 +461,9 @@ class Trainer:
         waking = explain_out_of_memory(f"step {step}, handing the GPU between the trainer's state and the engine "
                                        f"(rollout.engine={self.cfg.rollout.engine})",
                                        self.sampling_memory_fixes)  # sampling's own errors are named inside collect
-        with waking, self.engine_awake():  # fsdp2 with vLLM/SGLang: the trainer's state in host memory meanwhile
-            collected = collect(self._collect_deps(), step)  # 1. rollouts + rewards; refills keep whole, usable groups
+        with waking:  # 1. rollouts + rewards (refills keep whole, usable groups), collected now or ahead of time
+            produced = self.rollout_producer().next(step)
+        collected, self._resume_state = produced.collected, produced.resume_state
         shaped = collected.rewards  # what the metrics report: the task's reward, before normalisation
         # 2. Running reward normalisation (optional), its moments over all ranks.
         if self.cfg.algorithm.normalize_rewards:
@@ -472,10 +480,12 @@ class Trainer:
                       *self.sampling_memory_fixes]
         with explain_out_of_memory(f"step {step}, weight sync to the engine", sync_fixes):
             self.engine.update_weights(self.actor)
+        self.rollout_producer().weights_synced()
         # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
+        metrics.update(staleness_metrics(produced, getattr(self.engine, "version", None), self.producer))
         for name, seconds in self._times.items():
             metrics[name] = seconds
         self.step_count = step
@@ -483,6 +493,13 @@ class Trainer:
                 step % self.cfg.logging.completions_every == 0:
             self.logger.log_completions(step, self._completion_rows(collected, experience, step))
         return metrics
+
+    def rollout_producer(self):
+        """Where steps' rollouts come from (`vlrft.trainer.producer`): built at the first step, after a resume."""
+        if self.producer is None:
+            self.producer = make_producer(self.cfg, self._collect_deps, self.engine_awake, self.engine,
+                                          self.step_count + 1)
+        return self.producer
 
     def _step_metrics(self, collected: Collected, rewards: torch.Tensor, exp: Experience, loss_stats: Stats,
                       skipped: int) -> dict:
@@ -606,6 +623,8 @@ class Trainer:
                     raise TrainingInterrupted(f"stopped at step {step}; checkpoint saved in {saved}; continue "
                                               "with train.resume=auto", interrupt.signum)
         finally:
+            if self.producer is not None:
+                self.producer.close()
             interrupt.uninstall()
             if self.logger is not None:
                 self.logger.close()
@@ -626,9 +645,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def trainer_state(self) -> dict:
-        return {"sampler": self.sampler.state_dict(), "kl_controller": self.kl_controller.state_dict(),
+        # The sampler and engine as right after the last trained step's collection (rollout servers collect ahead)
+        resume = self._resume_state or {"sampler": self.sampler.state_dict(), "engine": engine_state(self.engine)}
+        return {**resume, "kl_controller": self.kl_controller.state_dict(),
                 "reward_moments": self.reward_moments.state_dict(), "world_size": self.strategy.world_size,
-                "run_id": self.run_id, "engine": engine_state(self.engine), "base_model": self.base_model}
+                "run_id": self.run_id, "base_model": self.base_model}
 
     def save(self) -> Path:
         return ckpt.save_checkpoint(

