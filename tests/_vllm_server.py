@@ -31,15 +31,19 @@ def server_command(model: Path, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, port: int | None = None) -> Iterator[SimpleNamespace]:
-    """The running server (`url`, `process`); its log's tail in the failure if it does not start."""
+def vllm_server(model: Path, port: int | None = None, taskset: str | None = None) -> Iterator[SimpleNamespace]:
+    """The running server (`url`, `process`); its log's tail in the failure if it does not start. `taskset`: the CPU
+    cores it may run on (benches)."""
     import requests
 
     port = port or free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine process, as users run it
-    process = subprocess.Popen(server_command(model, port), stdout=log, stderr=subprocess.STDOUT, env=env,
+    command = server_command(model, port)
+    if taskset:
+        command = ["taskset", "-c", taskset, *command]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -409,3 +409,20 @@ def test_a_scoring_bug_is_told_to_every_rank_and_raised_as_it_is_on_its_own(monk
         collect_module.score_on_every_rank(None, ["a prompt"], None, 1, 3, lambda obj: told.append(obj) or [obj, None])
     assert told == ["rank 3: ValueError: index out of range in my reward recipe"]
 
+
+
+def test_vllm_on_a_cpu_refuses_heads_narrower_than_its_kernels_in_one_line(tiny_vlm_dir):
+    """vLLM's CPU attention takes heads of >= 32 dimensions; a narrower model is refused before the engine is built
+    (it used to fail minutes later inside vLLM), and a wide enough one passes."""
+    from vlrft.errors import UserError
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.vllm import check_cpu_attention
+
+    narrow = load_policy(tiny_vlm_dir("qwen2_vl"))
+    head_dim = narrow.config.text_config.hidden_size // narrow.config.text_config.num_attention_heads
+    assert head_dim < 32
+    with pytest.raises(UserError, match=rf"heads of at least 32 dimensions, and this model's have {head_dim}") as caught:
+        check_cpu_attention(SimpleNamespace(model=narrow))
+    assert "\n" not in str(caught.value)
+    wide = load_policy(tiny_vlm_dir("qwen2_vl", hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256))
+    check_cpu_attention(SimpleNamespace(model=wide))

@@ -82,3 +82,10 @@ class SamplingParams:
                       stop=tuple(cfg.stop), stop_token_ids=tuple(cfg.stop_token_ids))
         params.update(overrides)
         return cls(**params)
+
+
+def request_seed(engine_seed: int, call: int, prompt: int) -> int:
+    """The sampling seed of prompt `prompt` in an engine's `call`-th generate call (vLLM gives the group's k-th
+    completion seed + k). A function of these three only: the same completions in the colocated engine and on any
+    rollout server, and after a resume that restored the call count."""
+    return (engine_seed * 1_000_003 + call * 10_007 + prompt) % (2**31)

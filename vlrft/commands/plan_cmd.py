@@ -92,4 +92,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{len(t.sparse_layers)} layers); the memory above holds all of them")
         if node_memory is not None:
             print(host_warning or f"host memory: the first node's largest phase fits in {node_memory / GiB:.1f} GiB")
+        if cfg.rollout.engine == "vllm_server":  # on GPUs of their own, not counted above
+            weight_bytes = (4 if cfg.model.dtype == "float32" else 2) * shape.num_parameters
+            print(f"rollout servers (not on these GPUs): each holds {weight_bytes / GiB:.1f} GiB of {cfg.model.dtype} "
+                  "weights (over its --tensor-parallel-size GPUs) plus the KV cache its --gpu-memory-utilization "
+                  "leaves")
     return 0 if plan.fits and host_warning is None else 1

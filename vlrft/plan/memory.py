@@ -611,6 +611,8 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
             comps.append(Component("engine_prefill", prefill, rollout,
                                    f"hf engine: the prefill of {at_once} of the rank's {prompts} prompts at once "
                                    f"(rollout prefills {PREFILL_TOKENS} tokens at a time), a layer at a time"))
+    elif r.engine == "vllm_server":
+        pass  # the servers have GPUs of their own: these GPUs hold the training side only
     else:
         budget = int(r.gpu_memory_utilization * hardware.gpu_memory)
         engine_bytes = 4 if m.dtype == "float32" else 2  # the engine is given model.dtype (weights and KV cache)
@@ -686,7 +688,7 @@ def suggestions(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyCh
             add(f"lower train.micro_batch_completions_per_rank to {mb}", p)
             break
     r = cfg.rollout
-    if r.engine != "hf":
+    if r.engine not in ("hf", "vllm_server"):
         rollout_free = plan.capacity - (plan.phase_total("rollout") - plan.component("engine_weights")
                                         - plan.component("engine_kv_cache"))
         best = int(100 * rollout_free / plan.capacity) / 100

@@ -10,6 +10,7 @@ Nothing here imports vllm or sglang; the engine-specific parts are a `Backend`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from vlrft.errors import ConfigError, UserError
 from vlrft.rollout.base import Rollouts, SamplingParams
 from vlrft.rollout.outputs import EngineError, EngineSample, to_rollouts
 from vlrft.rollout.requests import PromptRequest
+from vlrft.sampling import request_seed
 from vlrft.models.weights import PolicyWeights, policy_module, unsyncable_weights
 
 if TYPE_CHECKING:
@@ -288,7 +290,9 @@ class ColocatedEngine:
 
     def _run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
         """The engine on the pooled requests; none at all (every member's batch was empty) runs nothing."""
-        return self.backend.run(requests, sampling) if requests else []
+        seeded = [dataclasses.replace(r, seed=request_seed(self.options.seed, self._generate_calls, i))
+                  for i, r in enumerate(requests)]  # the same on every member: pooled in member order
+        return self.backend.run(seeded, sampling) if requests else []
 
     # ------------------------------------------------------------------ memory
 

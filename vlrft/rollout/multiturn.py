@@ -121,6 +121,7 @@ class _Row:
     stats: ToolStats = field(default_factory=ToolStats)
     done: bool = False
     reason: str = FINISH_STOP
+    weight_version: int | None = None  # rollout servers: the oldest weight version among the row's turns
 
 
 class MultiTurnEngine:
@@ -232,6 +233,9 @@ class MultiTurnEngine:
             row.mask += [1] * len(ids)
             row.logprobs += lps
             row.turns += 1
+            if out.weight_versions is not None:
+                version = out.weight_versions[k]
+                row.weight_version = version if row.weight_version is None else min(row.weight_version, version)
             row.texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))  # what the call parser reads
             row.transcript.append({"role": "assistant", "text": row.texts[-1], "finish": reason})
             if reason == FINISH_LENGTH:  # a cut turn is never run, even when it holds a call: count those
@@ -374,7 +378,9 @@ class MultiTurnEngine:
             observation_visual=[join_samples(row.visual) if row.visual else None for row in rows],
             observation_images=[row.tool_images for row in rows],
             turns=[row.turns for row in rows], tool_rewards=[row.reward for row in rows],
-            tool_stats=[row.stats for row in rows], transcripts=[row.transcript for row in rows])
+            tool_stats=[row.stats for row in rows], transcripts=[row.transcript for row in rows],
+            weight_versions=[row.weight_version for row in rows] if all(r.weight_version is not None for r in rows)
+            else None)
 
 
 def _tool_step(call: ToolCall | MalformedCall, status: str, output: ToolOutput, images: int, shown: bool) -> dict:

@@ -73,6 +73,7 @@ class PromptRequest:
     payload: dict[str, Any]  # the engine's own request fields for this prompt
     prompt_ids: list[int]  # our prompt ids; the engine's final prompt must equal them
     name: str  # "source (id ...)" for error messages
+    seed: int | None = None  # the request's sampling seed (`vlrft.sampling.request_seed`); None: the engine's stream
 
 
 def sample_name(batch: "PromptBatch", index: int) -> str:

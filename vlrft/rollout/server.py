@@ -255,7 +255,10 @@ class ServerEngine:
     # ------------------------------------------------------------------ sampling
 
     def request_seed(self, call: int, prompt: int) -> int:
-        return (self.options.seed * 1_000_003 + call * 10_007 + self.options.rank * 101 + prompt) % (2**31)
+        """The colocated vLLM engine's seed for the same call and prompt (one engine per rank: train.seed + rank)."""
+        from vlrft.sampling import request_seed
+
+        return request_seed(self.options.seed + self.options.rank, call, prompt)
 
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
         from vlrft.rollout.vllm import vllm_sampling_kwargs

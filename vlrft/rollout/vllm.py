@@ -155,6 +155,25 @@ def sleep_mode(requested: bool, platform) -> bool:
     return requested
 
 
+CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels ("Unsupported CPU attention configuration: head_dim=16")
+
+
+def check_cpu_attention(actor) -> None:
+    """Refuse, in one line and before the engine is built, a model whose attention heads vLLM's CPU build cannot run
+    (it would fail minutes later, after hundreds of lines of engine logs)."""
+    from vlrft.models.actor import base_of
+
+    model_config = getattr(base_of(getattr(actor, "model", actor)), "config", None)
+    config = getattr(model_config, "text_config", None) or model_config
+    if config is None or not getattr(config, "num_attention_heads", None):
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim < CPU_MIN_HEAD_DIM:
+        raise UserError(f"rollout.engine=vllm: vLLM's CPU build runs attention heads of at least {CPU_MIN_HEAD_DIM} "
+                        f"dimensions, and this model's have {head_dim}; use rollout.engine=hf, or a model with wider "
+                        "heads (e.g. `vlrft tiny --hidden-size 128 --num-heads 2`)")
+
+
 class VLLMBackend:
     """`Backend` over an in-process `vllm.LLM`."""
 
@@ -171,7 +190,11 @@ class VLLMBackend:
         if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 with greedy sampling; the n are all the same
             once = self.run(requests, dataclasses.replace(sampling, n=1))
             return [sample for sample in once for _ in range(sampling.n)]
-        params = vllm.SamplingParams(**vllm_sampling_kwargs(sampling, self.tokens))
+        kwargs = vllm_sampling_kwargs(sampling, self.tokens)
+        # One seed per request (the group's k-th completion gets seed + k): the tokens depend on the seed and the
+        # logits only, not on the batch the engine formed, so a rollout server given the same seeds samples the same
+        params = [vllm.SamplingParams(**kwargs, seed=r.seed) for r in requests] if requests and \
+            requests[0].seed is not None else vllm.SamplingParams(**kwargs)
         outputs = self.llm.generate([r.payload for r in requests], params, use_tqdm=False)
         return vllm_samples(outputs, requests, sampling.n)
 
@@ -248,9 +271,14 @@ class VLLMEngine(ColocatedEngine):
         from vllm.platforms import current_platform
 
         sleep = sleep_mode(cfg.rollout.sleep_between_steps, current_platform)
+        kwargs = vllm_engine_kwargs(cfg, layout, distributed, supported, pixel_bounds(deps.processor, cfg.data),
+                                    sleep=sleep)
+        if current_platform.is_cpu():
+            check_cpu_attention(deps.actor)
+            # inductor compilation costs minutes on a CPU and buys nothing there
+            kwargs.setdefault("enforce_eager", True)
         with launcher_variables_kept():
-            llm = vllm.LLM(**vllm_engine_kwargs(cfg, layout, distributed, supported,
-                                                pixel_bounds(deps.processor, cfg.data), sleep=sleep))
+            llm = vllm.LLM(**kwargs)
         actor = deps.actor
         wrappers = image_wrappers(deps.processor)
         engine = cls(

@@ -47,15 +47,19 @@ class Produced:
     weight_version: int | None  # the oldest version among its rows (None: a colocated engine, always current)
     resume_state: dict[str, Any]  # {"sampler": ..., "engine": ...} as after this step's collection
     waited_s: float = 0.0  # seconds the trainer waited for it
+    trainer_version: int | None = None  # the weight version the trainer held when it took the step
 
 
 class SyncProducer:
     """Collect step s when the trainer asks for it (the engine awake meanwhile)."""
 
-    def __init__(self, deps: Callable[[], CollectDeps], awake: Callable[[], ContextManager], engine_state):
+    def __init__(self, deps: Callable[[], CollectDeps], awake: Callable[[], ContextManager], engine):
+        from vlrft.rollout.base import engine_state
+
         self._deps = deps
         self._awake = awake
-        self._engine_state = engine_state
+        self._engine = engine
+        self._engine_state = lambda: engine_state(engine)
 
     def next(self, step: int) -> Produced:
         deps = self._deps()
@@ -63,7 +67,8 @@ class SyncProducer:
             collected = collect(deps, step)
         versions = collected.rollouts.weight_versions
         return Produced(collected, min(versions) if versions else None,
-                        {"sampler": deps.sampler.state_dict(), "engine": self._engine_state()})
+                        {"sampler": deps.sampler.state_dict(), "engine": self._engine_state()},
+                        trainer_version=getattr(self._engine, "version", None))
 
     def weights_synced(self) -> None:
         pass
@@ -150,7 +155,7 @@ class AsyncProducer:
         if staleness > self.max_staleness:  # the wait rule above makes this impossible; a bug if it happens
             raise UserError(f"step {step}: rollouts sampled by weight version {item.weight_version}, "
                             f"{staleness} syncs old (rollout.max_staleness={self.max_staleness})")
-        return dataclasses.replace(item, waited_s=time.perf_counter() - start)
+        return dataclasses.replace(item, waited_s=time.perf_counter() - start, trainer_version=self.engine.version)
 
     def weights_synced(self) -> None:
         with self._cond:
@@ -173,15 +178,13 @@ def make_producer(cfg, deps: Callable[[], CollectDeps], awake: Callable[[], Cont
                   first_step: int):
     """The producer `rollout.max_staleness` asks for."""
     if cfg.rollout.max_staleness == 0:
-        from vlrft.rollout.base import engine_state
-
-        return SyncProducer(deps, awake, lambda: engine_state(engine))
+        return SyncProducer(deps, awake, engine)
     own = deps()
     own = dataclasses.replace(own, strategy=ThreadCollectives(own.strategy))
     return AsyncProducer(own, cfg.rollout.max_staleness, engine, first_step)
 
 
-def staleness_metrics(produced: Produced, engine_version: int | None, producer) -> dict[str, float]:
+def staleness_metrics(produced: Produced, producer) -> dict[str, float]:
     """Per step: how old the rows' weights were (mean and max, in syncs), how long each side waited for the other,
     and the steps collected ahead."""
     out: dict[str, float] = {"async/trainer_wait_s": produced.waited_s}
@@ -189,8 +192,8 @@ def staleness_metrics(produced: Produced, engine_version: int | None, producer) 
         out["async/producer_wait_s"] = producer.waited_s
         out["async/queue_depth"] = float(producer.queue_depth)
     versions = produced.collected.rollouts.weight_versions
-    if versions and engine_version is not None:
-        ages = torch.tensor([engine_version - v for v in versions], dtype=torch.float64)
+    if versions and produced.trainer_version is not None:
+        ages = torch.tensor([produced.trainer_version - v for v in versions], dtype=torch.float64)
         out["async/staleness_mean"] = float(ages.mean())
         out["async/staleness_max"] = float(ages.max())
     return out

@@ -485,7 +485,7 @@ class Trainer:
         metrics = self._step_metrics(collected, shaped, experience, loss_stats, skipped)
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
-        metrics.update(staleness_metrics(produced, getattr(self.engine, "version", None), self.producer))
+        metrics.update(staleness_metrics(produced, self.producer))
         for name, seconds in self._times.items():
             metrics[name] = seconds
         self.step_count = step
