@@ -294,13 +294,17 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Restore weights and optimizer state; another number of processes goes through the universal format."""
+        from vlrft.parallel.safe_checkpoint import check_deepspeed_files
+
         self.check_resumable(folder, self.world_size, tuple(parts))
         for name, part in parts.items():
             engine = self._engine_of(part.module)
             path = folder / CHECKPOINT_DIR / name
             tag = TAG
+            check_deepspeed_files(path / TAG)  # DeepSpeed reads them unchecked: nothing but data may be in them
             if _saved_world_size(path / TAG) != self.world_size:
                 tag = self._universal(path)
+                check_deepspeed_files(path / tag)
                 engine._config.load_universal_checkpoint = True
             try:
                 engine.load_checkpoint(str(path), tag=tag, load_optimizer_states=True,

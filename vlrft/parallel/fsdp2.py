@@ -314,15 +314,16 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     def load_checkpoint(self, folder: Path, parts: dict[str, TrainedModel]) -> None:
         """Read `sharded/` into this run's shards, whatever number of processes wrote it."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from vlrft.parallel.safe_checkpoint import dcp_load
 
         self.check_resumable(folder, saved_world_size=self.world_size)
         state = {}
         for name, part in parts.items():
             model_state, optim_state = get_state_dict(part.module, part.optimizer, options=_trained_only())
             state[name] = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(folder / SHARDED_DIR))
+        dcp_load(state, folder / SHARDED_DIR)  # nothing a planted file names runs
         for name, part in parts.items():
             set_state_dict(part.module, part.optimizer, model_state_dict=state[name]["model"],
                            optim_state_dict=state[name]["optimizer"], options=_trained_only())

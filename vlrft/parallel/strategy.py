@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vlrft.errors import UserError
+from vlrft.safe_load import load_torch
 
 MakeOptimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -270,11 +271,11 @@ class Strategy:
         """Restore what `save_checkpoint` wrote (the policy's weights were loaded from `folder/model`)."""
         # Rank 0 saved them from its GPU: read into host memory (optimizers move their state to the parameters'
         # devices), not onto GPU 0 from every rank.
-        parts["policy"].optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu",
-                                                             weights_only=False))
+        parts["policy"].optimizer.load_state_dict(load_torch(folder / "optimizer.pt", what="checkpoint optimizer "
+                                                                                            "state"))
         for name, part in parts.items():
             if name != "policy":
-                saved = torch.load(folder / f"{name}.pt", map_location="cpu", weights_only=False)
+                saved = load_torch(folder / f"{name}.pt", what=f"checkpoint {name} state")
                 self.unwrap(part.module).load_state_dict(saved["model"])
                 part.optimizer.load_state_dict(saved["optimizer"])
 

@@ -12,7 +12,8 @@ the optimizer states (single/DDP: `optimizer.pt`, `critic.pt` for PPO; FSDP2: `s
 Checkpoints are ordered by when they were written (`saved_at`), not by step: a run resumed from an older
 checkpoint writes steps the abandoned continuation also wrote, and `resume=auto` and keep-last must take the
 resumed run's as the newest. What a crash leaves (`.tmp-*` half-written, `.old-*` mid-replace, `.deleting-*`
-mid-prune) is cleared after every save and when a run resumes.
+mid-prune) is cleared after every save and when a run resumes. Every file is read back with `vlrft.safe_load`
+(data only: a planted pickle is refused, never run).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from vlrft.errors import UserError
+from vlrft.safe_load import load_torch
 
 PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -295,4 +297,8 @@ def load_rank_rng(checkpoint: Path, rank: int, required: bool = True) -> None:
     if not path.is_file():
         raise UserError(f"checkpoint '{checkpoint}' has no RNG state for rank {rank}; resume with the same number "
                         "of processes it was saved with")
-    set_rng_state(torch.load(path, weights_only=False))
+    set_rng_state(load_torch(path, what=f"checkpoint RNG state of rank {rank}"))
+
+
+def load_scheduler_state(checkpoint: Path) -> dict:
+    return load_torch(checkpoint / "scheduler.pt", what="checkpoint scheduler state")

@@ -677,7 +677,7 @@ class Trainer:
         """Continue from checkpoint `folder`, whose trainer state is `state`."""
         self.step_count = int(state["step"])
         self.strategy.load_checkpoint(folder, self._checkpoint_parts())
-        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+        self.scheduler.load_state_dict(ckpt.load_scheduler_state(folder))
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.reward_moments.load_state_dict(state["reward_moments"])

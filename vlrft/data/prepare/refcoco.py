@@ -19,20 +19,22 @@ file; `label` "grounding". Train with `iou` and `reference_coords: normalized` p
 Checks: a box that leaves the annotated image, or has no area, is skipped (COCO boxes are
 [x, y, width, height]; pass `--box-format xyxy` for files that write corners); an image file whose
 size differs from the annotation is kept when it is a resized copy (same aspect ratio, so the
-normalized box still fits) and skipped otherwise. Pickle files run code when loaded: only prepare
-refs files from a source you trust.
+normalized box still fits) and skipped otherwise. The refs pickle is read with an unpickler that
+refuses every class and function (`vlrft.safe_load.load_plain_pickle`): a planted file is refused by
+name, nothing in it runs.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
 from vlrft.data.prepare.common import Item, Options, Skipped, image_size, read_json
 from vlrft.errors import UserError
+from vlrft.safe_load import load_plain_pickle
 
 REFS_FILES = ("refs(unc).p", "refs(umd).p", "refs(google).p")
+_FIX = "use the file of the refer release (a pickle of lists, dicts, strings and numbers only)"
 ASPECT_TOLERANCE = 0.01  # relative difference of width/height ratios still counted as the same image
 
 
@@ -40,12 +42,10 @@ def _load_refs(source: Path) -> list[dict]:
     for name in REFS_FILES:
         path = source / name
         if path.is_file():
-            with path.open("rb") as handle:
-                try:
-                    return pickle.load(handle)
-                except UnicodeDecodeError:  # written by Python 2
-                    handle.seek(0)
-                    return pickle.load(handle, encoding="latin1")
+            try:  # plain lists, dicts, strings and numbers only: a pickle naming any class or function is refused
+                return load_plain_pickle(path, what="refs file", fix=_FIX)
+            except UnicodeDecodeError:  # written by Python 2
+                return load_plain_pickle(path, what="refs file", fix=_FIX, encoding="latin1")
     raise UserError(f"no refs file in '{source}': expected one of {', '.join(REFS_FILES)} (the refer release)")
 
 
