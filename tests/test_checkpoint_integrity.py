@@ -1,8 +1,10 @@
-"""A checkpoint is resumed only as data: planted pickles are refused unrun, in one line naming the file.
+"""A checkpoint is resumed only whole and only as data: planted pickles are refused unrun, damaged files named.
 
-Every case is one `UserError` line naming the file (the CLI prints it as one line, exit 2), never code from the
-checkpoint run."""
+Every case is one `UserError` line naming the file (the CLI prints it as one line, exit 2), never a traceback, a
+silent resume from another checkpoint, or code from the checkpoint run."""
 
+import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -10,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from vlrft.cli import main
 from vlrft.config import load_config
 from vlrft.errors import UserError
 from vlrft.trainer import Trainer
 from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer import manifest
 
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
 
@@ -74,6 +78,15 @@ def one_line_error(excinfo) -> str:
     return message
 
 
+def test_every_save_writes_a_manifest_last_that_lists_every_file(run):
+    step = run / "checkpoints" / "step_2"
+    listed = json.loads((step / manifest.MANIFEST).read_text())
+    assert set(listed["files"]) == set(manifest.files_in(step)) >= {"optimizer.pt", "scheduler.pt", "rng/rank0.pt",
+                                                                     "trainer_state.json", "model/model.safetensors"}
+    assert listed["saved_at"] == ckpt.load_trainer_state(step)["saved_at"]
+    assert manifest.verify(step) is None
+
+
 # ------------------------------------------------------------------ planted pickles
 
 @pytest.mark.parametrize("name", ["scheduler.pt", "optimizer.pt", "rng/rank0.pt"])
@@ -82,6 +95,7 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_by_name_and_never_runs(run,
     marker = tmp_path / "payload-ran"
     step = run / "checkpoints" / "step_2"
     torch.save({"state": Payload(marker)}, step / name)
+    manifest.reseal(step)  # whoever planted it could rewrite the manifest too
     with pytest.raises(UserError) as excinfo:
         resume(run, tiny_vlm_dir, shapes).fit()
     message = one_line_error(excinfo)
@@ -167,3 +181,116 @@ def test_deepspeed_checkpoint_files_are_checked_as_data_before_deepspeed_reads_t
         check_deepspeed_files(tag)
     assert "model_states.pt" in one_line_error(excinfo)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("name", ["model/model.safetensors", "optimizer.pt", "rng/rank0.pt"])
+def test_a_truncated_file_in_the_newest_checkpoint_is_named_in_one_line(run, tiny_vlm_dir, shapes, name):
+    step = run / "checkpoints" / "step_2"
+    _truncate(step / name)
+    with pytest.raises(UserError) as excinfo:
+        resume(run, tiny_vlm_dir, shapes)
+    message = one_line_error(excinfo)
+    assert f"checkpoint {step} is damaged: {name} has" in message and "truncated" in message
+    assert "train.resume_fallback=true" in message
+
+
+def test_a_corrupt_trainer_state_is_named_not_taken_for_an_unfinished_checkpoint(run, tiny_vlm_dir, shapes):
+    step = run / "checkpoints" / "step_2"
+    (step / ckpt.STATE_FILE).write_text("{not json" + " " * 400)
+    with pytest.raises(UserError) as excinfo:
+        resume(run, tiny_vlm_dir, shapes)
+    assert f"checkpoint {step} is damaged: {ckpt.STATE_FILE}" in one_line_error(excinfo)
+
+
+def test_a_deleted_optimizer_file_is_named_missing(run, tiny_vlm_dir, shapes):
+    step = run / "checkpoints" / "step_2"
+    (step / "optimizer.pt").unlink()
+    with pytest.raises(UserError) as excinfo:
+        resume(run, tiny_vlm_dir, shapes)
+    message = one_line_error(excinfo)
+    assert f"checkpoint {step} is damaged: optimizer.pt is missing" in message and "strategy" not in message
+
+
+def test_changed_bytes_of_the_same_size_are_found_by_the_checksum(run, tiny_vlm_dir, shapes):
+    path = run / "checkpoints" / "step_2" / "model" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="model/model.safetensors does not match its checksum"):
+        resume(run, tiny_vlm_dir, shapes)
+
+
+def test_with_resume_fallback_the_damaged_newest_is_named_and_the_one_before_resumed(run, tiny_vlm_dir, shapes,
+                                                                                    capsys):
+    step = run / "checkpoints" / "step_2"
+    _truncate(step / "optimizer.pt")
+    trainer = resume(run, tiny_vlm_dir, shapes, "train.resume_fallback=true")
+    assert trainer.resume_from == run / "checkpoints" / "step_1" and trainer.step_count == 1
+    lines = [line for line in capsys.readouterr().out.splitlines() if "damaged" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {step} is damaged: optimizer.pt has ")
+    assert lines[0].endswith("(truncated or overwritten); skipping it (train.resume_fallback=true)")
+    trainer.release_hold()
+    (run / "checkpoints" / "step_1" / "scheduler.pt").unlink()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        resume(run, tiny_vlm_dir, shapes, "train.resume_fallback=true")
+
+
+def test_an_explicitly_named_damaged_checkpoint_is_refused_even_with_fallback(run, tiny_vlm_dir, shapes):
+    step = run / "checkpoints" / "step_1"
+    _truncate(step / "scheduler.pt")
+    with pytest.raises(UserError, match=r"step_1 is damaged: scheduler.pt has .*resume from another checkpoint"):
+        Trainer(config(run, tiny_vlm_dir(), shapes, "train.total_steps=3", f"train.resume={step}",
+                       "train.resume_fallback=true"))
+
+
+def test_a_checkpoint_written_before_manifests_resumes_with_a_warning_line(run, tiny_vlm_dir, shapes, capsys):
+    step = run / "checkpoints" / "step_2"
+    (step / manifest.MANIFEST).unlink()
+    state = ckpt.load_trainer_state(step)
+    del state["manifest"]
+    (step / ckpt.STATE_FILE).write_text(json.dumps(state))
+    trainer = resume(run, tiny_vlm_dir, shapes)
+    assert trainer.resume_from == step and trainer.step_count == 2
+    assert f"checkpoint {step} has no manifest.json" in capsys.readouterr().out
+    trainer.release_hold()
+    # one written by this version whose manifest is gone is damaged, not taken for an earlier version's
+    state["manifest"] = manifest.FORMAT
+    (step / ckpt.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(UserError, match="is damaged: manifest.json is missing"):
+        resume(run, tiny_vlm_dir, shapes)
+
+
+def test_the_cli_prints_a_damaged_checkpoint_as_one_line_and_exits_2(run, tiny_vlm_dir, shapes, capsys):
+    (run / "checkpoints" / "step_2" / "optimizer.pt").unlink()
+    code = main(["train", str(run / "config.yaml"), *overrides(run, tiny_vlm_dir(), shapes, "train.total_steps=3",
+                                                                 "train.resume=auto")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "optimizer.pt is missing" in err[0], err
+
+
+def test_a_relaunch_below_the_checkpoints_step_says_nothing_to_do_and_exits_0(run, tiny_vlm_dir, shapes, capsys):
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    code = main(["train", str(run / "config.yaml"), *overrides(run, tiny_vlm_dir(), shapes, "train.total_steps=1",
+                                                                 "train.resume=auto")])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0
+    assert out == [f"nothing to do: checkpoint {run / 'checkpoints' / 'step_2'} is at step 2 and "
+                   "train.total_steps=1; raise train.total_steps to train on from it"]
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.exists()} == before  # nothing written or cleared
+
+
+def test_a_damaged_temporary_save_does_not_replace_the_checkpoint_it_was_replacing(run):
+    """A save of the same step cut short before its manifest: the old checkpoint goes back (crash leftovers)."""
+    root = run / "checkpoints"
+    shutil.copytree(root / "step_2", root / ".tmp-step_2")
+    (root / ".tmp-step_2" / manifest.MANIFEST).unlink()  # killed before the manifest: incomplete
+    os.replace(root / "step_2", root / ".old-step_2")
+    ckpt.clear_crash_leftovers(run)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1", "step_2"] and manifest.verify(root / "step_2") is None

@@ -14,6 +14,7 @@ from vlrft.errors import ConfigError, UserError
 from vlrft.logging import read_metrics
 from vlrft.trainer import Trainer
 from vlrft.trainer import checkpoint as ckpt
+from vlrft.trainer import manifest
 from vlrft.trainer.interrupt import TrainingInterrupted
 
 REWARDS = Path(__file__).parent / "data" / "trainer_rewards.py"
@@ -391,6 +392,7 @@ def test_what_a_crash_leaves_in_the_checkpoint_folder_is_cleared_on_resume(tmp_p
     shutil.copytree(root / "step_2", root / ".tmp-step_2")  # the new save of step 2, complete
     state = ckpt.load_trainer_state(root / ".tmp-step_2")
     (root / ".tmp-step_2" / ckpt.STATE_FILE).write_text(json.dumps({**state, "saved_at": state["saved_at"] + 1}))
+    manifest.reseal(root / ".tmp-step_2")  # edited on purpose: a whole new save
     os.replace(root / "step_2", root / ".old-step_2")  # killed between its two renames
     (root / ".old-step_1").mkdir()  # killed after them, before the old copy was removed
     (root / ".old-step_1" / "model").mkdir()

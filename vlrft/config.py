@@ -470,6 +470,10 @@ class TrainConfig:
         "their own float32 files): 'auto' = model.dtype (bfloat16 by default: half the bytes of float32). single/ddp "
         "write float32 (model/ is what they resume from); only 'auto' or 'float32' there")
     resume: str = option("none", "'none', 'auto' (the last checkpoint written in output_dir) or a checkpoint path")
+    resume_fallback: bool = option(
+        False, "with train.resume=auto, a damaged newest checkpoint (a file missing, truncated or changed since the "
+        "save, by its manifest.json) is named in one line and skipped for the newest complete one before it; "
+        "without it such a run is refused")
     overwrite: bool = option(False, "start over in a non-empty output_dir, deleting the run files there; without "
                              "it (or resume) a non-empty output_dir is refused")
     save_on_interrupt: bool = option(True, "Ctrl-C or SIGTERM (a scheduler's preemption notice; torchrun forwards "

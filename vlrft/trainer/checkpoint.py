@@ -9,11 +9,16 @@ adapter), `scheduler.pt`, `trainer_state.json`, `rng/rank<r>.pt`, and what the s
 the optimizer states (single/DDP: `optimizer.pt`, `critic.pt` for PPO; FSDP2: `sharded/`, a
 `torch.distributed.checkpoint` folder that any number of processes can read back).
 
+A checkpoint is complete when its `manifest.json` (every file's size and CRC-32, `vlrft.trainer.manifest`) is there:
+it is written last. A resume checks the files against it; a damaged newest checkpoint is named in one line and
+refused, or (`train.resume_fallback`) skipped for the newest complete one before it. Checkpoints written before
+manifests existed are resumed with a warning line (only their `trainer_state.json` can be checked). Every file is
+read back with `vlrft.safe_load` (data only: a planted pickle is refused, never run).
+
 Checkpoints are ordered by when they were written (`saved_at`), not by step: a run resumed from an older
 checkpoint writes steps the abandoned continuation also wrote, and `resume=auto` and keep-last must take the
 resumed run's as the newest. What a crash leaves (`.tmp-*` half-written, `.old-*` mid-replace, `.deleting-*`
-mid-prune) is cleared after every save and when a run resumes. Every file is read back with `vlrft.safe_load`
-(data only: a planted pickle is refused, never run).
+mid-prune) is cleared after every save and when a run resumes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch
 
 from vlrft.errors import UserError
 from vlrft.safe_load import load_torch
+from vlrft.trainer import manifest
+from vlrft.trainer.manifest import MANIFEST
 
 PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -43,23 +50,28 @@ def checkpoint_root(output_dir: str | Path) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, in the order they were written (oldest first)."""
+    """Checkpoints (a manifest or a trainer state; `check_damage` says whether one is whole), in the order they were
+    written (oldest first)."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and ((p / STATE_FILE).is_file() or (p / MANIFEST).is_file())]
     return sorted(found, key=_written_at)
 
 
 def _written_at(checkpoint: Path) -> tuple[float, int]:
-    """(when it was written, step): `saved_at` from its state. Checkpoints of earlier versions have none: they come
-    first, by step (they were written before any that has one; a copy would change their files' times)."""
+    """(when it was written, step): `saved_at` from its manifest, else its state. Checkpoints of earlier versions
+    have none: they come first, by step (they were written before any that has one; a copy would change their
+    files' times). One with neither readable is damaged: it sorts last, so `resume=auto` names it."""
     step = int(checkpoint.name[len(PREFIX):])
-    try:
-        saved = load_trainer_state(checkpoint).get("saved_at")
-    except (OSError, ValueError):
-        saved = None
-    return float(saved or 0.0), step
+    saved = manifest.saved_at(checkpoint)
+    if saved is None:
+        try:
+            saved = load_trainer_state(checkpoint).get("saved_at") or 0.0
+        except (OSError, ValueError):
+            saved = float("inf")
+    return float(saved), step
 
 
 def lineage_checkpoints(output_dir: str | Path, run_id: str | None) -> list[Path]:
@@ -74,19 +86,65 @@ def _run_id_of(checkpoint: Path) -> str | None:
         return "<unreadable>"  # never equal to a real id: such a checkpoint is never pruned
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+def resolve_resume(resume: str, output_dir: str | Path, fallback: bool = False, say=None) -> Path | None:
     """The checkpoint folder `train.resume` names: "none", "auto" (the last written in output_dir, if any) or a
-    path."""
+    path, checked against its manifest (`check_damage`). A damaged one is refused in one line (`UserError`); with
+    `fallback` (`train.resume_fallback`, auto only) `say` names it and the newest whole one before it is taken."""
+    say = say or (lambda text: print(text, flush=True))
     if resume == "none":
         return None
-    if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise UserError(f"train.resume='{resume}' is not a complete checkpoint (no {STATE_FILE}); pass a "
-                        f"'{checkpoint_root(output_dir)}/{PREFIX}<k>' folder, 'auto' or 'none'")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not ((path / STATE_FILE).is_file() or (path / MANIFEST).is_file()):
+            raise UserError(f"train.resume='{resume}' is not a complete checkpoint (no {STATE_FILE}); pass a "
+                            f"'{checkpoint_root(output_dir)}/{PREFIX}<k>' folder, 'auto' or 'none'")
+        candidates = [path]
+    else:
+        candidates = list_checkpoints(output_dir)[::-1]
+    for checkpoint in candidates:
+        damage = check_damage(checkpoint)
+        if damage is None:
+            if not (checkpoint / MANIFEST).is_file():
+                say(f"checkpoint {checkpoint} has no {MANIFEST} (written by a vlrft before checkpoints had one): "
+                    "resuming from it without checking its files")
+            return checkpoint
+        if not fallback or resume != "auto":
+            how = ("set train.resume_fallback=true to resume from the newest complete checkpoint before it, or move "
+                   "it out of the checkpoints folder" if resume == "auto" else "resume from another checkpoint")
+            raise UserError(f"checkpoint {checkpoint} is damaged: {damage}; {how}")
+        say(f"checkpoint {checkpoint} is damaged: {damage}; skipping it (train.resume_fallback=true)")
+    if candidates:
+        raise UserError(f"no complete checkpoint in '{checkpoint_root(output_dir)}': every one is damaged (above); "
+                        "start without train.resume, or with train.overwrite=true")
+    return None
+
+
+def checkpoint_to_resume(resume: str, output_dir: str | Path, fallback: bool, say) -> Path | None:
+    """The checkpoint a run resumes from (rank 0 decides); first, what a crash left in the folder is cleared: a save
+    killed between its renames may have moved the newest checkpoint aside."""
+    if resume != "none":
+        clear_crash_leftovers(output_dir)
+    return resolve_resume(resume, output_dir, fallback, say)
+
+
+def check_damage(checkpoint: Path) -> str | None:
+    """What is wrong with `checkpoint` (a file missing, truncated or changed, by its manifest), or None. One written
+    before manifests existed has only its trainer state checked; one whose state says it had a manifest (format)
+    and has none is damaged."""
+    try:
+        state = load_trainer_state(checkpoint)
+    except (OSError, ValueError) as exc:
+        state = exc
+    if (checkpoint / MANIFEST).is_file() or (isinstance(state, dict) and "manifest" in state):
+        return manifest.verify(checkpoint)
+    if isinstance(state, Exception):
+        return f"{STATE_FILE} cannot be read ({' '.join(str(state).split())[:120]})"
+    return None
+
+
+def nothing_to_do(checkpoint: Path, step: int, total_steps: int) -> str:
+    return (f"nothing to do: checkpoint {checkpoint} is at step {step} and train.total_steps={total_steps}; raise "
+            "train.total_steps to train on from it")
 
 
 def rng_state() -> dict[str, Any]:
@@ -132,11 +190,22 @@ def save_checkpoint(output_dir: str | Path, step: int, *, strategy, parts: dict,
         torch.save(rng_state(), tmp / "rng" / f"rank{strategy.rank}.pt")
         strategy.save_checkpoint(tmp, parts, hf_model, processor, export_hf=export_hf, hf_dtype=hf_dtype)
     writing.agree()
+    saved_at = time.time()
     with writing:
         if strategy.is_main:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            state = {"step": step, **trainer_state, "saved_at": time.time()}
+            state = {"step": step, **trainer_state, "saved_at": saved_at, "manifest": manifest.FORMAT}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    writing.agree()
+    # Every rank checksums its share of the files; rank 0 writes the manifest last: only then is it complete.
+    names = strategy.broadcast_object(manifest.files_in(tmp) if strategy.is_main else None)
+    mine: dict = {}
+    with writing:
+        mine = manifest.describe(tmp, names[strategy.rank::strategy.world_size])
+    shares = strategy.all_gather_object(mine)
+    with writing:
+        if strategy.is_main:
+            manifest.write(tmp, {name: entry for share in shares for name, entry in share.items()}, saved_at)
             _fsync_tree(tmp)
     writing.agree()
     if strategy.is_main:
@@ -260,7 +329,7 @@ def clear_crash_leftovers(output_dir: str | Path) -> None:
     for old in root.glob(f".old-{PREFIX}*"):
         step = old.name[len(".old-"):]
         kept, new = root / step, root / f".tmp-{step}"
-        if not kept.exists() and (new / STATE_FILE).is_file():
+        if not kept.exists() and (new / MANIFEST).is_file():
             os.replace(new, kept)
         elif not kept.exists() and (old / STATE_FILE).is_file():
             os.replace(old, kept)

@@ -94,7 +94,8 @@ class Trainer:
         cfg, world, rank = self.cfg, self.strategy.world_size, self.strategy.rank
         # Rank 0 decides what the folder holds (resume=auto lists it; another run's files are refused) and every rank
         # follows: on node-local disks the others would each decide from their own disk, then `check_shared` refuses.
-        self.resume_from = None if evaluate_only else self._main_decides(self._resolve_resume)
+        self.resume_from = None if evaluate_only else self._main_decides(lambda: ckpt.checkpoint_to_resume(
+            cfg.train.resume, self.output_dir, cfg.train.resume_fallback, self.message))
         # Refused before anything is loaded; the old run's files are cleared (overwrite) only when training starts.
         self._stale_run_files = [] if evaluate_only else self._main_decides(lambda: run_folder.check_output_dir(
             self.output_dir, cfg.train.resume, self.resume_from, cfg.train.overwrite))
@@ -591,6 +592,10 @@ class Trainer:
         """Train to `train.total_steps`; returns the metrics of every step run by this call."""
         cfg = self.cfg
         history = []
+        if self.resume_from is not None and self.step_count >= cfg.train.total_steps:  # one line, exit 0
+            self.message(ckpt.nothing_to_do(self.resume_from, self.step_count, cfg.train.total_steps))
+            self.release_hold()
+            return history
         if self.strategy.is_main:
             run_folder.clear(self._stale_run_files)
             save_config(cfg, self.output_dir)
@@ -665,13 +670,6 @@ class Trainer:
         if self.critic is not None:
             parts["critic"] = TrainedModel(self.critic_wrapped, self.critic_optimizer)
         return parts
-
-    def _resolve_resume(self) -> Path | None:
-        """The checkpoint to resume from (rank 0 decides); first, what a crash left in the folder is cleared: a save
-        killed between its renames may have moved the newest checkpoint aside."""
-        if self.cfg.train.resume != "none":
-            ckpt.clear_crash_leftovers(self.output_dir)
-        return ckpt.resolve_resume(self.cfg.train.resume, self.output_dir)
 
     def _restore(self, folder: Path, state: dict) -> None:
         """Continue from checkpoint `folder`, whose trainer state is `state`."""
