@@ -213,8 +213,9 @@ class ServerWeightSync:
 
     def __init__(self, urls: str | Iterable[str], folder: str | None = None, timeout: float = 600.0,
                  connect_timeout: float = 3.0, pause_mode: str = PAUSE_MODE, require_complete: bool = True):
-        import requests
+        from vlrft.errors import require
 
+        requests = require("requests", "driving vLLM servers (ServerWeightSync)")
         self.urls = [urls.rstrip("/")] if isinstance(urls, str) else [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("ServerWeightSync: no server URLs")
@@ -268,13 +269,36 @@ class ServerWeightSync:
 
     def sync(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str) -> SyncStats:
         """One full sync of `buckets` (lists of (checkpoint name, tensor)); `version` is set on every server."""
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
         self.count += 1
-        nbytes = tensors = files = 0
         self.pause()
-        self._all("POST", "/start_weight_update")
+        try:
+            self._all("POST", "/start_weight_update")
+            nbytes, tensors, files = self._send(buckets)
+        except BaseException:
+            try:  # close the update where it was opened: vLLM finalises the reload (layers that got nothing keep
+                self._all("POST", "/finish_weight_update")  # their weights), so a retry can start a new one
+            except WeightSyncError:
+                pass
+            raise
+        self._all("POST", "/finish_weight_update")
+        missing = self._check_reports(tensors)
+        self._all("POST", "/update_weight_version", {"new_version": version})
+        if set(self.versions()) != {version}:
+            raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
+        for url, result in zip(self.urls, self._all("POST", "/reset_prefix_cache")):
+            if not result.get("success"):
+                raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
+        self._all("POST", "/reset_mm_cache")
+        self._all("POST", "/reset_encoder_cache")
+        self.resume()
+        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
+
+    def _send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
+        """Each bucket as one file, loaded by every server before the next is written; (bytes, tensors, files)."""
+        from safetensors.torch import save_file
+
+        nbytes = tensors = files = 0
         for bucket in buckets:
             names = [n for n, _ in bucket]
             if len(set(names)) != len(names):
@@ -293,18 +317,9 @@ class ServerWeightSync:
             nbytes += sum(t.numel() * t.element_size() for t in contiguous.values())
             tensors, files = tensors + len(names), files + 1
             del bucket, contiguous
-        self._all("POST", "/finish_weight_update")
-        missing = self._check_reports(tensors)
-        self._all("POST", "/update_weight_version", {"new_version": version})
-        if set(self.versions()) != {version}:
-            raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
-        for url, result in zip(self.urls, self._all("POST", "/reset_prefix_cache")):
-            if not result.get("success"):
-                raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
-        self._all("POST", "/reset_mm_cache")
-        self._all("POST", "/reset_encoder_cache")
-        self.resume()
-        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
+        if not files:
+            raise WeightSyncError("a sync with no buckets")
+        return nbytes, tensors, files
 
     def _check_reports(self, sent: int) -> list[str]:
         """Every worker of every server reported this sync, with every tensor consumed."""
