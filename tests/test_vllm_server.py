@@ -203,6 +203,71 @@ def test_an_unconsumed_tensor_fails_the_sync_naming_it(server, policy, sync, nam
     assert not tokens_differ and error <= TOLERANCE
 
 
+def noise(width: int, height: int, seed: int):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def chat_with_image(server, image) -> tuple[list[int], list[int], list[float]]:
+    """The server's greedy answer to one image and a question: (prompt ids, completion ids, completion logprobs)."""
+    import base64
+    import io
+
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    response = requests.post(server[0] + "/v1/chat/completions", timeout=120, json={
+        "model": str(server[1]), "max_tokens": 6, "temperature": 0, "logprobs": True, "return_token_ids": True,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                  {"type": "text", "text": "What is it?"}]}]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    choice = body["choices"][0]
+    return body["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
+
+def image_reference(model, processor, prompt: list[int], completion: list[int], image) -> list[float]:
+    """The completion's logprobs under a float64 transformers forward, the image through the model's own vision
+    tower (pixels from the processor vLLM runs too)."""
+    visual = processor.image_processor(images=[image], return_tensors="pt")
+    ids = torch.tensor([prompt + completion])
+    extra = {}
+    if hasattr(processor, "create_mm_token_type_ids"):  # transformers >= 5.19 asks for them
+        extra["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    double = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = double(input_ids=ids, attention_mask=torch.ones_like(ids), image_grid_thw=visual["image_grid_thw"],
+                        pixel_values=visual["pixel_values"].double(), **extra).logits[0]
+    at = logits[len(prompt) - 1:len(prompt) - 1 + len(completion)].log_softmax(-1)
+    return at.gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
+
+
+def test_a_sync_reaches_the_vision_tower_past_the_servers_encoder_cache(server, policy, sync):
+    from vlrft.models.loading import load_processor
+
+    processor = load_processor(server[1])
+    image = noise(56, 56, seed=3)
+    chat_with_image(server, image)  # the server caches this image's encoder output (by the image's hash)
+    before = copy.deepcopy(policy)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in policy.model.visual.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.5 * (p.std() if p.numel() > 1 else 1.0))
+
+    sync.sync(buckets(policy), version="step-vision")
+
+    prompt, tokens, logprobs = chat_with_image(server, image)
+    assert prompt.count(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) > 0
+    want = image_reference(policy, processor, prompt, tokens, image)
+    error = max(abs(a - b) for a, b in zip(logprobs, want))
+    assert error <= TOLERANCE, error
+    # the control: the vision tower's move shows in these logprobs (a stale encoder output would fail above)
+    stale = image_reference(before, processor, prompt, tokens, image)
+    assert max(abs(a - b) for a, b in zip(stale, want)) > 100 * TOLERANCE
+
+
 def test_an_unreachable_server_is_named_in_one_line(server):
     dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()

@@ -99,7 +99,9 @@ def _engine_class():
             initialize_layerwise_reload(self.model)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
-            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing asynchronous to wait for
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.accelerator.is_available():  # a GPU copy may still be in flight; vLLM's CPU build has none
+                torch.accelerator.synchronize()
 
         def receive_weights(self, info: ShmUpdateInfo) -> None:
             from safetensors.torch import load_file
@@ -222,13 +224,17 @@ class ServerWeightSync:
         self.http = requests.Session()
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.pause_mode, self.require_complete = pause_mode, require_complete
-        base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.folder = tempfile.mkdtemp(prefix="vlrft-xfer-", dir=base)
-        os.chmod(self.folder, 0o755)
         self.count = 0
         self.workers = [self._call(u, "GET", "/get_world_size", short=True)["world_size"] for u in self.urls]
-        self._all("POST", "/init_weight_transfer_engine",
-                  lambda i: {"init_info": {"folder": self.folder, "server": f"s{i}"}})
+        base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.folder = tempfile.mkdtemp(prefix="vlrft-xfer-", dir=base)
+        # mkdtemp's 0700: the servers' workers must run as this user (they read buckets and write reports here)
+        try:
+            self._all("POST", "/init_weight_transfer_engine",
+                      lambda i: {"init_info": {"folder": self.folder, "server": f"s{i}"}})
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
 
     # ------------------------------------------------------------------------------------------- HTTP
     def _call(self, url: str, method: str, path: str, json_body: Any = None, params: dict | None = None,
@@ -259,7 +265,8 @@ class ServerWeightSync:
 
     # ------------------------------------------------------------------------------------------- phases
     def pause(self) -> None:
-        self._all("POST", "/pause", params={"mode": self.pause_mode})
+        # clear_cache (deprecated in vLLM 0.32) off: the caches are reset after the load (sync), not by a flag
+        self._all("POST", "/pause", params={"mode": self.pause_mode, "clear_cache": "false"})
 
     def resume(self) -> None:
         self._all("POST", "/resume")
