@@ -265,8 +265,8 @@ class ServerWeightSync:
 
     # ------------------------------------------------------------------------------------------- phases
     def pause(self) -> None:
-        # clear_cache (deprecated in vLLM 0.32) off: the caches are reset after the load (sync), not by a flag
-        self._all("POST", "/pause", params={"mode": self.pause_mode, "clear_cache": "false"})
+        # vLLM 0.32's pause also clears the caches by default (a deprecated flag); sync resets them after the load
+        self._all("POST", "/pause", params={"mode": self.pause_mode})
 
     def resume(self) -> None:
         self._all("POST", "/resume")
