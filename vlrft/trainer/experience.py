@@ -77,6 +77,15 @@ class Experience:
     # policy's distribution (`ActorVL.sampling_truncation`), which TIS adds to the engine's truncated logprobs
     old_kept_log_mass: torch.Tensor | None = None
 
+    def row_advantage(self, row: int) -> float:
+        """Row `row`'s mean advantage over its sampled tokens (`token_mask`), 0.0 for a row with none.
+
+        Averaged over the masked positions, not over the first `token_mask.sum()` positions: a multi-turn row's mask
+        has holes at the tool observations, so its count of sampled tokens is not where they end.
+        """
+        mask = self.token_mask[row].bool()
+        return float(self.advantages[row][mask].float().mean()) if bool(mask.any()) else 0.0
+
 
 def padded(rows: list[list[float]] | list[list[int]], width: int, dtype=torch.float32) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=dtype)

@@ -552,7 +552,6 @@ class Trainer:
                 thumb.thumbnail((128, 128))
                 image_ref = str((image_dir / f"{r}.png").relative_to(self.output_dir))
                 thumb.save(self.output_dir / image_ref)
-            n_tokens = int(exp.token_mask[r].sum())
             extra = {"reward": _float_or_none(collected.rewards[r]),
                      "finish_reason": collected.rollouts.finish_reasons[r],
                      "answer": collected.prompts.samples[p].answer}
@@ -562,7 +561,7 @@ class Trainer:
                 prompt=_readable_prompt(collected.prompts.prompt_texts[p]),
                 completion=collected.rollouts.texts[r],
                 rewards={name: _float_or_none(v[r]) for name, v in collected.per_function.items()},
-                advantage=float(exp.advantages[r, :max(n_tokens, 1)].mean()) if n_tokens else 0.0,
+                advantage=exp.row_advantage(r),
                 image=image_ref,
                 extra=extra))
         return rows
