@@ -1,5 +1,6 @@
 """Chunked LM-head logprobs with large vocabularies: same values and gradients, no whole [tokens, vocab] tensor."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -221,3 +222,62 @@ def test_kept_mass_of_top_k_and_top_p_in_every_path_matches_a_hand_count():
         assert not kept.requires_grad and torch.allclose(kept.double(), expected, atol=1e-5), budget
         (lp.sum() + ent.sum()).backward()  # the third output does not get in the way of the backward
     assert torch.allclose(lean.double(), expected, atol=1e-5) and (expected < -0.01).any()
+
+
+def _reference_kept_mass(probs: list[float], steps: list[tuple[str, float]]) -> float:
+    """Written apart from vlrft and transformers: apply the filters in `steps` one after the other, each on the
+    renormalised distribution the previous ones left, and return the original mass of what is left (float64)."""
+    kept = {i: p for i, p in enumerate(probs)}
+    for name, value in steps:
+        total = sum(kept.values())
+        ranked = sorted(kept.items(), key=lambda item: -item[1])
+        if name == "top_k":  # the k most likely (ties with the k-th stay)
+            threshold = ranked[min(int(value), len(ranked)) - 1][1]
+            kept = {i: p for i, p in ranked if p >= threshold}
+        elif name == "top_p":  # the most likely tokens until their renormalised mass reaches p (at least one)
+            new, before = {}, 0.0
+            for i, p in ranked:
+                if new and before >= value:
+                    break
+                new[i] = p
+                before += p / total
+            kept = new
+        elif name == "min_p":  # at least min_p times the most likely token's probability
+            kept = {i: p for i, p in ranked if p >= value * ranked[0][1]}
+    return math.log(sum(kept.values()))
+
+
+def test_kept_mass_follows_the_filter_order_of_the_engine_that_sampled():
+    """vLLM runs min-p before top-k / top-p, transformers (the hf engine) and SGLang after: at T = 0.5, top-p 0.8,
+    min-p 0.3 the mass kept differs. Each engine's truncation equals a hand-written reference of its own order
+    on random logits, on rows where the two orders disagree."""
+    from vlrft.models.logprobs import SamplingTruncation, kept_log_mass
+
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 50, generator=generator, dtype=torch.float64) * 1.5 / 0.5  # T = 0.5
+    log_p = torch.log_softmax(logits, dim=-1)
+    orders = {"hf": ("top_k", "top_p", "min_p"), "sglang": ("top_k", "top_p", "min_p"),
+              "vllm": ("min_p", "top_k", "top_p"), "vllm_server": ("min_p", "top_k", "top_p")}
+    for filters in ({"top_p": 0.8, "min_p": 0.3}, {"top_k": 6, "top_p": 0.8, "min_p": 0.3}):
+        expected = {}
+        for engine, order in orders.items():
+            steps = [(name, filters[name]) for name in order if name in filters]
+            expected[engine] = torch.tensor([_reference_kept_mass(row.exp().tolist(), steps) for row in log_p],
+                                            dtype=torch.float64)
+            got = kept_log_mass(log_p, SamplingTruncation(**filters, engine=engine))
+            assert torch.allclose(got, expected[engine], atol=1e-9), (engine, filters)
+        differ = (expected["hf"] - expected["vllm"]).abs() > 1e-3
+        assert differ.sum() >= 5, filters  # the orders do differ on these logits
+        assert (expected["vllm"] - expected["hf"])[differ].abs().max() > 0.05
+    with pytest.raises(ValueError, match="filter order"):
+        SamplingTruncation(top_p=0.9, engine="other")
+
+
+def test_the_trainer_asks_for_the_rollout_engines_filter_order():
+    from vlrft.trainer.trainer import Trainer
+
+    for engine in ("hf", "vllm"):
+        cfg = SimpleNamespace(rollout=SimpleNamespace(top_k=0, top_p=0.8, min_p=0.3, engine=engine),
+                              algorithm=SimpleNamespace(tis_cap=2.0))
+        truncation = Trainer._sampling_truncation(SimpleNamespace(cfg=cfg))
+        assert truncation.engine == engine and (truncation.top_p, truncation.min_p) == (0.8, 0.3)

@@ -37,25 +37,48 @@ CHECKPOINT_ABOVE_ELEMENTS = LOGITS_CHUNK_ELEMENTS
 HEAD_GRAD_BLOCK_ROWS = 16384
 
 
+# The order in which each rollout engine applies its filters after the temperature (each filter acting on the
+# distribution the previous ones left, renormalised):
+# - hf: transformers' warpers as `vlrft.decoding.processors.sampling_warpers` applies them: top-k, top-p, min-p.
+# - vllm (0.32, `vllm/v1/sample/sampler.py`): min-p (an argmax-invariant logits processor, run right after the
+#   temperature), then top-k / top-p (`apply_top_k_top_p`: top-k, then top-p over what top-k kept).
+# - sglang (`python/sglang/srt/layers/sampler.py`): top-k, top-p, then min-p, each renormalised (its flashinfer
+#   backend with min-p). Without min-p it filters top-k and top-p jointly on the untruncated distribution, which
+#   this table does not model; SGLang reports untruncated logprobs (docs/engines.md), so the trainer never asks
+#   for its kept mass (`Trainer._sampling_truncation`).
+# min-p keeps the most likely token and compares ratios to it, so it commutes with top-k / top-p whenever it runs
+# last; it does not when it runs first: top-p then counts its cumulative mass over what min-p kept.
+FILTER_ORDERS = {"hf": ("top_k", "top_p", "min_p"), "vllm": ("min_p", "top_k", "top_p"),
+                 "vllm_server": ("min_p", "top_k", "top_p"),  # vLLM's own server: its sampler, as vllm
+                 "sglang": ("top_k", "top_p", "min_p")}
+
+
 @dataclass(frozen=True)
 class SamplingTruncation:
-    """The filters the rollout engines sample through (after the temperature), in their order: top-k, top-p, min-p
-    (transformers' warpers, which the hf engine applies and vLLM / SGLang follow)."""
+    """The filters a rollout engine samples through (after the temperature), in `engine`'s order (`FILTER_ORDERS`):
+    the kept mass must be the one the engine that sampled kept, and the orders differ (vLLM runs min-p first)."""
 
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    engine: str = "hf"  # the rollout engine whose filter order applies (a key of FILTER_ORDERS)
+
+    def __post_init__(self):
+        if self.engine not in FILTER_ORDERS:
+            raise ValueError(f"no filter order known for engine {self.engine!r}; known: {', '.join(FILTER_ORDERS)}")
 
     @property
     def active(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def warpers(self) -> list:
+        """transformers' warpers for the active filters, in `engine`'s order (each renormalises what it is given)."""
         from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-        return ([TopKLogitsWarper(top_k=self.top_k)] if self.top_k > 0 else []) + \
-            ([TopPLogitsWarper(top_p=self.top_p)] if self.top_p < 1.0 else []) + \
-            ([MinPLogitsWarper(min_p=self.min_p)] if self.min_p > 0.0 else [])
+        made = {"top_k": lambda: TopKLogitsWarper(top_k=self.top_k) if self.top_k > 0 else None,
+                "top_p": lambda: TopPLogitsWarper(top_p=self.top_p) if self.top_p < 1.0 else None,
+                "min_p": lambda: MinPLogitsWarper(min_p=self.min_p) if self.min_p > 0.0 else None}
+        return [w for w in (made[name]() for name in FILTER_ORDERS[self.engine]) if w is not None]
 
 
 def kept_log_mass(log_p: torch.Tensor, truncation: SamplingTruncation) -> torch.Tensor:

@@ -362,7 +362,7 @@ class Trainer:
         from vlrft.models.logprobs import SamplingTruncation
 
         r = self.cfg.rollout
-        truncation = SamplingTruncation(top_k=max(0, r.top_k), top_p=r.top_p, min_p=r.min_p)
+        truncation = SamplingTruncation(top_k=max(0, r.top_k), top_p=r.top_p, min_p=r.min_p, engine=r.engine)
         # SGLang reports the untruncated distribution's logprobs (docs/engines.md): nothing to add back there
         truncated_logprobs = r.engine in ("hf", "vllm", "vllm_server")
         return truncation if self.cfg.algorithm.tis_cap is not None and truncation.active and truncated_logprobs \
