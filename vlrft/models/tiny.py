@@ -439,6 +439,10 @@ def build_tiny_model(spec: TinySpec, tokenizer):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        if spec.arch == "gemma3":  # transformers starts the projector at zero: images would not reach the logits
+            with torch.no_grad():
+                model.model.multi_modal_projector.mm_input_projection_weight.normal_(
+                    std=config.text_config.initializer_range)
     model.generation_config.eos_token_id = config.text_config.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = getattr(config.text_config, "bos_token_id", None)
