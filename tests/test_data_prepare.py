@@ -7,6 +7,7 @@ the other convention and images whose size differs from the annotation's.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from pathlib import Path
@@ -407,3 +408,13 @@ def test_without_pyav_preparing_videos_is_one_error_naming_the_extra(tmp_path, m
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` raises ImportError
     with pytest.raises(MissingDependencyError, match=r"vlrft\[video\]"):
         prepare("videoqa", source, tmp_path / "out")
+
+
+# --- answer formats the rows must state, and the grading that follows them (issue 40) --------------------------
+
+def test_a_clevr_questions_file_with_a_byte_order_mark_reads(tmp_path):
+    source = fixtures.clevr(tmp_path / "raw")
+    path = source / "questions" / "CLEVR_train_questions.json"
+    path.write_bytes(codecs.BOM_UTF8 + path.read_bytes())
+    summary = prepare("clevr", source, tmp_path / "out")
+    assert summary.rows == EXPECTED["clevr"][0]

@@ -373,6 +373,6 @@ def read_json(path: Path, what: str) -> Any:
     if not path.is_file():
         raise UserError(f"{what} not found at '{path}'")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a file saved with a byte-order mark reads too
     except json.JSONDecodeError as exc:
         raise UserError(f"'{path}' is not valid JSON ({exc.msg} at line {exc.lineno})") from None

@@ -39,7 +39,7 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
                 yield Skipped(split, problem.name, "no data.json", str(data_file))
                 continue
             try:
-                data = json.loads(data_file.read_text(encoding="utf-8"))
+                data = json.loads(data_file.read_text(encoding="utf-8-sig"))
             except json.JSONDecodeError as exc:
                 yield Skipped(split, problem.name, "unreadable data.json", exc.msg)
                 continue

@@ -55,7 +55,7 @@ def _rows(path: Path) -> Iterator[dict]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=256):
             yield from batch.to_pylist()
     elif path.suffix == ".jsonl":
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in path.read_text(encoding="utf-8-sig").splitlines():
             if line.strip():
                 yield json.loads(line)
     else:
