@@ -412,6 +412,25 @@ def test_without_pyav_preparing_videos_is_one_error_naming_the_extra(tmp_path, m
 
 # --- answer formats the rows must state, and the grading that follows them (issue 40) --------------------------
 
+def test_video_r1_numerical_answer_with_words_is_graded_as_a_number(tmp_path):
+    """A Video-R1 numerical answer "3 objects" was labelled math: math-verify scored "3" wrong (total 0.1)."""
+    source = fixtures.videoqa(tmp_path / "raw")
+    rows = json.loads((source / "Video-R1-260k.json").read_text())
+    rows.append({"problem_id": 8, "problem": "How many objects are on the table?", "data_type": "video",
+                 "problem_type": "numerical", "options": [], "solution": "<answer>3 objects</answer>",
+                 "path": "./clips/a.mp4", "data_source": "demo"})
+    (source / "Video-R1-260k.json").write_text(json.dumps(rows))
+    prepare("videoqa", source, tmp_path / "out")
+    samples = {s.id: s for s in read_samples(tmp_path / "out" / "train.jsonl")}
+    sample = samples["8"]
+    assert sample.label == "numeric" and sample.prompt.endswith("\nAnswer with a number.")
+    assert samples["5"].label == "math"  # $\frac{3}{2}$ stays with math-verify
+    rewards = RewardSet.from_config(load_config(RECIPES["videoqa"], world_size=8).reward)
+    result = rewards.score([_completion("videoqa", "3"), _completion("videoqa", "4")], references=[sample.answer] * 2,
+                           labels=[sample.label] * 2, extras=[sample.extra] * 2)
+    assert [float(t) for t in result.total] == pytest.approx([1.0, 0.1])
+
+
 def test_a_clevr_questions_file_with_a_byte_order_mark_reads(tmp_path):
     source = fixtures.clevr(tmp_path / "raw")
     path = source / "questions" / "CLEVR_train_questions.json"

@@ -14,7 +14,8 @@ The split is the file's name for MSRVTT-QA (`train_qa.json` -> train); a Video-R
 release's chain-of-thought file (`Video-R1-COT-165k.json`: the same questions with reasoning, for
 SFT) is left out, counted as one skipped file. Rows: `<video>` (or `<image>`) +
 `{question}{choices}{hint}`; `label` "multiple_choice" (answer = letter, `choices` column, `choice`
-reward), "numeric" (`numeric`) for a plain number, "math" for a numerical answer written otherwise
+reward), "numeric" (`numeric`) for a plain number or a number and words ("3 objects": `numeric` reads its
+number, where math-verify would score "3" wrong), "math" for a numerical answer written otherwise
 (`$\frac{3}{2}$`: the recipe's default `accuracy`, math-verify, scores "1.5" right), or "free_form"
 (`exact_match`). Options may be a list ("A. ...") or a dict keyed by letters. Videos stay files
 referenced by absolute path (also with --embed-images); one that does not decode is left out.
@@ -33,6 +34,8 @@ _OPTION_PREFIX = re.compile(r"^\(?([A-Z])[.):]\s*")
 _TYPES = {"multiple choice": "multiple_choice", "numerical": "numeric", "regression": "numeric",
           "ocr": "free_form", "free-form": "free_form"}
 _PLAIN_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)$")
+# A number and words (a count of things, a measure): "3 objects", "2.5 meters", "40%"; no LaTeX, no fraction
+_NUMBER_AND_WORDS = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)\s*[A-Za-z%°][A-Za-z%°\s.'-]*$")
 _HELD_OUT = re.compile(r"(^|[^a-z])(test|val|valid|validation|eval)([^a-z]|$)")
 
 
@@ -72,7 +75,7 @@ def _video_r1(path: Path, rows: list, source: Path, options: Options) -> Iterato
             continue
         options_text = [f"{chr(65 + k)}. {o}" for k, o in enumerate(listed)] if isinstance(raw_options, dict) \
             else listed or []
-        if label == "numeric" and not _PLAIN_NUMBER.match(answer):
+        if label == "numeric" and not (_PLAIN_NUMBER.match(answer) or _NUMBER_AND_WORDS.match(answer)):
             label = "math"  # LaTeX or a fraction: math-verify compares it, the numeric reward would not
         fields = {"question": str(row.get("problem", "")).strip(), "choices": ""}
         extra = {"choices": None, "source_dataset": row.get("data_source")}
