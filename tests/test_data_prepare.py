@@ -431,6 +431,25 @@ def test_video_r1_numerical_answer_with_words_is_graded_as_a_number(tmp_path):
     assert [float(t) for t in result.total] == pytest.approx([1.0, 0.1])
 
 
+def test_clevr_all_questions_rows_ask_for_their_own_answer_kind(tmp_path):
+    """With --all-questions the suffix asked for "final answer (number)" on yes/no and attribute rows too: each row
+    now carries the suffix of its answer kind and the summary reports no data.prompt_suffix; counting-only rows are
+    unchanged (no suffix in the row, R1-V's suffix reported)."""
+    source = fixtures.superclevr(tmp_path / "raw", images=1)
+    summary = prepare("clevr", source, tmp_path / "all", options=Options(all_questions=True))
+    rows = {s.label: s for s in read_samples(tmp_path / "all" / "new.jsonl")}
+    suffix = TEMPLATES["clevr"]["prompt_suffix"]
+    assert summary.prompt_suffix is None
+    assert rows["count"].prompt == "<image>How many cars are there?" + suffix
+    assert rows["yes_no"].prompt.endswith("final answer (yes or no) in <answer> </answer> tags.")
+    assert rows["attribute"].prompt == ("<image>What color is the car? Output the thinking process in <think> </think>"
+                                        " and final answer (a single word) in <answer> </answer> tags.")
+    assert not any("(number)" in s.prompt for s in rows.values() if s.label != "count")
+    counting = prepare("clevr", source, tmp_path / "count")
+    assert counting.prompt_suffix == suffix
+    assert read_samples(tmp_path / "count" / "new.jsonl")[0].prompt == "<image>How many cars are there?"
+
+
 def test_a_clevr_questions_file_with_a_byte_order_mark_reads(tmp_path):
     source = fixtures.clevr(tmp_path / "raw")
     path = source / "questions" / "CLEVR_train_questions.json"

@@ -54,6 +54,8 @@ def prepare(task: str, source: str | Path, out: str | Path, embed_images: bool =
         options.media_dir = Path(out) / "media"
     summary = prepare_items(task, module.items(source, options), Path(out), entry,
                             embed_images=embed_images, source=str(source), val_fraction=options.val_fraction)
+    if hasattr(module, "summary_prompt_suffix"):  # a task whose rows may carry their own suffix (clevr)
+        summary.prompt_suffix = module.summary_prompt_suffix(options, summary.prompt_suffix)
     if not summary.rows:
         raise UserError(f"no usable rows found in '{source}' for {task}: {summary.skipped or 'nothing matched'}; "
                         f"expected the {task} layout described by `vlrft data prepare --help` (docs/prepare.md)")

@@ -8,8 +8,11 @@ Raw files (the unpacked release):
     (CoGenT: CLEVR_trainA_questions.json + images/trainA/ ...; SuperCLEVR: superCLEVR_questions_*.json
      at SOURCE or SOURCE/questions, images in SOURCE/images/)
 
-Rows: prompt `<image>{question}`, `answer` the release's answer, `label` "count" for numeric answers
-(`numeric` reward), else "yes_no" / "attribute" (`exact_match`), with `--all-questions`. SuperCLEVR
+Rows: prompt `<image>{question}{hint}`, `answer` the release's answer, `label` "count" for numeric answers
+(`numeric` reward), else "yes_no" / "attribute" (`exact_match`), with `--all-questions`. Counting-only rows
+have no hint and train with the template's prompt_suffix ("final answer (number)"); with `--all-questions`
+every row's hint is the suffix for its own answer kind (number / yes or no / a single word), and the summary
+reports no prompt_suffix (leave data.prompt_suffix unset: it would ask for a number on every row). SuperCLEVR
 writes yes/no answers as JSON booleans: they become "yes" / "no". Questions without an answer
 (CLEVR's test split) are skipped. SuperCLEVR's questions all carry split "new": `--val-fraction`
 cuts them into train and val. Template fields: {question}.
@@ -79,4 +82,10 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
                 continue
             image = _image_path(source, options.image_dir, split, q["image_filename"])
             yield Item(split, qid, {"question": str(q["question"]).strip()}, answer=answer, label=label,
-                       images=[image], extra={"image_index": q.get("image_index")})
+                       images=[image], extra={"image_index": q.get("image_index")},
+                       hint=label if options.all_questions else None)
+
+
+def summary_prompt_suffix(options: Options, suffix: str | None) -> str | None:
+    """The data.prompt_suffix to train with: none with --all-questions (each row carries its own, see above)."""
+    return None if options.all_questions else suffix
