@@ -97,9 +97,45 @@ def mathvista(root: Path) -> Path:
     }
     _json(src / "data" / "testmini.json", testmini)
     _json(src / "data" / "test.json", {"6": row("6", image="images/5.png")})  # unanswered test split
-    _json(src / "data" / "query.json", {pid: f"Hint: answer the question.\nQuestion: {r['question']}"
+    _json(src / "data" / "query.json", {pid: f"Hint: {MATHVISTA_HINTS[r['answer_type']]}\nQuestion: {r['question']}"
                                         for pid, r in testmini.items()})
     _json(src / "data" / "source.json", {pid: "FigureQA" for pid in testmini})
+    return src
+
+
+# The answer-format sentences of MathVista's published queries (data/query.json, the parquet's `query` column)
+MATHVISTA_HINTS = {
+    "text": "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end.",
+    "integer": "Please answer the question requiring an integer answer and provide the final value, e.g., 1, 2, 3, at "
+               "the end.",
+    "float1": "Please answer the question requiring a floating-point number with one decimal place and provide the "
+              "final value, e.g., 1.2, 1.3, 1.4, at the end.",
+    "float2": "Please answer the question requiring a floating-point number with two decimal places and provide the "
+              "final value, e.g., 1.23, 1.34, 1.45, at the end.",
+    "list": "Please answer the question requiring a Python list as an answer and provide the final list, e.g., "
+            "[1, 2, 3], [1.2, 1.3, 1.4], at the end.",
+}
+
+
+def mathvista_formats(root: Path) -> Path:
+    """MathVista GitHub layout with the free-form answer formats: a list ("[2, 5]"), a 1-decimal float ("1.5",
+    precision 1), an integer with a unit, all with their published query in data/query.json, and a 2-decimal float
+    ("0.25", precision 2) that query.json lacks (its hint is built from answer_type / precision). Expect testmini 4
+    free_form rows."""
+    src = root / "MathVista-formats"
+    rows = {"11": ("list", None, "[2, 5]", None), "12": ("float", 1.0, "1.5", None),
+            "13": ("integer", None, "7", "cm"), "14": ("float", 2.0, "0.25", None)}
+    testmini = {}
+    for pid, (kind, precision, answer, unit) in rows.items():
+        write_png(src / "data" / "images" / f"{pid}.png", noise_image(20, 24, seed=int(pid)))
+        testmini[pid] = {"pid": pid, "question": f"Question {pid}?", "image": f"images/{pid}.png", "choices": None,
+                         "unit": unit, "precision": precision, "answer": answer, "question_type": "free_form",
+                         "answer_type": kind, "metadata": {"split": "testmini"}}
+    _json(src / "data" / "testmini.json", testmini)
+    hints = {"11": "list", "12": "float1", "13": "integer"}  # 14: not in query.json
+    _json(src / "data" / "query.json", {
+        pid: f"Hint: {MATHVISTA_HINTS[hint]}\nQuestion: Question {pid}?" + (" (Unit: cm)" if pid == "13" else "")
+        for pid, hint in hints.items()})
     return src
 
 

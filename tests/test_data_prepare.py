@@ -412,6 +412,32 @@ def test_without_pyav_preparing_videos_is_one_error_naming_the_extra(tmp_path, m
 
 # --- answer formats the rows must state, and the grading that follows them (issue 40) --------------------------
 
+def test_mathvista_free_form_rows_carry_the_published_answer_format_and_grading_uses_precision(tmp_path):
+    """MathVista's query.json tells the model the answer's form (a Python list, one decimal place, ...); the rows
+    dropped it, so for "[2, 5]" or "1.5" the model was never told the format, and `precision` was stored but unused:
+    "1.52" for 1.5 at precision 1 scored 0."""
+    prepare("mathvista", fixtures.mathvista_formats(tmp_path / "raw"), tmp_path / "out")
+    rows = {s.id: s for s in read_samples(tmp_path / "out" / "testmini.jsonl")}
+    hints = fixtures.MATHVISTA_HINTS
+    assert rows["11"].prompt == f"<image>Question 11?\nHint: {hints['list']}"
+    assert rows["12"].prompt == f"<image>Question 12?\nHint: {hints['float1']}"
+    assert rows["13"].prompt == f"<image>Question 13? (unit: cm)\nHint: {hints['integer']}"
+    assert rows["14"].prompt == f"<image>Question 14?\nHint: {hints['float2']}"  # built: query.json lacks pid 14
+    assert rows["12"].extra["precision"] == 1.0 and rows["11"].label == "free_form"
+    rewards = RewardSet.from_config(load_config(RECIPES["mathvista"], world_size=8).reward)
+
+    def accuracy(sample, answers):
+        result = rewards.score([f"<think>.</think><answer>{a}</answer>" for a in answers],
+                               references=[sample.answer] * len(answers), labels=[sample.label] * len(answers),
+                               extras=[sample.extra] * len(answers))
+        return result.per_function["math_accuracy"].tolist()
+
+    # MathVista's grading: the answer rounded to `precision` places equals the reference
+    assert accuracy(rows["12"], ["1.52", "1.5", "1.46", "1.56", "1.4"]) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert accuracy(rows["14"], ["0.254", "0.25", "0.26"]) == [1.0, 1.0, 0.0]
+    assert accuracy(rows["11"], ["[2, 5]", "[2, 6]"]) == [1.0, 0.0]
+
+
 def test_video_r1_numerical_answer_with_words_is_graded_as_a_number(tmp_path):
     """A Video-R1 numerical answer "3 objects" was labelled math: math-verify scored "3" wrong (total 0.1)."""
     source = fixtures.videoqa(tmp_path / "raw")

@@ -14,8 +14,13 @@ Raw files, either release form:
 The split is the file's name (testmini, test). Rows: prompt `<image>{question}{choices}{hint}`;
 multiple choice -> `answer` = option letter, `label` "multiple_choice", `choices` column (the
 `choice` reward accepts the letter or the option's text); free-form -> `answer` the value, `label`
-"free_form" (`math_accuracy`), with `unit` / `precision`. Images that exist only as bytes in the
-parquet are written to OUT/media/. Rows without an answer (MathVista's test split) are skipped.
+"free_form" (`math_accuracy`, which rounds to the row's `precision` when it has one), with `unit` /
+`precision`. A free-form MathVista row's hint carries the answer format its published query gives
+(`Hint: ... a Python list ..., e.g., [1, 2, 3] ...`, `... one decimal place ...`): the `Hint:` line of
+the row's `query` (the parquet's column, or the clone's data/query.json), else the same sentence built from
+`answer_type` / `precision` as MathVista's query builder words it (template field {format_hint}). Images
+that exist only as bytes in the parquet are written to OUT/media/. Rows without an answer (MathVista's test
+split) are skipped.
 """
 
 from __future__ import annotations
@@ -88,11 +93,45 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value).strip()
 
 
+_HINT_LINE = re.compile(r"^\s*Hint:\s*(.+?)\s*$", re.M)
+_DECIMALS = {1: "one decimal place and provide the final value, e.g., 1.2, 1.3, 1.4",
+             2: "two decimal places and provide the final value, e.g., 1.23, 1.34, 1.45"}
+
+
+def _queries(folder: Path, cache: dict[Path, dict]) -> dict:
+    """The GitHub clone's data/query.json beside the annotation file (pid -> the published query), or {}."""
+    if folder not in cache:
+        path = folder / "query.json"
+        data = read_json(path, "MathVista query file") if path.is_file() else {}
+        cache[folder] = data if isinstance(data, dict) else {}
+    return cache[folder]
+
+
+def format_hint(row: dict, query: Any) -> str:
+    """A free-form row's answer-format sentence: the `Hint:` line of its published `query`, else the one MathVista's
+    query builder writes for its `answer_type` / `precision`; "" when neither says anything (MathVision)."""
+    found = _HINT_LINE.search(query) if isinstance(query, str) else None
+    if found:
+        return found.group(1)
+    kind, precision = _text(row.get("answer_type")), row.get("precision")
+    if kind == "integer":
+        return "Please answer the question requiring an integer answer and provide the final value, e.g., 1, 2, 3, " \
+               "at the end."
+    if kind == "float" and precision is not None and int(float(precision)) in _DECIMALS:
+        return f"Please answer the question requiring a floating-point number with {_DECIMALS[int(float(precision))]}, " \
+               "at the end."
+    if kind == "list":
+        return "Please answer the question requiring a Python list as an answer and provide the final list, e.g., " \
+               "[1, 2, 3], [1.2, 1.3, 1.4], at the end."
+    return ""
+
+
 def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
     files = _files(source)
     if not files:
         raise UserError(f"no annotation file in '{source}': expected data/testmini.json (MathVista), "
                         "data/*.parquet or test.jsonl (MathVision)")
+    queries: dict[Path, dict] = {}
     for path in files:
         split = _split_name(path)
         for k, row in enumerate(_rows(path)):
@@ -115,7 +154,8 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
                 yield Skipped(split, row_id, "no image reference")
                 continue
             unit = _text(row.get("unit"))
-            fields = {"question": question, "choices": "", "unit_hint": f" (unit: {unit})" if unit else ""}
+            fields = {"question": question, "choices": "", "unit_hint": f" (unit: {unit})" if unit else "",
+                      "format_hint": ""}
             extra: dict[str, Any] = {"choices": choices, "unit": unit or None, "precision": None}
             if choices and row.get("question_type", "multi_choice") == "multi_choice":
                 letter = answer.upper() if len(answer) == 1 and 0 <= ord(answer.upper()) - 65 < len(choices) else None
@@ -130,5 +170,8 @@ def items(source: Path, options: Options) -> Iterator[Item | Skipped]:
                 continue
             if row.get("precision") is not None:
                 extra["precision"] = float(row["precision"])
+            query = row.get("query") or _queries(path.parent, queries).get(_text(row.get("pid")))
+            hint = format_hint(row, query) if "pid" in row else ""  # MathVista's rows: MathVision's carry "id"
+            fields["format_hint"] = f"\nHint: {hint}" if hint else ""
             yield Item(split, row_id, fields, answer=answer, label="free_form", images=[image], extra=extra,
                        hint="free_form")

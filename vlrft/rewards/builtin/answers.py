@@ -60,9 +60,44 @@ def accuracy(completions: list[str], references: list[str | None]) -> list[float
 
 
 @reward("math_accuracy")
-def math_accuracy(completions: list[str], references: list[str | None]) -> list[float | None]:
-    """Mathematically equivalent final answer (math-verify: `\\frac{1}{2}` == `0.5`, `3\\sqrt{2}` == `\\sqrt{18}`)."""
-    return _score_answers(completions, references, lambda _: True)
+def math_accuracy(completions: list[str], references: list[str | None],
+                  precision: list[float | None] | None = None) -> list[float | None]:
+    """Mathematically equivalent final answer (math-verify: `\\frac{1}{2}` == `0.5`, `3\\sqrt{2}` == `\\sqrt{18}`).
+
+    A sample with a `precision` column (decimal places, as MathVista's rows carry) and a numeric reference is
+    graded as MathVista grades it: the final answer's last number rounded to that many places equals the reference
+    ("1.52" is right for 1.5 at precision 1)."""
+    rounded: dict[int, float] = {}
+    for i, reference in enumerate(references):
+        places = _places(precision[i] if precision is not None else None)
+        expected = _number(reference)
+        if places is None or expected is None:
+            continue
+        got = last_number(find_answer(completions[i])[0])
+        ok = got is not None and math.isfinite(got) and abs(round(got, places) - round(expected, places)) < 1e-9
+        rounded[i] = 1.0 if ok else 0.0
+    rest = [None if i in rounded else reference for i, reference in enumerate(references)]
+    scores = _score_answers(completions, rest, lambda _: True)
+    for i, score in rounded.items():
+        scores[i] = score
+    return scores
+
+
+def _places(value) -> int | None:
+    """A `precision` cell as decimal places (None: absent, not a number, or negative)."""
+    try:
+        places = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(places) if math.isfinite(places) and places >= 0 else None
+
+
+def _number(reference) -> float | None:
+    try:
+        value = float(str(reference).strip())
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 @reward("exact_match")
