@@ -86,6 +86,23 @@ def fn_raises(completions):
     raise ValueError("boom")
 
 
+@reward("test_exits")
+def fn_exits(completions):
+    import sys
+
+    sys.exit(3)
+
+
+@reward("test_interrupts")
+def fn_interrupts(completions):
+    raise KeyboardInterrupt
+
+
+@reward("test_async_exits")
+async def fn_async_exits(completions):
+    raise SystemExit("no more")
+
+
 @reward("test_out_of_memory")
 def fn_out_of_memory(completions):
     # A reward model's CUDA out-of-memory error, injected: it cannot happen on CPU.
@@ -240,6 +257,20 @@ def test_exception_names_function_type_message_and_samples():
     result = make_set([F("test_raises"), F("test_one")], on_error="none").score(["a", "b", "c"])
     assert values(result.total) == [1.0, 1.0, 1.0]
     assert result.stats["test_raises"].errors == 3
+
+
+@pytest.mark.parametrize("name, said", [("test_exits", r"called sys\.exit\(3\)"),
+                                        ("test_interrupts", "raised KeyboardInterrupt"),
+                                        ("test_async_exits", r"called sys\.exit\('no more'\)")])
+def test_a_reward_that_exits_is_a_one_line_error_naming_it_or_follows_on_error(name, said):
+    """sys.exit(3) or a KeyboardInterrupt inside a reward went through asyncio as they are: the run ended with a
+    SystemExit traceback (exit code 3) or a KeyboardInterrupt one (130) that did not name the function."""
+    with pytest.raises(RewardError, match=rf"^reward function '{name}' {said} on samples 0-1 \(step 5\); return the "
+                                          r"scores .* or set reward.on_error=none"):
+        make_set([F(name)]).score(["a", "b"], step=5)
+    result = make_set([F(name), F("test_one")], on_error="none").score(["a", "b"])
+    assert values(result.total) == [1.0, 1.0] and result.stats[name].errors == 2
+    assert values(make_set([F("test_one")]).score(["c"]).total) == [1.0]  # the process and its event loops go on
 
 
 def test_wrong_length_is_an_error():

@@ -351,6 +351,9 @@ class RewardSet:
                     what = f"failed on sample {idx[exc.index]} (step {step}): {text}"
                 elif isinstance(exc, UserError):  # its message already says what to fix
                     what = f"failed on {_describe(idx)} (step {step}): {text}"
+                elif isinstance(exc, _Exited):  # a reward must return its scores, not end the process
+                    what = (f"{exc.what()} on {_describe(idx)} (step {step}); return the scores (None for 'not "
+                            "applicable') instead, or set reward.on_error=none to count failures as not applicable")
                 elif type(exc).__name__ == "OutOfMemoryError":  # torch's, e.g. a reward model's batch on a GPU
                     what = (f"ran out of device memory on {_describe(idx)} (step {step}): {text}; lower its batch "
                             "size (the built-in reward_model: kwargs batch_size and max_length)")
@@ -418,11 +421,36 @@ async def _invoke(c: RewardCallable, completions: list[str], kwargs: dict[str, A
     killed, and an executor's worker would then block interpreter exit forever.
     """
     if c.is_async:
-        return await c.fn(completions, **kwargs)
-    result = await call_in_daemon_thread(lambda: c.fn(completions, **kwargs), f"vlrft-reward-{c.key}", started)
+        try:
+            return await c.fn(completions, **kwargs)
+        except SystemExit as exc:  # (a KeyboardInterrupt here may be Ctrl-C, which reaches this thread: it goes on)
+            raise _Exited(exc) from None
+    try:
+        result = await call_in_daemon_thread(lambda: c.fn(completions, **kwargs), f"vlrft-reward-{c.key}", started)
+    except (SystemExit, KeyboardInterrupt) as exc:  # raised in the function's own thread: its code's, not a signal's
+        raise _Exited(exc) from None
     if inspect.isawaitable(result):  # e.g. a sync wrapper returning a coroutine
         result = await result
     return result
+
+
+class _Exited(Exception):
+    """A reward function's SystemExit / KeyboardInterrupt, carried as an ordinary failure: left as they are, asyncio
+    would end the whole event loop with them (a traceback, exit code 3 or 130) instead of one line naming the
+    function."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(exc)
+        self.exc = exc
+
+    def what(self) -> str:
+        if isinstance(self.exc, SystemExit):
+            return f"called sys.exit({self.exc.code!r})"
+        return "raised KeyboardInterrupt" + (f" ({_short_text(self.exc)})" if str(self.exc) else "")
+
+
+def _short_text(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500]
 
 
 async def _gather_fail_fast(tasks: list[asyncio.Task]) -> list[_Outcome]:
