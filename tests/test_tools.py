@@ -68,6 +68,33 @@ def test_raising_hanging_garbage_and_malformed_calls_are_counted_and_the_batch_g
     tools.close()
 
 
+def test_a_tool_that_exits_is_an_error_observation_and_the_batch_goes_on(caplog):
+    """A tool calling sys.exit(4) (a script's habit), or raising KeyboardInterrupt in its own thread, ended the run
+    with tracebacks; docs/multiturn.md promises an `Error:` observation for a tool's exception."""
+    import sys
+
+    def exits(call, ctx):
+        sys.exit(4)
+
+    async def exits_async(call, ctx):
+        raise SystemExit("bye")
+
+    def interrupts(call, ctx):
+        raise KeyboardInterrupt
+
+    def ok(call, ctx):
+        return "fine"
+
+    tools = ToolSet([Tool(fn.__name__, fn, "d", SCHEMA) for fn in (exits, exits_async, interrupts, ok)])
+    calls = [ToolCall(name, {}) for name in ("exits", "exits_async", "interrupts", "ok")]
+    outputs, kinds = tools.run(calls, [_ctx() for _ in calls])
+    assert kinds == ["errors", "errors", "errors", "ok"]
+    assert [o.text for o in outputs] == ["Error: SystemExit: 4", "Error: SystemExit: bye", "Error: KeyboardInterrupt",
+                                         "fine"]
+    assert "tool 'exits' raised SystemExit: 4" in caplog.text and "counted in tools/errors" in caplog.text
+    tools.close()
+
+
 def test_tools_return_text_images_lists_or_tool_outputs():
     image = Image.new("RGB", (8, 8))
     returns = {"text": "hello", "image": image, "both": [image, "a", "b"],

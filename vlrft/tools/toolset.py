@@ -229,13 +229,13 @@ class ToolSet:
                 "timeouts"
         except _ToolRaised as raised:
             exc = raised.exc
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not the tool's answer
-                raise exc
-            # a tool bug or bad arguments: the model reads it, the run goes on
+            # a tool bug or bad arguments: the model reads it, the run goes on. SystemExit and KeyboardInterrupt too:
+            # raised in the tool's own thread, they are its code's (sys.exit in a script), not a signal to the run
+            # (Ctrl-C and SIGTERM reach the main thread only)
             self.report(("errors", call.name, type(exc).__name__),
                         f"tool {call.name!r} raised {type(exc).__name__}: {_short(exc)} (sample {_sample_id(context)}, "
                         f"turn {context.turn}); the model reads it as an Error: observation", "tools/errors")
-            return ToolOutput(text=f"{ERROR_PREFIX}{type(exc).__name__}: {exc}"), "errors"
+            return ToolOutput(text=f"{ERROR_PREFIX}{type(exc).__name__}" + (f": {exc}" if str(exc) else "")), "errors"
         output, problem = read_output(value)
         if output is None:
             self.report(("bad_outputs", call.name, type(value).__name__),
