@@ -144,8 +144,9 @@ SUPPORTED_FAMILIES["smolvlm"] = "SmolVLM"
 # logprobs and gradients against a plain per-sample forward, prompt sharing, the hf engine, a GRPO run, FSDP2 units,
 # LoRA names); `vlrft env` prints it.
 FAMILY_SCOPE = {
-    "qwen2_vl": "images and videos; engines hf, vllm, sglang; FSDP2 and ZeRO on two ranks under torchrun",
-    "qwen2_5_vl": "images and videos; engines hf, vllm, sglang",
+    "qwen2_vl": "images and videos; engines hf, vllm, sglang, vllm_server (images, synchronous and async); FSDP2 "
+                "and ZeRO on two ranks under torchrun",
+    "qwen2_5_vl": "images and videos; engines hf, vllm, sglang, vllm_server (images: weight sync)",
     "qwen3_vl": "images and videos; engines hf, vllm (images; its videos refused there), sglang",
     "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 on two ranks; LoRA on "
                     "attention, the vision tower and, when named (experts.gate_up_proj, experts.down_proj), every "
