@@ -109,7 +109,7 @@ def _value_in(cfg: Config, key: str) -> Any:
 def markdown() -> str:
     """docs/config.md: every key of every section with type, default and meaning."""
     lines = ["# Configuration reference", "",
-             "Generated from the help text of the dataclass fields in `vlrft/config.py` by",
+             "Generated from the help text of the dataclass fields in `vlrft/config/` (`rollout.*` in `rollout.py`, ...) by",
              "`vlrft config --markdown > docs/config.md`; a test keeps this file and the code in step.",
              "`vlrft config --explain KEY` prints one entry.", ""]
     hints = typing.get_type_hints(Config)
