@@ -36,9 +36,9 @@ def test_every_variant_says_where_it_is_the_default_and_what_keeps_it():
 
 
 def test_the_plan_imports_the_decoders_sizes_rather_than_copying_them():
-    import vlrft.plan.memory as memory
+    import vlrft.plan.engine as engine  # the plan's rollout-engine terms
     import vlrft.sampling as sampling
 
-    assert memory.PREFILL_TOKENS is sampling.PREFILL_TOKENS and memory.shares_prompt is sampling.shares_prompt
-    assert memory.hf_decoder is sampling.hf_decoder  # which decoder a family samples with: the engine's own table
-    assert not hasattr(memory, "SHARED_PROMPT_TOKENS")  # read through shares_prompt, not a copy
+    assert engine.PREFILL_TOKENS is sampling.PREFILL_TOKENS and engine.shares_prompt is sampling.shares_prompt
+    assert engine.hf_decoder is sampling.hf_decoder  # which decoder a family samples with: the engine's own table
+    assert not hasattr(engine, "SHARED_PROMPT_TOKENS")  # read through shares_prompt, not a copy

@@ -148,7 +148,7 @@ def test_the_heads_backward_allocates_what_the_plan_counts_for_it():
     logits."""
     from _live_bytes import LiveBytes
 
-    from vlrft.plan.memory import LOGITS_BYTES_PER_ELEMENT, head_backward_bytes
+    from vlrft.plan.activations import LOGITS_BYTES_PER_ELEMENT, head_backward_bytes
 
     head, hidden, targets = _case(tokens=200, vocab=3000, width=64)
     budget = 16 * 3000  # 13 chunks, recomputed in backward

@@ -304,7 +304,7 @@ def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
     rows_per_mb = cfg.train.micro_batch_completions_per_rank
     prompts = min(rows_per_mb, -(-rows_per_mb // cfg.rollout.n) + 1)
     full = prompts * cfg.data.max_prompt_length + rows_per_mb * cfg.rollout.max_new_tokens
-    from vlrft.plan.memory import completion_pass_bytes
+    from vlrft.plan.activations import completion_pass_bytes
 
     rows = plan_memory(cfg, shape, hw, fsdp, images_per_prompt=0)
     prompt_len, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
@@ -541,7 +541,7 @@ def test_activation_estimate_matches_the_tensors_saved_for_backward(autocast_bf1
     """The per-token, per-layer activation model against what autograd really keeps (counted with saved-tensor
     hooks on a text-only forward; bf16 autocast on the CPU stands in for the GPU's mixed precision)."""
     from vlrft.models.tiny import TinySpec, build_tiny_model, build_tokenizer
-    from vlrft.plan.memory import activation_bytes
+    from vlrft.plan.activations import activation_bytes
 
     spec = TinySpec(arch="qwen2_5_vl", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=4,
                     num_kv_heads=2)
@@ -594,7 +594,7 @@ def test_a_reward_model_is_counted_from_its_config(tmp_path):
 
 
 def test_an_offloaded_reward_model_takes_the_gpu_only_while_it_scores(tmp_path):
-    from vlrft.plan.memory import format_plan
+    from vlrft.plan import format_plan
     from vlrft.plan.reward_models import reward_model_shape
 
     cfg = load_config(CONFIG_7B, [], validate=False)
@@ -643,7 +643,7 @@ def test_the_rows_of_a_group_share_their_prompt_and_videos_count_their_frames():
     """The training forward runs each distinct prompt once: a micro-batch of a group's 8 rows holds one long prompt
     (two, when it starts inside a group), not 8. Videos count data.video_max_frames frames at data.max_pixels, within
     data.max_prompt_length tokens; the trainer's load-time check counts the data's most images and videos."""
-    from vlrft.plan.memory import prompt_patches
+    from vlrft.plan.activations import prompt_patches
 
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     long_video = ["data.max_prompt_length=16384", "rollout.max_new_tokens=1024", "rollout.n=8",
@@ -679,7 +679,7 @@ def test_the_shared_prompt_forwards_keys_values_and_their_gradients_are_counted_
     from _tiny_actor import training_actor
 
     from vlrft.models.tiny import TinySpec
-    from vlrft.plan.memory import activation_bytes, prompt_kv_bytes
+    from vlrft.plan.activations import activation_bytes, prompt_kv_bytes
     from vlrft.vision import VisualBatch
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=12, num_heads=8, num_kv_heads=8,
@@ -744,7 +744,7 @@ def test_without_checkpointing_the_completion_passs_repeated_keys_and_values_are
     from _tiny_actor import training_actor
 
     from vlrft.models.tiny import TinySpec
-    from vlrft.plan.memory import activation_bytes, completion_pass_bytes
+    from vlrft.plan.activations import activation_bytes, completion_pass_bytes
     from vlrft.vision import VisualBatch
 
     spec = TinySpec(arch="qwen2_vl", hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=2,
@@ -866,7 +866,7 @@ def test_a_family_that_samples_through_generate_holds_every_rows_prompt_and_comp
     """Gemma 3, InternVL 3, LLaVA-OneVision and SmolVLM sample through transformers' `generate` (vlrft.sampling.
     hf_decoder), which repeats each prompt n times: every row holds its prompt's and completion's keys (float32 under
     bf16 autocast) and values (bf16), whatever rollout.lean_decode says; the prefill runs every row's prompt."""
-    from vlrft.plan.memory import generate_scores_bytes
+    from vlrft.plan.engine import generate_scores_bytes
 
     cfg = load_config(REPO / "configs" / recipe, [f"model.path={shipped}"], validate=False)
     hw = Hardware(gpus_per_node=8, gpu_memory=80 * GiB)

@@ -1,7 +1,7 @@
 """What sampling is, below every engine: `SamplingParams`, finish reasons, and the group decoder's sizes.
 
 The sizes and rules here are the hf engine's decoder's (`vlrft.decoding`, docs/decoding.md) that the memory plan
-counts (`vlrft.plan.memory`): both import them from this module, so the plan cannot drift from the decoder.
+counts (`vlrft.plan.engine`): both import them from this module, so the plan cannot drift from the decoder.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ SHARED_PROMPT_TOKENS = 128
 LEAN_ATTENTION = ("sdpa", "eager")
 
 # How the hf engine samples each family (config.json `model_type`); the engine (vlrft.rollout.hf, vlrft.decoding) and
-# the memory plan (vlrft.plan.memory) both read these, so the plan counts the decoder that runs.
+# the memory plan (vlrft.plan.engine) both read these, so the plan counts the decoder that runs.
 # The group decoder (vlrft.decoding): each prompt prefilled once, then its n completions; it places tokens after a
 # cached prompt by the model's M-RoPE rule (`get_rope_index`), so it takes these families only.
 GROUP_DECODE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from vlrft.errors import UserError
 from vlrft.plan.architecture import ModelShape, load_model_shape, shape_from_config
-from vlrft.plan.memory import PHASES, GiB, Hardware, MemoryPlan, StrategyChoice, format_plan, plan_memory
+from vlrft.plan.formatting import format_plan
+from vlrft.plan.memory import plan_memory
+from vlrft.plan.memory_plan import PHASES, GiB, Hardware, MemoryPlan, StrategyChoice
 from vlrft.plan.reward_models import reward_model_shapes
 
 __all__ = ["GiB", "Hardware", "MemoryPlan", "ModelShape", "StrategyChoice", "check_fits", "check_fits_at_load", "format_plan",

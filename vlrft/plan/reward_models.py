@@ -1,4 +1,4 @@
-"""The reward models of a config (`reward_model` functions), sized for the memory plan.
+"""The reward models of a config (`reward_model` functions), sized for the memory plan, and their memory.
 
 Each distinct `reward_model` entry of `reward.functions` and `reward.recipes` (one per key, as
 `RewardSet` builds them) is a model on every rank's GPU. Its parameters are counted by building it
@@ -9,9 +9,11 @@ folder) is listed as not counted rather than guessed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vlrft.errors import UserError
+from vlrft.plan.memory_plan import PHASES, Component
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,24 @@ def reward_model_shapes(reward_cfg) -> tuple[list[RewardModelShape], list[str]]:
         if shape is not None:
             shapes.append(shape)
     return shapes, not_counted
+
+
+def reward_model_components(reward_models: Sequence[RewardModelShape], ranks_per_node: int
+                            ) -> tuple[list[Component], list[Component]]:
+    """(per-GPU, first node's host) components of the reward models: an offloaded one is on the GPU only while it
+    scores (the rollout phase, beside the awake engine) and in pinned host memory on every rank of the node; a
+    resident one holds its weights in both phases."""
+    gpu, host = [], []
+    for rm in reward_models:
+        where = f"reward model {rm.key!r} ({rm.parameters / 1e9:.2f} B parameters, {rm.path})"
+        if rm.offload:
+            gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes + rm.activation_bytes, ("rollout",),
+                                 f"{where}: copied to the GPU for scoring, with one batch's activations"))
+            host.append(Component(f"reward_model:{rm.key}", rm.weight_bytes * ranks_per_node, PHASES,
+                                  f"{where}: pinned weights of each of the node's {ranks_per_node} rank(s) (offload)"))
+        else:
+            gpu.append(Component(f"reward_model:{rm.key}", rm.weight_bytes, ("rollout", "train"),
+                                 f"{where}: resident on the GPU (offload: false)"))
+            gpu.append(Component(f"reward_model_activations:{rm.key}", rm.activation_bytes, ("rollout",),
+                                 f"{where}: one batch of {rm.batch_size} x {rm.max_length} tokens"))
+    return gpu, host
