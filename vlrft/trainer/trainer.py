@@ -90,8 +90,10 @@ class Trainer:
         if self.hold is not None:
             self.hold.release()
 
-    def _build(self, evaluate_only: bool) -> None:
-        cfg, world, rank = self.cfg, self.strategy.world_size, self.strategy.rank
+    def _decide_run_folder(self, evaluate_only: bool) -> dict:
+        """The checkpoint to resume (`self.resume_from`), the run id and the old run's files; returns the checkpoint's
+        trainer state, read once ({} when none), after checking this strategy can resume it."""
+        cfg = self.cfg
         # Rank 0 decides what the folder holds (resume=auto lists it; another run's files are refused) and every rank
         # follows: on node-local disks the others would each decide from their own disk, then `check_shared` refuses.
         self.resume_from = None if evaluate_only else self._main_decides(lambda: ckpt.checkpoint_to_resume(
@@ -109,19 +111,12 @@ class Trainer:
             resumed = ckpt.load_trainer_state(self.resume_from)
             # before any model loads (minutes for a large one): a checkpoint this strategy cannot resume
             self.strategy.check_resumable(self.resume_from, resumed.get("world_size", 1))
-        self.step_count = 0
-        self._times: dict[str, float] = defaultdict(float)
-        if cfg.rollout.engine == "vllm_server":  # an unreachable server is named before anything loads
-            from vlrft.rollout.server import ServerPool
+        return resumed
 
-            ServerPool(cfg.rollout.server_urls, cfg.rollout.server_timeout_s).check_reachable()
-        # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
-        # the training files are not read (they may not even exist there).
-        self.train_samples = [] if evaluate_only else \
-            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
-        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
-                             if cfg.data.eval_files else [])
-
+    def _prepare_base_model(self, resumed: dict) -> None:
+        """model.path built by its recipe where it does not exist yet, and fingerprinted: a resumed checkpoint must
+        have been trained from the same base."""
+        cfg = self.cfg
         if cfg.model.build_recipe:
             if self.strategy.is_main and not (Path(cfg.model.path) / "config.json").is_file():
                 self.message(f"{cfg.model.path} does not exist yet: building it with recipe '{cfg.model.build_recipe}'")
@@ -138,12 +133,20 @@ class Trainer:
                 raise UserError(f"train.resume: checkpoint {self.resume_from} was trained from another base model than "
                                 f"model.path={cfg.model.path} (their config or weight files differ); the resumed run "
                                 "would take its frozen weights and reference from it. Point model.path at the same base")
-        # on GPUs: stop here with one line when the plan says it cannot fit (for the data's most media in a prompt)
+
+    def _check_memory_plan(self, world: int) -> None:
+        """On GPUs: stop here with one line when the plan says it cannot fit (for the data's most media in a prompt)."""
+        cfg = self.cfg
         plan = check_fits_at_load(cfg, world, max((len(s.images) for s in self.train_samples), default=1),
                                   max((len(s.videos) for s in self.train_samples), default=0))
         warning = host_memory_warning(plan, node_memory_bytes()) if plan is not None else None
         if warning:  # printed by rank 0, whose node the plan's host figures are
             self.message(warning)
+
+    def _build_models(self, evaluate_only: bool) -> None:
+        """The processor, the policy (wrapped by the strategy, with its optimizer), its tokens, the reference, the
+        critic and the scheduler."""
+        cfg = self.cfg
         self.processor = load_processor(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = self._build_actor()
         self.wrapped, self.optimizer = self.strategy.prepare_trainable(self.actor, self._make_optimizer)
@@ -162,6 +165,24 @@ class Trainer:
         if ranks_differ and self.strategy.balances_vision_calls:
             share_every_forward([self.actor, self.ref, self.critic])  # ranks' micro-batches differ: same block calls
 
+    def _build(self, evaluate_only: bool) -> None:
+        cfg, world, rank = self.cfg, self.strategy.world_size, self.strategy.rank
+        resumed = self._decide_run_folder(evaluate_only)
+        self.step_count = 0
+        self._times: dict[str, float] = defaultdict(float)
+        if cfg.rollout.engine == "vllm_server":  # an unreachable server is named before anything loads
+            from vlrft.rollout.server import ServerPool
+
+            ServerPool(cfg.rollout.server_urls, cfg.rollout.server_timeout_s).check_reachable()
+        # Data first (bad rows and media found before any model loads). `vlrft eval` needs only the eval data:
+        # the training files are not read (they may not even exist there).
+        self.train_samples = [] if evaluate_only else \
+            self._read(cfg.data.train_files, cfg.data.max_train_samples, "data.train_files")
+        self.eval_samples = (self._read(cfg.data.eval_files, cfg.data.max_eval_samples, "data.eval_files")
+                             if cfg.data.eval_files else [])
+        self._prepare_base_model(resumed)
+        self._check_memory_plan(world)
+        self._build_models(evaluate_only)
         self.encoder = PromptEncoder(self.processor, cfg.data, extra_eos_token_ids=cfg.rollout.stop_token_ids)
         self.prompts_per_rank = cfg.prompts_per_step // world
         self.mini_batch_per_rank = (cfg.train.global_mini_batch_completions
