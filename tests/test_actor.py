@@ -149,6 +149,25 @@ def assert_equals_reference(actor: ActorVL, seqs, share: bool, reference: list, 
     return grads
 
 
+def plain_per_row_reference(model, batch, completions: list, row_prompt: list, extra_inputs=None) -> tuple[list, dict]:
+    """The independent reference on the data layer's ids and visual tensors: for each row alone, its prompt's ids with
+    the completion appended and the prompt's own visual inputs (none for a text prompt), one plain `model(...)`
+    forward and a log-softmax of its logits; `extra_inputs(ids)`: more keyword inputs of that forward. Returns the
+    rows' logprobs and the gradients of their sum, by parameter name."""
+    model.zero_grad()
+    reference = []
+    for r, completion in enumerate(completions):
+        prompt = batch.prompt_ids[row_prompt[r]]
+        ids = torch.tensor([list(prompt) + completion])
+        visual = batch.visual.select([row_prompt[r]]).model_inputs()
+        extra = extra_inputs(ids) if extra_inputs is not None else {}
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **visual).logits[0]
+        logprobs = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
+        reference.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
+    sum(row.sum() for row in reference).backward()
+    return reference, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl",
                                   "llava_onevision", "smolvlm"])
 def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(arch, tiny_vlm_dir, tmp_path):
@@ -241,18 +260,8 @@ def test_qwen3_vl_video_rows_equal_a_plain_per_row_forward(arch, tiny_vlm_dir):
     completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14, 15], [16], [17, 18, 19]]]
     row_prompt = [0, 0, 1, 1]
     model = load_policy(folder)
-    model.zero_grad()
-    reference = []
-    for r, completion in enumerate(completions):
-        prompt = batch.prompt_ids[row_prompt[r]]
-        ids = torch.tensor([list(prompt) + completion])
-        types = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
-        visual = batch.visual.select([row_prompt[r]]).model_inputs() if row_prompt[r] == 0 else {}
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types, **visual).logits[0]
-        logprobs = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
-        reference.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
-    sum(row.sum() for row in reference).backward()
-    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reference, reference_grads = plain_per_row_reference(model, batch, completions, row_prompt, lambda ids: {
+        "mm_token_type_ids": torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))})
     assert any(".visual." in n for n in reference_grads)
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
@@ -281,17 +290,7 @@ def test_llava_onevision_video_rows_equal_a_plain_per_row_forward(tiny_vlm_dir):
     completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14, 15], [16], [17, 18, 19]]]
     row_prompt = [0, 0, 1, 1]
     model = load_policy(folder)
-    model.zero_grad()
-    reference = []
-    for r, completion in enumerate(completions):
-        prompt = batch.prompt_ids[row_prompt[r]]
-        ids = torch.tensor([list(prompt) + completion])
-        visual = batch.visual.select([row_prompt[r]]).model_inputs()
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **visual).logits[0]
-        logprobs = torch.log_softmax(logits[len(prompt) - 1:-1].float(), -1)
-        reference.append(logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1))
-    sum(row.sum() for row in reference).backward()
-    reference_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    reference, reference_grads = plain_per_row_reference(model, batch, completions, row_prompt)
     assert any(".vision_tower." in n for n in reference_grads)
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
