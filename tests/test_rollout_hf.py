@@ -25,6 +25,16 @@ def setup(request, tiny_vlm_dir, tmp_path_factory):
     return engine_setup(tiny_vlm_dir(request.param), samples)
 
 
+def assert_logprobs_match_the_trainer(model, tokens, batch, out: Rollouts) -> None:
+    """Each rollout's engine logprobs equal the trainer's (ActorVL on the same model and sequences) within 1e-4."""
+    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
+    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
+    with torch.no_grad():
+        trainer_lp = actor.logprobs(seqs).logprobs
+    for r, lp in enumerate(out.logprobs):
+        assert torch.allclose(trainer_lp[r, :len(lp)], torch.tensor(lp), atol=1e-4), r
+
+
 def test_cut_at_stop_keeps_the_stop_token_and_names_the_reason():
     assert cut_at_stop([5, 6, 2, 0, 0], {2, 0}, 5) == ([5, 6, 2], FINISH_STOP)
     assert cut_at_stop([5, 6, 7], {2}, 3) == ([5, 6, 7], FINISH_LENGTH)
@@ -49,13 +59,7 @@ def test_groups_are_contiguous_and_logprobs_match_the_trainer(setup, share):
             assert len(ids) == 6
         assert not set(ids) & set(tokens.suppressed_ids)  # never a vision placeholder
     assert out.texts == processor.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-
-    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
-    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
-    with torch.no_grad():
-        trainer_lp = actor.logprobs(seqs).logprobs
-    for r, lp in enumerate(out.logprobs):
-        assert torch.allclose(trainer_lp[r, :len(lp)], torch.tensor(lp), atol=1e-4), r
+    assert_logprobs_match_the_trainer(model, tokens, batch, out)
 
 
 def test_greedy_is_deterministic_and_identical_across_the_group(setup):
@@ -148,9 +152,4 @@ def test_llava_onevision_samples_after_a_video_with_the_trainers_logprobs(tiny_v
     torch.manual_seed(0)
     out = HFEngine(lambda: model, processor, tokens).generate(batch, SamplingParams(n=2, max_new_tokens=5))
     assert len(out) == 4 and not any(set(ids) & set(tokens.suppressed_ids) for ids in out.completion_ids)
-    actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id, suppressed_ids=tokens.suppressed_ids)
-    seqs = build_sequences(batch.prompt_ids, batch.visual, out.completion_ids, out.prompt_index, tokens.pad_id)
-    with torch.no_grad():
-        trainer_lp = actor.logprobs(seqs).logprobs
-    for r, lp in enumerate(out.logprobs):
-        assert torch.allclose(trainer_lp[r, :len(lp)], torch.tensor(lp), atol=1e-4), r
+    assert_logprobs_match_the_trainer(model, tokens, batch, out)
