@@ -36,7 +36,7 @@ def test_the_completions_log_averages_advantages_over_the_sampled_positions_of_a
     from types import SimpleNamespace
 
     from vlrft.trainer.experience import Experience
-    from vlrft.trainer.trainer import Trainer
+    from vlrft.trainer.step_report import completion_rows
 
     width = 110
     token_mask = torch.zeros(3, width)
@@ -63,7 +63,5 @@ def test_the_completions_log_averages_advantages_over_the_sampled_positions_of_a
     prompts = SimpleNamespace(images=[[]], prompt_texts=["q"], samples=[SimpleNamespace(answer="1")])
     collected = SimpleNamespace(rollouts=rollouts, prompts=prompts, rewards=torch.tensor([1.0, 0.0, 0.0]),
                                 per_function={"acc": torch.tensor([1.0, 0.0, 0.0])})
-    trainer = SimpleNamespace(cfg=SimpleNamespace(logging=SimpleNamespace(completions_rows=3)), output_dir=tmp_path,
-                              _trajectory_record=None)
-    rows = Trainer._completion_rows(trainer, collected, exp, step=1)
+    rows = completion_rows(collected, exp, step=1, output_dir=tmp_path, max_rows=3)
     assert [round(row.advantage, 6) for row in rows] == expected

@@ -19,18 +19,18 @@ import torch
 
 from vlrft.algo import RunningMoments, Stats, make_kl_controller
 from vlrft.config import Config, save_config
-from vlrft.data import PromptEncoder, PromptSampler, read_samples
+from vlrft.data import PromptEncoder, PromptSampler
 from vlrft.parallel import make_strategy
 from vlrft.parallel.strategy import ModelSource, Strategy, TrainedModel
 from vlrft.errors import UserError
-from vlrft.logging import CompletionRow, RunLogger
+from vlrft.logging import RunLogger
 from vlrft.models import precision
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import DTYPES, load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import EngineDeps, Rollouts, SamplingParams, engine_state, load_engine_state
+from vlrft.rollout.base import EngineDeps, SamplingParams, engine_state, load_engine_state
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
@@ -41,6 +41,8 @@ from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.micro_batches import share_every_forward
 from vlrft.trainer.out_of_memory import explain_out_of_memory, sampling_fixes, training_fixes
 from vlrft.trainer.producer import make_producer, staleness_metrics
+from vlrft.trainer.step_report import completion_rows, step_metrics
+from vlrft.trainer.training_data import read_training_data
 from vlrft.trainer.update import UpdateDeps, skips_zero_advantage_rows, update
 
 
@@ -239,48 +241,8 @@ class Trainer:
                             "node mounts, or copy it to the same path on every node")
 
     def _read(self, files: list[str], limit: int | None, key: str) -> list:
-        samples = []
-        for path in files:
-            left = limit - len(samples) if limit else None  # max_*_samples: reading stops there
-            if left is not None and left <= 0:
-                break
-            samples.extend(read_samples(path, self.cfg.data.format, self.cfg.data.image_root,
-                                        self.cfg.data.on_bad_sample, limit=left))
-        if not samples:
-            raise UserError(f"config: {key}={files!r} holds no samples; list JSONL/parquet/HF-dataset files "
-                            "(check them with `vlrft data check FILE`)")
-        return self._without_bad_samples(samples, key) if self.cfg.data.validate_media else samples
-
-    def _without_bad_samples(self, samples: list, key: str) -> list:
-        """Check every prompt and decode every image up front (cached, parallel), before any model loads, so a bad
-        sample stops the run now and not at the step that draws it; honour data.on_bad_sample.
-
-        Every rank checks its share (every world_size-th sample) and the problems are gathered: on 64 ranks and
-        millions of images the check takes 1/64 of the time one rank would, well inside the collective timeout
-        the other ranks would otherwise wait under."""
-        from vlrft.data.media import MediaLimits
-        from vlrft.data.validate import find_bad_media, find_bad_prompts
-
-        data = self.cfg.data
-        rank, world = self.strategy.rank, self.strategy.world_size
-        share = samples[rank::world]
-        mine = find_bad_prompts(share, data.system_prompt, data.prompt_suffix)
-        mine += find_bad_media(share, MediaLimits(data.max_source_pixels, data.max_aspect_ratio),
-                               progress=self.cfg.logging.progress and self.strategy.is_main)
-        mine = [dataclasses.replace(p, index=rank + p.index * world) for p in mine]  # indices into `samples`
-        problems = sorted((p for part in self.strategy.all_gather_object(mine) for p in part), key=lambda p: p.index)
-        if not problems:
-            return samples
-        bad = {p.index for p in problems}
-        if data.on_bad_sample == "error":
-            raise UserError(f"{key}: {len(bad)} of {len(samples)} samples are unusable, first: {problems[0]}; "
-                            "fix them or set data.on_bad_sample=skip (`vlrft data check FILE` lists every one)")
-        self.message(f"{key}: left out {len(bad)} of {len(samples)} unusable samples "
-                     f"(data.on_bad_sample=skip), first: {problems[0]}")
-        kept = [sample for i, sample in enumerate(samples) if i not in bad]
-        if not kept:
-            raise UserError(f"{key}: no sample is usable; check the files with `vlrft data check FILE`")
-        return kept
+        return read_training_data(files, limit, key, self.cfg.data, self.strategy, self.message,
+                                  progress=self.cfg.logging.progress and self.strategy.is_main)
 
     def _build_actor(self) -> ActorVL:
         cfg = self.cfg.model
@@ -513,7 +475,8 @@ class Trainer:
         self.step_count = step
         if self.strategy.is_main and self.logger is not None and self.cfg.logging.completions_every and \
                 step % self.cfg.logging.completions_every == 0:
-            self.logger.log_completions(step, self._completion_rows(collected, experience, step))
+            self.logger.log_completions(step, completion_rows(collected, experience, step, self.output_dir,
+                                                              self.cfg.logging.completions_rows))
         return metrics
 
     def rollout_producer(self):
@@ -525,86 +488,10 @@ class Trainer:
 
     def _step_metrics(self, collected: Collected, rewards: torch.Tensor, exp: Experience, loss_stats: Stats,
                       skipped: int) -> dict:
-        stats = Stats()
-        valid = ~torch.isnan(rewards)
-        stats.add("reward/mean", torch.where(valid, rewards, torch.zeros(())).sum(), valid.sum())
-        stats.add("reward/frac_not_applicable", (~valid).float().sum(), rewards.numel())
-        for name, values in collected.per_function.items():
-            ok = ~torch.isnan(values)
-            stats.add(f"reward/{name}/mean", torch.where(ok, values, torch.zeros(())).sum(), ok.sum())
-        lengths = torch.tensor([len(c) for c in collected.rollouts.completion_ids], dtype=torch.float32)
-        truncated = torch.tensor(collected.rollouts.truncated, dtype=torch.float32)
-        stats.add("completions/mean_length", lengths.sum(), lengths.numel())
-        stats.add("completions/clipped_ratio", truncated.sum(), truncated.numel())
-        stats.add_max("completions/max_length", lengths)
-        stats.add("frac_reward_zero_std", float(collected.zero_std_groups), float(collected.groups_seen))
-        stats.add("dynamic_sampling/filled_zero_std", float(collected.filled_zero_std))
-        stats.add("data/skipped_prompts", float(collected.skipped_prompts))
-        stats.add("rollout/rounds", float(collected.rounds))
-        stats.add("optimizer/skipped_steps", float(skipped))
-        for name, (total, count) in collected.rollouts.metrics().items():  # multi-turn: tools (none without them)
-            stats.add(name, total, count)
-        error_keys = [f"reward/{name}/errors" for name in collected.reward_errors]  # failures under on_error=none
-        for key, count in zip(error_keys, collected.reward_errors.values()):
-            stats.add(key, float(count))
-        stats = stats.merge(loss_stats).merge(exp.advantage_stats)
-        reduced = stats.reduce(self.sum_reduce, self.max_reduce)
-        metrics = reduced.means()
-        for name in ("data/skipped_prompts", "optimizer/skipped_steps", "dynamic_sampling/filled_zero_std",
-                     *error_keys):
-            metrics[name] = float(reduced.sums[name])
-        # headline names
-        for alias, source in (("kl", "actor/kl_ref"), ("entropy", "actor/entropy"), ("clip_ratio/region", "actor/clipfrac")):
-            if source in metrics:
-                metrics[alias] = metrics[source]
+        metrics = step_metrics(collected, rewards, exp, loss_stats, skipped, self.sum_reduce, self.max_reduce)
         metrics["kl_coef"] = self.kl_controller.value
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics
-
-    def _completion_rows(self, collected: Collected, exp: Experience, step: int) -> list[CompletionRow]:
-        rows = []
-        image_dir = self.output_dir / "completions" / f"step_{step}"
-        for r in range(min(self.cfg.logging.completions_rows, len(collected.rollouts))):
-            p = collected.rollouts.prompt_index[r]
-            image_ref = None
-            if collected.prompts.images[p]:
-                image_dir.mkdir(parents=True, exist_ok=True)
-                thumb = collected.prompts.images[p][0].copy()
-                thumb.thumbnail((128, 128))
-                image_ref = str((image_dir / f"{r}.png").relative_to(self.output_dir))
-                thumb.save(self.output_dir / image_ref)
-            extra = {"reward": _float_or_none(collected.rewards[r]),
-                     "finish_reason": collected.rollouts.finish_reasons[r],
-                     "answer": collected.prompts.samples[p].answer}
-            if collected.rollouts.transcripts:  # multi-turn: the whole trajectory, turn by turn
-                extra.update(self._trajectory_record(collected.rollouts, r, image_dir))
-            rows.append(CompletionRow(
-                prompt=_readable_prompt(collected.prompts.prompt_texts[p]),
-                completion=collected.rollouts.texts[r],
-                rewards={name: _float_or_none(v[r]) for name, v in collected.per_function.items()},
-                advantage=exp.row_advantage(r),
-                image=image_ref,
-                extra=extra))
-        return rows
-
-    def _trajectory_record(self, rollouts: Rollouts, r: int, image_dir: Path) -> dict:
-        """Row `r`'s turns, tool calls and observations; the tool images the model saw as thumbnails next to the
-        table (each tool step's `image_files`)."""
-        images = iter(rollouts.observation_images[r])
-        steps = []
-        for step in rollouts.transcripts[r]:
-            step = dict(step)
-            if step["role"] == "tool" and step.get("shown") and step.get("images"):
-                step["image_files"] = []
-                for _ in range(step["images"]):
-                    thumb = next(images).copy()
-                    thumb.thumbnail((128, 128))
-                    image_dir.mkdir(parents=True, exist_ok=True)
-                    path = image_dir / f"{r}_tool{len(steps)}_{len(step['image_files'])}.png"
-                    thumb.save(path)
-                    step["image_files"].append(str(path.relative_to(self.output_dir)))
-            steps.append(step)
-        return {"turns": rollouts.turns[r], "tool_images": len(rollouts.observation_images[r]), "trajectory": steps}
 
     # ------------------------------------------------------------------ loop
 
@@ -703,15 +590,3 @@ class Trainer:
         # last: nothing after this consumes randomness. A rank the checkpoint did not have (resumed on
         # more processes) keeps its seeded stream.
         ckpt.load_rank_rng(folder, self.strategy.rank, required=not self.strategy.reshards_checkpoints)
-
-
-def _readable_prompt(text: str) -> str:
-    """The templated prompt with each run of vision pad tokens shown once."""
-    import re
-
-    return re.sub(r"(<\|(?:image|video)_pad\|>)+", lambda m: m.group(1), text)
-
-
-def _float_or_none(value) -> float | None:
-    value = float(value)
-    return None if value != value else value
