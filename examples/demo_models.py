@@ -112,7 +112,9 @@ def build_zoom_demo(out_dir: Path) -> Path:
     from vlrft.data import read_samples
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
-    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+    # Heads of 32 dimensions (2 x 32, one KV head: the parameter count of 4 x 16 with two KV heads), the narrowest
+    # vLLM's CPU attention kernels take, so the demo also runs on rollout.engine=vllm / vllm_server on a CPU.
+    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                     vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=112 * 112,
                     vocab_size=1024, seed=0)
     build_tiny_vlm(out_dir, spec)
@@ -132,7 +134,9 @@ def build_shapes_demo(out_dir: Path) -> Path:
     from vlrft.data import read_samples
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
-    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+    # Heads of 32 dimensions (2 x 32, one KV head: the parameter count of 4 x 16 with two KV heads), the narrowest
+    # vLLM's CPU attention kernels take, so the demo also runs on rollout.engine=vllm / vllm_server on a CPU.
+    spec = TinySpec(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                     vision_depth=2, vision_hidden_size=32, vision_heads=2, min_pixels=56 * 56, max_pixels=56 * 56, vocab_size=1024,
                     seed=0)
     build_tiny_vlm(out_dir, spec)
