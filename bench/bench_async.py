@@ -42,7 +42,7 @@ def run(mode: str, model: Path, url: str, steps: int, ppo_epochs: int, out: Path
                "model.build_recipe=null", f"rollout.server_urls=[{url}]", "rollout.n=4",
                "rollout.global_batch_completions=32", "train.micro_batch_completions_per_rank=32",
                "algorithm.tis_cap=100", "algorithm.dynamic_sampling=false", f"train.total_steps={steps}",
-               f"train.ppo_epochs={ppo_epochs}", "train.eval_every=0", "train.save_every=0", "train.save_hf_model=never",
+               f"train.ppo_epochs={ppo_epochs}", "train.eval_every=0", "train.save_every=0",
                f"train.output_dir={out}", *engine[mode]]
     env = dict(os.environ, OMP_NUM_THREADS="1" if mode != "colocated" else "2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE="1")

@@ -53,7 +53,8 @@ def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python:
     weight-sync routes). The flags that matter: `--enable-scale-out` (the tokens-in route), processed logprobs
     (those of the distribution sampled from, as TIS needs), our shared-memory weight-transfer backend
     (`vlrft.rollout.weight_transfer`, loaded by vLLM through vlrft's plugin entry point), prefix caching (a
-    group's n completions share one prefill). On CPUs: eager mode (compiling costs minutes and buys nothing)."""
+    group's n completions share one prefill). On CPUs: eager mode (compiling costs minutes and buys nothing) and
+    whole prefills (vLLM-CPU cannot rewind a seeded request's generator after a chunked prefill step)."""
     import json
 
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
@@ -63,8 +64,9 @@ def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python:
                "--weight-transfer-config", json.dumps({"backend": "vlrft_shm"})]
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
-    if cpu:
-        command.append("--enforce-eager")
+    if cpu:  # as the colocated engine on a CPU (vlrft.rollout.vllm.CPU_ENGINE_DEFAULTS says why)
+        command += ["--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                    str(max(8192, max_model_len or 0))]
     return command
 
 

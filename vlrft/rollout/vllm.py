@@ -155,6 +155,10 @@ def sleep_mode(requested: bool, platform) -> bool:
     return requested
 
 
+# vLLM's CPU build: inductor compilation costs minutes there and buys nothing; and a prefill split over steps
+# (chunked prefill) makes its model runner rewind the request's seeded generator (`gen.set_offset`), which CPU
+# generators do not have ("CPU Generator does not use offset"): whole prefills only, in steps large enough to hold one.
+CPU_ENGINE_DEFAULTS = {"enforce_eager": True, "enable_chunked_prefill": False}
 CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels ("Unsupported CPU attention configuration: head_dim=16")
 
 
@@ -275,8 +279,7 @@ class VLLMEngine(ColocatedEngine):
                                     sleep=sleep)
         if current_platform.is_cpu():
             check_cpu_attention(deps.actor)
-            # inductor compilation costs minutes on a CPU and buys nothing there
-            kwargs.setdefault("enforce_eager", True)
+            kwargs = {**CPU_ENGINE_DEFAULTS, "max_num_batched_tokens": max(8192, kwargs["max_model_len"]), **kwargs}
         with launcher_variables_kept():
             llm = vllm.LLM(**kwargs)
         actor = deps.actor
