@@ -235,6 +235,9 @@ CASES = {
     "train: folder held by a live run": (lambda i: (i.run.mkdir(), hold_by_live_process(i.run), i.train())[-1], 2,
                                          ("train.output_dir", "in use by a live run", f"pid {os.getppid()} on host "
                                           f"{socket.gethostname()}")),
+    # ---- issue 40: bad input still ending in a traceback
+    "config: output_dir /dev/null": (lambda i: i.train("train.output_dir=/dev/null"), 2,
+                                     ("train.output_dir='/dev/null'", "not a folder")),
 }
 
 HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"

@@ -536,3 +536,64 @@ def test_a_second_train_into_a_folder_a_live_run_holds_is_refused(tmp_path, tiny
     with pytest.raises(UserError, match="not found"):  # refused after the hold was taken
         Trainer(config(bad, tiny_vlm_dir(), {"train": tmp_path / "missing.jsonl"}))
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("folder, says", [
+    ("/dev/null", r"is a file or device, not a folder"),
+    ("/dev/null/run", r"has a file or device in its path \(/dev/null\)"),
+    ("/proc/self/run", r"is inside /proc, a system file system"),
+    ("/sys/vlrft-run", r"is inside /sys, a system file system"),
+])
+def test_an_output_dir_that_cannot_be_a_folder_is_one_line_naming_the_setting(folder, says):
+    from vlrft.trainer.run_folder import RunHold
+
+    with pytest.raises(UserError, match=rf"^train.output_dir='{folder}' {says}.*set train.output_dir to a folder on a "
+                                        r"writable disk"):
+        RunHold(folder).acquire()
+
+
+def test_a_read_only_output_dir_is_one_line_naming_the_setting(tmp_path, monkeypatch):
+    """A read-only mount (EROFS, errno 30) is simulated: root, which runs the tests here, writes through chmod 0o555."""
+    import errno
+
+    from vlrft.trainer import run_folder
+
+    folder = tmp_path / "ro" / "run"
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(run_folder.Path, "mkdir", read_only)
+    with pytest.raises(UserError, match=rf"train.output_dir='{folder}' is on a read-only file system; set "
+                                        "train.output_dir to a folder on a writable disk"):
+        run_folder.RunHold(folder).acquire()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a chmod 0o555 folder (read-only case: the EROFS test)")
+def test_an_output_dir_without_write_permission_is_one_line_naming_the_setting(tmp_path):
+    from vlrft.trainer.run_folder import RunHold
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(UserError, match=rf"train.output_dir='{locked / 'run'}' cannot be written: permission "
+                                            "denied"):
+            RunHold(locked / "run").acquire()
+    finally:
+        locked.chmod(0o755)
+
+
+def test_vlrft_train_into_dev_null_prints_one_line(tmp_path, tiny_vlm_dir, shapes, capsys):
+    from vlrft.cli import main
+
+    (tmp_path / "run.yaml").write_text("{}\n")
+    model = tiny_vlm_dir()
+    capsys.readouterr()  # the fixture's own progress bars
+    overrides = [f"model.path={model}", f"data.train_files=[{shapes['train']}]", "rollout.n=4",
+                 "rollout.global_batch_completions=8", f"reward.functions=[{{name: '{REWARDS}:text_hash'}}]",
+                 "train.output_dir=/dev/null"]
+    assert main(["train", str(tmp_path / "run.yaml"), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("vlrft train: error: train.output_dir='/dev/null' is a file or device, not a folder; set "
+                           "train.output_dir to a folder on a writable disk (e.g. train.output_dir=runs/my-run)")

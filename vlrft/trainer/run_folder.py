@@ -16,6 +16,7 @@ folder on each node's own disk is refused at start (`check_shared`), not at the 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -234,9 +235,24 @@ class RunHold:
         return None
 
     def acquire(self) -> None:
-        """Take the hold, or raise a `UserError` naming the live run that has it."""
+        """Take the hold, or raise a `UserError` naming the live run that has it (or what makes the folder unusable)."""
         self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]  # removed if left empty
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._take()
+        except OSError as exc:  # not a folder, read-only, /proc or /sys: one line naming the setting, not a traceback
+            self._remove_created()
+            raise unusable_folder(self.folder, exc) from exc
+        time.sleep(0.05)  # a racing takeover wrote after us: the file says who won
+        if (self.read() or {}).get("token") != self.token:
+            raise UserError(f"train.output_dir='{self.folder}' was taken by another run starting at the same time; "
+                            "pick another train.output_dir")
+        self.held = True
+        self._thread = threading.Thread(target=self._beat, name="vlrft-run-hold", daemon=True)
+        self._thread.start()
+
+    def _take(self) -> None:
+        """Write the hold file: an exclusive create, or a takeover of a stale hold (a live one: a `UserError`)."""
         for _ in range(3):
             if self._write(self._record(), exclusive=True):
                 break
@@ -256,13 +272,11 @@ class RunHold:
         else:
             raise UserError(f"train.output_dir='{self.folder}': could not take {HOLD_FILE}; another run is starting "
                             "there at the same time")
-        time.sleep(0.05)  # a racing takeover wrote after us: the file says who won
-        if (self.read() or {}).get("token") != self.token:
-            raise UserError(f"train.output_dir='{self.folder}' was taken by another run starting at the same time; "
-                            "pick another train.output_dir")
-        self.held = True
-        self._thread = threading.Thread(target=self._beat, name="vlrft-run-hold", daemon=True)
-        self._thread.start()
+
+    def _remove_created(self) -> None:
+        for folder in self.created:  # only when empty: a run refused before it wrote anything leaves no folder
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -281,9 +295,26 @@ class RunHold:
         if (self.read() or {}).get("token") == self.token:
             with contextlib.suppress(OSError):
                 self.path.unlink()
-        for folder in self.created:  # a run refused before it wrote anything leaves no folder behind
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only when empty
+        self._remove_created()
+
+
+def unusable_folder(folder: Path, exc: OSError) -> UserError:
+    """The one-line error for an output folder that cannot be created or written: what is wrong and the way out."""
+    culprit = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    top = Path(os.path.abspath(folder)).parts[1:2]
+    if culprit is not None:
+        what = ("is a file or device, not a folder" if culprit == folder else
+                f"has a file or device in its path ({culprit})")
+    elif top and top[0] in ("proc", "sys", "dev"):
+        what = f"is inside /{top[0]}, a system file system that cannot hold a run's files ({exc.strerror or exc})"
+    elif exc.errno == errno.EROFS:
+        what = "is on a read-only file system"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        what = f"cannot be written: permission denied for {exc.filename or folder}"
+    else:
+        what = f"cannot be created or written ({exc.strerror or exc})"
+    return UserError(f"train.output_dir='{folder}' {what}; set train.output_dir to a folder on a writable disk "
+                     "(e.g. train.output_dir=runs/my-run)")
 
 
 def _when(started) -> str:
