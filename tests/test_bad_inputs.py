@@ -238,6 +238,8 @@ CASES = {
     # ---- issue 40: bad input still ending in a traceback
     "config: output_dir /dev/null": (lambda i: i.train("train.output_dir=/dev/null"), 2,
                                      ("train.output_dir='/dev/null'", "not a folder")),
+    "config: rollout.n 10**30": (lambda i: i.train(f"rollout.n={10**30}", f"rollout.global_batch_completions={10**30}"),
+                                 2, ("rollout.n=", "at most 4096")),
 }
 
 HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"

@@ -90,6 +90,28 @@ def test_batch_must_split_into_whole_groups_per_rank():
         load_config(None, [], world_size=2)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.n=" + str(10**30), "rollout.global_batch_completions=" + str(10**30)],
+     f"config: rollout.n={10**30} is not allowed; expected at most 4096 completions per prompt"),
+    (["rollout.n=100000000", "rollout.global_batch_completions=100000000"],
+     "config: rollout.n=100000000 is not allowed; expected at most 4096 completions per prompt"),
+    (["rollout.n=4096", "rollout.global_batch_completions=4096000"],
+     "config: rollout.global_batch_completions=4096000 is not allowed; expected at most 1,073,741,824 tokens per rank "
+     "per step; 4,096,000 completions per rank (over 1 rank(s)) * 1,536 tokens (data.max_prompt_length + "
+     "rollout.max_new_tokens) = 6,291,456,000"),
+])
+def test_what_one_rank_must_hold_is_bounded_at_load(overrides, message):
+    """A huge group or batch is refused with the limit and its reason before anything is allocated (n=10**30
+    overflowed in decoding, n=10**8 asked the allocator for 28 GB)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message), str(err.value)
+    assert "\n" not in str(err.value)
+    # the same batch over enough ranks fits; the largest group passes
+    assert load_config(None, ["rollout.n=4096", "rollout.global_batch_completions=4096000", "train.strategy=ddp"],
+                       world_size=1000).rollout.n == 4096
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config file '.*nope.yaml' not found; pass the path of a YAML file"):
         load_config(tmp_path / "nope.yaml")

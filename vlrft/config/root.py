@@ -17,6 +17,14 @@ from vlrft.config.rollout import RolloutConfig
 from vlrft.config.train import TrainConfig
 from vlrft.registry import ADVANTAGES, POLICY_LOSSES
 
+# The largest group: a prompt's completions are sampled together on one rank, and no advantage estimator needs more
+# siblings than this (GRPO/RLOO statistics settle long before); a larger n is a typo (10**30 overflowed in decoding).
+MAX_GROUP = 4096
+# The most tokens one rank may hold for a step (its completions * (prompt + tokens after it)): 2**30 tokens are
+# 24 GiB of per-token tensors alone (ids, masks, old and reference logprobs; >= 24 bytes a token) before any model
+# state or KV cache, and ~30x the largest real step (1024 completions of 32k tokens per GPU).
+MAX_TOKENS_PER_RANK = 2**30
+
 
 @dataclass
 class Config:
@@ -44,12 +52,13 @@ class Config:
         _positive("rollout.global_batch_completions", r.global_batch_completions)
         _positive("rollout.max_new_tokens", r.max_new_tokens)
         r.validate_tools()
+        _positive("data.max_prompt_length", self.data.max_prompt_length)
+        self._validate_sizes(world)
         _positive("train.micro_batch_completions_per_rank", t.micro_batch_completions_per_rank)
         if t.max_tokens_per_micro_batch < 0:
             _fail("train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch,
                   "0 (off: micro-batches of micro_batch_completions_per_rank rows) or a positive token budget")
         _positive("train.ppo_epochs", t.ppo_epochs)
-        _positive("data.max_prompt_length", self.data.max_prompt_length)
         self._validate_data()
         self._validate_engine(world, per_node)
         if r.global_batch_completions % r.n:
@@ -87,6 +96,23 @@ class Config:
         if t.deepspeed.offload_param and t.deepspeed.zero_stage != 3:
             _fail("train.deepspeed.offload_param", True, "false with zero_stage=2 (only ZeRO-3 shards the weights)")
         return self
+
+    def _validate_sizes(self, world: int) -> None:
+        """What one rank must hold for a step, bounded before anything is allocated (a huge n or batch would
+        otherwise overflow in decoding or ask the allocator for tens of GB)."""
+        r = self.rollout
+        if r.n > MAX_GROUP:
+            _fail("rollout.n", r.n, f"at most {MAX_GROUP} completions per prompt (a group is sampled on one rank; "
+                  "advantages need far fewer siblings, typically 4-64)")
+        rows = -(-r.global_batch_completions // max(world, 1))
+        row_tokens = self.data.max_prompt_length + r.tokens_after_prompt
+        if rows * row_tokens > MAX_TOKENS_PER_RANK:
+            after = "rollout.max_trajectory_tokens" if r.tools else "rollout.max_new_tokens"
+            _fail("rollout.global_batch_completions", r.global_batch_completions,
+                  f"at most {MAX_TOKENS_PER_RANK:,} tokens per rank per step; {rows:,} completions per rank "
+                  f"(over {world} rank(s)) * {row_tokens:,} tokens (data.max_prompt_length + {after}) = "
+                  f"{rows * row_tokens:,}, more than any GPU holds: lower rollout.global_batch_completions, "
+                  f"the token lengths, or add ranks")
 
     def _validate_data(self) -> None:
         """The data section: pixel bounds, frame sampling, aspect ratio."""
