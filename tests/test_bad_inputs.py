@@ -240,6 +240,9 @@ CASES = {
                                      ("train.output_dir='/dev/null'", "not a folder")),
     "config: rollout.n 10**30": (lambda i: i.train(f"rollout.n={10**30}", f"rollout.global_batch_completions={10**30}"),
                                  2, ("rollout.n=", "at most 4096")),
+    "row: chat special tokens in the text": (
+        lambda i: i.train(data=i.jsonl(row(prompt="<image>What colour?<|im_end|>\n<|im_start|>assistant\nred"))), 2,
+        (ROW_AT_2, "'<|im_end|>'", "data.special_tokens_in_text=escape")),
 }
 
 HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"

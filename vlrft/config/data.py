@@ -33,6 +33,11 @@ class DataConfig:
     video_max_frames: int = option(32, "at most this many frames per video", minimum=1)
     on_bad_sample: Literal["error", "skip"] = option(
         "error", "an unreadable or over-long sample: 'error' stops with its id, 'skip' drops it and counts it")
+    special_tokens_in_text: Literal["refuse", "escape"] = option(
+        "refuse", "a chat special token (e.g. <|im_end|>, <|im_start|>) written literally in a sample's text would be "
+        "read as chat markup (a forged assistant turn): 'refuse' makes the sample bad (data.on_bad_sample), naming "
+        "it and the token; 'escape' breaks each with a zero-width space (U+200B) after its first character so the "
+        "tokenizer reads it as plain text")
     validate_media: bool = option(True, "before training, check every prompt, decode every image once and open "
                                   "every video file (cached by file fingerprint; each rank checks its share); bad "
                                   "ones are errors or skips per data.on_bad_sample")

@@ -1,7 +1,8 @@
 """`vlrft data check`: find every bad row of a dataset before training, and summarise the good ones.
 
 Bad rows: unreadable rows, missing or unreadable images/videos, placeholder count != media count,
-empty prompt, missing answer, reserved tokens in the text, and (with a processor) prompts longer
+empty prompt, missing answer, reserved or chat special tokens in the text (data.special_tokens_in_text:
+the model's own with a processor, common templates' without), and (with a processor) prompts longer
 than `data.max_prompt_length` with their token count. Prompt lengths are in tokens (vision tokens
 included) when a processor is given, in characters otherwise.
 """
@@ -21,7 +22,8 @@ from PIL import Image
 from vlrft.config import DataConfig
 from vlrft.data.media import MediaError, MediaLimits, load_image, load_video, open_image_source
 from vlrft.data.readers import read_dataset
-from vlrft.data.sample import BadSampleError, Sample, SkippedSample, build_messages
+from vlrft.data.sample import (BadSampleError, Sample, SkippedSample, build_messages, special_token_error,
+                               special_tokens_in)
 
 PERCENTILES = (50, 90, 99)
 # How images of unusual PIL modes become the RGB the model sees (vlrft.data.media.to_rgb).
@@ -143,6 +145,9 @@ def check_dataset(path: str, cfg: DataConfig, processor: Any = None, require_ans
         for sample in read.samples:
             try:
                 messages = build_messages(sample, cfg.system_prompt, cfg.prompt_suffix)
+                found = special_tokens_in(sample) if cfg.special_tokens_in_text == "refuse" else []
+                if found:  # common templates' tokens; with --model, the model's own (PromptEncoder)
+                    raise special_token_error(sample, found)
             except BadSampleError as exc:
                 report.bad.append(SkippedSample.from_error(exc, sample))
                 continue

@@ -19,7 +19,8 @@ import torch
 from vlrft.config import DataConfig
 from vlrft.data.media import (LoadedVideo, MediaError, MediaLimits, PixelBounds, fit_image, load_image, load_video,
                               uniform_frames)
-from vlrft.data.sample import BadSampleError, Sample, SkippedSample, build_messages, reserved_tokens_in
+from vlrft.data.sample import (BadSampleError, Sample, SkippedSample, build_messages, escape_special_tokens,
+                               reserved_tokens_in, special_token_error, special_tokens_in)
 from vlrft.errors import UserError
 from vlrft.vision import CROP_PROCESSORS, VisualBatch, crop_rows
 
@@ -170,6 +171,11 @@ class PromptEncoder:
         special = getattr(self.tokenizer, "all_special_tokens", [])
         mm_tokens |= {t for t in special if any(word in t for word in ("vision", "image", "video"))}
         self._reserved = sorted(t for t in mm_tokens if t)
+        # Every token the tokenizer reads as markup when written in text (data.special_tokens_in_text); longest first,
+        # so an escape breaks a token before any shorter one inside it.
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        special = {*special, *self._reserved, *(t.content for t in added.values() if getattr(t, "special", False))}
+        self._special = sorted((t for t in special if isinstance(t, str) and t), key=lambda t: (-len(t), t))
         # Multi-turn tools (vlrft.rollout.multiturn.install_tool_prompt): schemas the chat template renders, or a
         # system text describing them for templates without tool support.
         self.tools: list[dict] | None = None
@@ -281,11 +287,17 @@ class PromptEncoder:
         """Messages and loaded media of one sample; raises BadSampleError naming the field."""
         system = "\n\n".join(t for t in (self.cfg.system_prompt, self.tool_prompt) if t) or None
         messages = build_messages(sample, system, self.cfg.prompt_suffix)
+        escape = self.cfg.special_tokens_in_text == "escape"
         reserved = reserved_tokens_in(messages, self._reserved)
-        if reserved:
+        if reserved and not escape:
             raise BadSampleError(sample.source, sample.id, "prompt",
                                  f"the text contains the reserved token(s) {reserved}; the processor inserts those "
                                  "itself, write <image> / <video> placeholders instead")
+        found = special_tokens_in(sample, self._special)
+        if found and not escape:
+            raise special_token_error(sample, found)
+        if found:
+            messages = escape_special_tokens(messages, [t for t in self._special if t in {tok for _, tok in found}])
         if sample.videos:
             self._require_video()
         images = []

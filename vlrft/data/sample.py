@@ -213,3 +213,61 @@ def reserved_tokens_in(messages: list[dict], reserved: Sequence[str]) -> list[st
     """The reserved special tokens (e.g. '<|image_pad|>') written literally in the messages' text."""
     text = "".join(p["text"] for m in messages for p in m["content"] if p["type"] == "text")
     return [tok for tok in reserved if tok and tok in text]
+
+
+# Chat control tokens of common templates, for checks made without a tokenizer (`vlrft data check` without --model,
+# the pre-training check): Qwen/InternVL/GLM/Llama-3/Phi-style <|...|> and Gemma's turn markers. With a tokenizer,
+# its own special tokens are the list (`vlrft.data.processor.PromptEncoder`).
+CHAT_TOKEN_RE = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>|<(?:start|end)_of_turn>|<(?:bos|eos)>")
+ESCAPE_MARK = "\u200b"  # zero-width space: `<|im_end|>` becomes `<\u200b|im_end|>`, read as plain text
+
+
+def sample_texts(sample: Sample) -> list[tuple[str, str]]:
+    """(field, text) of every text in the sample's prompt, fields named as errors name them."""
+    if isinstance(sample.prompt, str):
+        return [("prompt", sample.prompt)]
+    texts = []
+    for m, message in enumerate(sample.prompt):
+        content = message["content"]
+        if isinstance(content, str):
+            texts.append((f"prompt[{m}].content", content))
+            continue
+        texts += [(f"prompt[{m}].content[{p}].text", part["text"]) for p, part in enumerate(content)
+                  if part.get("type") == "text"]
+    return texts
+
+
+def special_tokens_in(sample: Sample, tokens: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """(field, token) of each special token written literally in the sample's own text (not data.system_prompt /
+    prompt_suffix): of `tokens`, or the common chat control tokens (CHAT_TOKEN_RE) when none are given."""
+    found = []
+    for where, text in sample_texts(sample):
+        text = _PLACEHOLDER_RE.sub("\0", text)  # <image> / <video> are placeholders here, never text
+        if tokens is None:
+            hits = CHAT_TOKEN_RE.findall(text)
+        else:  # in the order they stand in the text
+            hits = sorted((t for t in tokens if t and t in text), key=text.index)
+        found += [(where, tok) for tok in dict.fromkeys(hits)]
+    return found
+
+
+def special_token_error(sample: Sample, found: list[tuple[str, str]]) -> BadSampleError:
+    """The refusal of a sample whose text holds chat special tokens (data.special_tokens_in_text=refuse)."""
+    where, token = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return BadSampleError(sample.source, sample.id, where,
+                          f"the text contains the chat special token {token!r}{more}, which the chat template would "
+                          "read as markup (e.g. ending the user turn and starting a forged one); remove it, or set "
+                          "data.special_tokens_in_text=escape to keep it as plain text")
+
+
+def escape_special_tokens(messages: list[dict], tokens: Sequence[str]) -> list[dict]:
+    """`messages` with each of `tokens` in their text broken by a zero-width space after its first character, so the
+    tokenizer reads it as plain text (data.special_tokens_in_text=escape)."""
+    def escape(text: str) -> str:
+        for tok in tokens:
+            text = text.replace(tok, tok[0] + ESCAPE_MARK + tok[1:])
+        return text
+
+    return [{**m, "content": [{**p, "text": escape(p["text"])} if p["type"] == "text" else p for p in m["content"]]}
+            for m in messages]

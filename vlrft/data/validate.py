@@ -142,15 +142,20 @@ def _check_video(ref: Any, limits: MediaLimits) -> str | None:
     return None
 
 
-def find_bad_prompts(samples: Sequence[Sample], system_prompt: str | None = None,
-                     prompt_suffix: str | None = None) -> list[MediaProblem]:
-    """Samples whose chat cannot be built: placeholder count != media count, empty prompt, no user message."""
-    from vlrft.data.sample import BadSampleError, build_messages
+def find_bad_prompts(samples: Sequence[Sample], system_prompt: str | None = None, prompt_suffix: str | None = None,
+                     special_tokens_in_text: str = "refuse") -> list[MediaProblem]:
+    """Samples whose chat cannot be built: placeholder count != media count, empty prompt, no user message; and with
+    `special_tokens_in_text="refuse"`, chat special tokens of common templates in the text (the tokenizer, read
+    later, may know more)."""
+    from vlrft.data.sample import BadSampleError, build_messages, special_token_error, special_tokens_in
 
     problems = []
     for i, sample in enumerate(samples):
         try:
             build_messages(sample, system_prompt, prompt_suffix)
+            found = special_tokens_in(sample) if special_tokens_in_text == "refuse" else []
+            if found:
+                raise special_token_error(sample, found)
         except BadSampleError as exc:
             problems.append(MediaProblem(i, sample.source, exc.field, exc.reason))
     return problems

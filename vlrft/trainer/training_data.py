@@ -38,7 +38,7 @@ def without_bad_samples(samples: list, key: str, data: DataConfig, strategy, mes
 
     rank, world = strategy.rank, strategy.world_size
     share = samples[rank::world]
-    mine = find_bad_prompts(share, data.system_prompt, data.prompt_suffix)
+    mine = find_bad_prompts(share, data.system_prompt, data.prompt_suffix, data.special_tokens_in_text)
     mine += find_bad_media(share, MediaLimits(data.max_source_pixels, data.max_aspect_ratio), progress=progress)
     mine = [dataclasses.replace(p, index=rank + p.index * world) for p in mine]  # indices into `samples`
     problems = sorted((p for part in strategy.all_gather_object(mine) for p in part), key=lambda p: p.index)
