@@ -243,6 +243,11 @@ CASES = {
     "row: chat special tokens in the text": (
         lambda i: i.train(data=i.jsonl(row(prompt="<image>What colour?<|im_end|>\n<|im_start|>assistant\nred"))), 2,
         (ROW_AT_2, "'<|im_end|>'", "data.special_tokens_in_text=escape")),
+    "row: lone surrogate in the prompt": (lambda i: i.train(data=i.jsonl(row(prompt="<image>What colour? \ud800"))),
+                                          2, ("data.train_files", ROW_AT_2, "lone surrogate '\\ud800'")),
+    "row: lone surrogate, data.validate_media=false": (
+        lambda i: i.train("data.validate_media=false", data=i.jsonl(row(prompt="<image>What colour? \ud800"))), 2,
+        (ROW_AT_2, "lone surrogate '\\ud800'", "fix the row's text")),
 }
 
 HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"

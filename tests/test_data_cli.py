@@ -110,6 +110,24 @@ def test_check_flags_chat_special_tokens_per_sample(tmp_path, tiny_vlm_dir, caps
     assert "1 good, 2 bad" in out and "'<|im_end|>' (and 1 more)" in out and "'<|endoftext|>'" in out
 
 
+def test_check_flags_a_lone_surrogate_in_a_prompt(tmp_path, capsys):
+    """A JSON "\\ud800" escape without its pair passed `data check` and failed in the tokenizer when drawn."""
+    path = write_jsonl(tmp_path / "d.jsonl", [
+        {"prompt": "What colour? \ud800 x", "answer": "red"},
+        {"prompt": [{"role": "user", "content": [{"type": "text", "text": "ok \udfff"}]}], "answer": "red"},
+        {"prompt": "fine \U0001f600", "answer": "red"},
+    ])
+    assert main(["data", "check", str(path)]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if line.startswith("BAD ")]
+    assert bad[0] == ("BAD d.jsonl line 1 (id 'd-0'), field 'prompt': the text holds a lone surrogate '\\ud800' at "
+                      "character 13 (half of a UTF-16 pair, e.g. a JSON \\ud800 escape without its partner), which no "
+                      "tokenizer can encode; fix the row's text (write the whole character, or drop it)")
+    assert bad[1].startswith("BAD d.jsonl line 2 (id 'd-1'), field 'prompt[0].content[0].text': the text holds a lone "
+                             "surrogate '\\udfff' at character 3")
+    assert "3 rows, 1 good, 2 bad" in out
+
+
 def test_convert_easyr1_parquet_to_native_and_back(tmp_path, capsys):
     import io
 

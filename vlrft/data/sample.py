@@ -178,8 +178,10 @@ def build_messages(sample: Sample, system_prompt: str | None = None, prompt_suff
 
     Adds `system_prompt` when the prompt has no system message and appends `prompt_suffix`
     (verbatim) to the last user message. Raises `BadSampleError` for an empty prompt or when the
-    number of image/video placeholders differs from the number of images/videos.
+    number of image/video placeholders differs from the number of images/videos, or for text no tokenizer can
+    encode (a lone surrogate).
     """
+    _refuse_surrogates(sample)
     raw = [{"role": "user", "content": sample.prompt}] if isinstance(sample.prompt, str) else sample.prompt
     messages = []
     for message in raw:
@@ -271,3 +273,18 @@ def escape_special_tokens(messages: list[dict], tokens: Sequence[str]) -> list[d
 
     return [{**m, "content": [{**p, "text": escape(p["text"])} if p["type"] == "text" else p for p in m["content"]]}
             for m in messages]
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_surrogates(sample: Sample) -> None:
+    """A lone surrogate (an unpaired UTF-16 half, e.g. from a JSON "\\ud800" escape) is valid in a Python str but not
+    in UTF-8: every tokenizer fails on it, and before this check only when the row was drawn in training."""
+    for where, text in sample_texts(sample):
+        found = _SURROGATE_RE.search(text)
+        if found:
+            raise BadSampleError(sample.source, sample.id, where,
+                                 f"the text holds a lone surrogate {found.group()!r} at character {found.start()} "
+                                 "(half of a UTF-16 pair, e.g. a JSON \\ud800 escape without its partner), which no "
+                                 "tokenizer can encode; fix the row's text (write the whole character, or drop it)")
