@@ -248,6 +248,10 @@ CASES = {
     "row: lone surrogate, data.validate_media=false": (
         lambda i: i.train("data.validate_media=false", data=i.jsonl(row(prompt="<image>What colour? \ud800"))), 2,
         (ROW_AT_2, "lone surrogate '\\ud800'", "fix the row's text")),
+    "row: image is a directory": (lambda i: (i.dir / "frames").mkdir() or i.train(data=i.jsonl(row(images=["frames"]))),
+                                  2, (ROW_AT_2, "images[0]", "is a directory, not a file")),
+    "generate: image is a directory": (lambda i: ["generate", str(i.model), "hi", "--image", str(i.dir)], 2,
+                                       ("--image", "is a directory, not a file")),
 }
 
 HUGE_REWARD = "def huge(completions, **kwargs):\n    return [10**400 for _ in completions]\n"

@@ -63,6 +63,25 @@ def test_missing_file_names_the_path(tmp_path):
         load_image(str(tmp_path / "nope.png"))
 
 
+def test_a_directory_given_as_media_is_called_a_directory(tmp_path):
+    """A folder where an image or a video file belongs was reported as "file not found" (it is there)."""
+    from vlrft.data import Sample
+    from vlrft.data.validate import find_bad_media
+
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    with pytest.raises(MediaError, match=rf"^image path '{folder}' is a directory, not a file; reference one image "
+                                         r"file in it"):
+        load_image(str(folder))
+    with pytest.raises(MediaError, match=rf"^video path '{folder}' is a directory, not a file; .*or give the video's "
+                                         r"frames as a list of image files"):
+        load_video(str(folder), fps=2.0, max_frames=4)
+    sample = Sample("s", "<image><video>hi", images=[str(folder)], videos=[str(folder)])
+    problems = find_bad_media([sample], MediaLimits(), use_cache=False)
+    assert [(p.field, "is a directory, not a file" in p.reason) for p in problems] == [("images[0]", True),
+                                                                                       ("videos[0]", True)]
+
+
 def test_corrupt_bytes_and_urls_are_refused(tmp_path):
     with pytest.raises(MediaError, match=r"the image bytes \(9 bytes\) are not an image"):
         load_image(b"not a png")

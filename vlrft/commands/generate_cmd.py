@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlrft.config import DataConfig
-    from vlrft.data.media import MediaError, MediaLimits, load_image
+    from vlrft.data.media import MediaError, MediaLimits, load_image, not_a_file_reason
     from vlrft.errors import UserError
     from vlrft.models.loading import load_policy, load_processor
 
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     images = []
     for path in args.image:  # checked before the model loads: same decoding and limits as training
         if not Path(path).is_file():
-            raise UserError(f"--image '{path}' is not a file; pass the path of an image")
+            raise UserError(f"--image: {not_a_file_reason(Path(path), 'image')}")
         try:
             images.append(load_image(path, limits))
         except MediaError as exc:

@@ -103,9 +103,19 @@ def open_image_source(ref: Any) -> Image.Image:
                          "and reference local files")
     path = local_path(ref)
     if not path.is_file():
-        raise MediaError(f"image file not found: '{path}' (relative paths resolve against data.image_root, or the "
-                         "data file's folder when it is unset)")
+        raise MediaError(not_a_file_reason(path, "image"))
     return _pil_open(path, f"'{path}' is not an image file PIL can read")
+
+
+def not_a_file_reason(path: Path, kind: str) -> str:
+    """Why the `kind` ("image"/"video") path `path` cannot be read as a file: a folder, something else, or missing."""
+    if path.is_dir():
+        frames = ", or give the video's frames as a list of image files" if kind == "video" else ""
+        return f"{kind} path '{path}' is a directory, not a file; reference one {kind} file in it{frames}"
+    if path.exists():
+        return f"{kind} path '{path}' is not a regular file (a device, socket or pipe); reference a {kind} file"
+    return (f"{kind} file not found: '{path}' (relative paths resolve against data.image_root, or the data file's "
+            "folder when it is unset)")
 
 
 def _open_bytes(data: bytes, what: str) -> Image.Image:
@@ -328,8 +338,7 @@ def load_video(ref: Any, fps: float, max_frames: int, frame_factor: int = 1, bou
         raise MediaError(f"remote video '{_describe(ref)}' is not downloaded during training; reference a local file")
     path = local_path(ref)
     if not path.is_file():
-        raise MediaError(f"video file not found: '{path}' (relative paths resolve against data.image_root, or the "
-                         "data file's folder when it is unset)")
+        raise MediaError(not_a_file_reason(path, "video"))
     try:
         import av  # noqa: F401  (PyAV decodes the file; it is in the [video] extra)
     except ImportError:

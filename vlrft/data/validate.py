@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vlrft.data.media import MediaError, MediaLimits, check_video_file, load_image, local_path
+from vlrft.data.media import MediaError, MediaLimits, check_video_file, load_image, local_path, not_a_file_reason
 from vlrft.data.sample import Sample
 
 DECODER_VERSION = "1"  # bump when vlrft.data.media decodes differently, to invalidate cached results
@@ -134,7 +134,7 @@ def _check_video(ref: Any, limits: MediaLimits) -> str | None:
     if isinstance(ref, (str, Path)) and not str(ref).startswith(("http://", "https://")):
         path = local_path(str(ref))
         if not path.is_file():
-            return f"video file not found: '{path}'"
+            return not_a_file_reason(path, "video")
         try:
             check_video_file(path, limits)  # opened and its first frame decoded; the frames are sampled when encoded
         except MediaError as exc:
