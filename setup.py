@@ -18,6 +18,7 @@ CORE = [
     "pyarrow>=15",
     "math-verify[antlr4_13_2]>=0.7",
     "aiohttp>=3.9",
+    "requests>=2.31",  # rollout.engine=vllm_server talks to vLLM's servers over HTTP
     "packaging>=23",
     "num2words>=0.5",  # SmolVLM's processor writes a video's frame count in words, and refuses to start without it
 ]
