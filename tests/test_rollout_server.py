@@ -189,3 +189,14 @@ def test_the_async_producer_never_hands_over_rollouts_older_than_max_staleness(m
         producer.close()
     assert max(ages) <= max_staleness
     assert max(ages) == max_staleness, ages
+
+
+def test_request_seeds_leave_every_completion_its_own_random_stream():
+    """vLLM seeds a group's k-th completion with seed + k: over a step's prompts and calls, no two completions
+    (seed + k, k < n) may share a seed, or their samples would be drawn from the same noise."""
+    from vlrft.sampling import request_seed
+
+    n = 16
+    seeds = [request_seed(1, call, prompt) + k for call in range(1, 4) for prompt in range(64) for k in range(n)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(0 <= s < 2**31 for s in seeds)

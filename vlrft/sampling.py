@@ -85,7 +85,14 @@ class SamplingParams:
 
 
 def request_seed(engine_seed: int, call: int, prompt: int) -> int:
-    """The sampling seed of prompt `prompt` in an engine's `call`-th generate call (vLLM gives the group's k-th
-    completion seed + k). A function of these three only: the same completions in the colocated engine and on any
-    rollout server, and after a resume that restored the call count."""
-    return (engine_seed * 1_000_003 + call * 10_007 + prompt) % (2**31)
+    """The sampling seed of prompt `prompt` in an engine's `call`-th generate call. A function of these three only:
+    the same completions in the colocated engine and on any rollout server, and after a resume that restored the
+    call count.
+
+    A hash, not a sum: vLLM seeds a group's k-th completion with seed + k, so seeds of neighbouring prompts that
+    differ by less than the group size would share random streams (prompt p's completion 1 and prompt p + 1's
+    completion 0 drawing the same noise), correlating samples across groups."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{engine_seed}:{call}:{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 2**16)  # room for seed + k
