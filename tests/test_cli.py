@@ -94,7 +94,7 @@ def test_generate_answers_with_an_image(tmp_path, tiny_vlm_dir):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()  # random weights: some text, decoded from exactly the generated tokens
     assert_one_line_error(vlrft("generate", tiny_vlm_dir("qwen2_vl"), "hi", "--image", tmp_path / "none.png"),
-                          "--image", "is not a file")
+                          "--image", "image file not found")
 
 
 @pytest.mark.parametrize("override, message", [
