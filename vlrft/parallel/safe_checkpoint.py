@@ -68,13 +68,19 @@ def dcp_load(state: dict, folder: Path) -> None:
 
 
 def deepspeed_globals() -> list:
-    """The DeepSpeed types its checkpoint files hold (besides tensors and containers): the ZeRO stage enum and
-    the loss scaler's state object."""
+    """The DeepSpeed types its checkpoint files hold (besides tensors and containers): the ZeRO stage enum, ZeRO-2's
+    fragment addresses and the loss scaler's state object."""
     kinds = []
     try:
         from deepspeed.runtime.zero.config import ZeroStageEnum
 
         kinds.append(ZeroStageEnum)
+    except ImportError:
+        pass
+    try:  # ZeRO-2's optimizer states hold the flat-buffer fragment addresses (a plain dataclass of two ints)
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        kinds.append(fragment_address)
     except ImportError:
         pass
     try:
