@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 
 @dataclass
@@ -37,8 +37,9 @@ class ShmUpdateInfo:
     shapes: list[list[int]]
 
 
-class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
-    """Checkpoint-format buckets from safetensors files, loaded through vLLM's layerwise reload."""
+class ShmEngineMethods:
+    """Checkpoint-format buckets from safetensors files, loaded through vLLM's layerwise reload: the methods of
+    `ShmWeightTransferEngine`, which adds vLLM's `WeightTransferEngine` base when vLLM's factory asks for it."""
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -129,3 +130,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self.init_info = None
+
+
+def __getattr__(name: str):
+    """`ShmWeightTransferEngine`, built on first access: vLLM is imported only inside vLLM's own processes."""
+    if name != "ShmWeightTransferEngine":
+        raise AttributeError(name)
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    engine = types.new_class(name, (ShmEngineMethods, WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]),
+                             exec_body=lambda namespace: namespace.update(__module__=__name__))
+    globals()[name] = engine
+    return engine
