@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+
 import torch
 
 from vlrft.rollout.outputs import EngineSample
@@ -44,3 +47,30 @@ class RecordingBackend:
 
     def weights_loaded(self):
         self.calls.append("weights_loaded")
+
+
+class AcknowledgeAll(http.server.BaseHTTPRequestHandler):
+    """Stand-in HTTP handler for a vLLM server: answers 200 to every RL route and loads nothing (a server without
+    vlrft's weight-transfer backend, say); records the calls in `calls`."""
+
+    calls: list[str] = []
+
+    def do_GET(self):
+        self.calls.append("GET " + self.path)
+        self._answer({"world_size": 1} if self.path.startswith("/get_world_size") else {"weight_version": "old"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.calls.append("POST " + self.path)
+        self._answer({"success": True})
+
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass

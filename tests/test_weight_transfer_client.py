@@ -6,7 +6,6 @@ acknowledges every call and loads nothing; tests/test_vllm_server.py runs the sa
 from __future__ import annotations
 
 import http.server
-import json
 import os
 import socket
 import threading
@@ -16,33 +15,8 @@ import torch
 
 pytest.importorskip("requests")
 
+from _stand_ins import AcknowledgeAll  # noqa: E402
 from vlrft.rollout.weight_transfer import ServerWeightSync, WeightSyncError  # noqa: E402
-
-
-class AcknowledgeAll(http.server.BaseHTTPRequestHandler):
-    """Answers 200 to every route vLLM's RL server has; records the calls."""
-
-    calls: list[str] = []
-
-    def do_GET(self):
-        self.calls.append("GET " + self.path)
-        self._answer({"world_size": 1} if self.path.startswith("/get_world_size") else {"weight_version": "old"})
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.calls.append("POST " + self.path)
-        self._answer({"success": True})
-
-    def _answer(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
