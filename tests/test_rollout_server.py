@@ -200,3 +200,23 @@ def test_request_seeds_leave_every_completion_its_own_random_stream():
     seeds = [request_seed(1, call, prompt) + k for call in range(1, 4) for prompt in range(64) for k in range(n)]
     assert len(set(seeds)) == len(seeds)
     assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_greedy_groups_are_one_request_each_repeated_n_times():
+    """vLLM refuses n > 1 when greedy: each prompt is asked once (n=1) and its completion repeated n times, in one
+    generate call (one call count, so the seeds of the next call do not shift)."""
+    from vlrft.rollout.server import ServerEngine, ServerEngineOptions
+    from vlrft.sampling import SamplingParams
+
+    server = StandInServer()
+    try:
+        requests = [PromptRequest({"prompt_token_ids": [1, 2]}, [1, 2], "a"),
+                    PromptRequest({"prompt_token_ids": [3]}, [3], "b")]
+        engine = ServerEngine(ServerPool([server.url], timeout_s=5), SimpleNamespace(eos_ids=[0], suppressed_ids=[]),
+                              SimpleNamespace(batch_decode=lambda ids, **kw: [str(i) for i in ids]),
+                              ServerEngineOptions(seed=1, rank=0), build_requests=lambda batch: requests)
+        rollouts = engine.generate(None, SamplingParams(n=3, temperature=0.0, max_new_tokens=4))
+        assert server.requests == 2 and engine.state_dict()["generate_calls"] == 1
+        assert rollouts.n == 3 and rollouts.completion_ids == [[7]] * 6 and rollouts.weight_versions == [0] * 6
+    finally:
+        server.stop()

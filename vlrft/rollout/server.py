@@ -269,16 +269,15 @@ class ServerEngine:
             self._generate_calls += 1
             call, version = self._generate_calls, self.version
         requests = self.build_requests(batch)
-        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 when greedy; the n are all the same
-            once = self.generate(batch, dataclasses.replace(sampling, n=1))
-            return _repeat_rows(once, sampling.n)
-        kwargs = vllm_sampling_kwargs(sampling, self.tokens)
+        asked = 1 if sampling.greedy else sampling.n  # vLLM refuses n > 1 when greedy; the n are all the same
+        kwargs = vllm_sampling_kwargs(dataclasses.replace(sampling, n=asked), self.tokens)
         bodies = [generate_payload(req, kwargs, self.request_seed(call, p)) for p, req in enumerate(requests)]
         workers = max(1, min(self.options.max_concurrency, len(bodies)))
         with ThreadPoolExecutor(workers, thread_name_prefix="vlrft-rollout") as pool:
             replies = list(pool.map(lambda body: self.pool.post(GENERATE_ROUTE, body), bodies))
         samples = [s for reply, req in zip(replies, requests)
-                   for s in response_samples(reply, req, sampling.n, f"rollout server {reply['_server']}")]
+                   for s in response_samples(reply, req, asked, f"rollout server {reply['_server']}")
+                   for _ in range(sampling.n // asked)]
         stop_ids = set(self.tokens.eos_ids) | {int(i) for i in sampling.stop_token_ids}
         rollouts = to_rollouts(samples, sampling.n, stop_ids, sampling.max_new_tokens,
                                lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
@@ -318,12 +317,3 @@ class ServerEngine:
 
     def close(self) -> None:
         """The servers are not ours: they keep running."""
-
-
-def _repeat_rows(rollouts: Rollouts, n: int) -> Rollouts:
-    rows = [r for r in range(len(rollouts)) for _ in range(n)]
-    optional = {name: None if getattr(rollouts, name) is None else [getattr(rollouts, name)[r] for r in rows]
-                for name in Rollouts._OPTIONAL_ROWS}
-    return Rollouts(n=n, completion_ids=[rollouts.completion_ids[r] for r in rows],
-                    finish_reasons=[rollouts.finish_reasons[r] for r in rows],
-                    texts=[rollouts.texts[r] for r in rows] if rollouts.texts else [], **optional)
