@@ -7,6 +7,7 @@ from _tiny_actor import training_actor
 
 from vlrft.config import DataConfig
 from vlrft.data import PromptEncoder, Sample
+from vlrft.families import family
 from vlrft.models.actor import ActorVL, freeze_vision, split_head
 from vlrft.models.loading import load_policy, load_processor
 from vlrft.models.logprobs import token_logprobs
@@ -197,10 +198,10 @@ def test_logprobs_and_gradients_equal_a_plain_per_sample_transformers_forward(ar
     tokens = TokenSpec.from_model(processor, model.config)
     actor = ActorVL(model, tokens.image_token_id, tokens.video_token_id)
     seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
-    # Gemma 3 falls back to full rows by itself (sliding-window layers, bidirectional image attention: see
+    # Gemma 3 falls back to full rows by itself, as the family table says (sliding-window layers, bidirectional image attention: see
     # vlrft.models.actor.supports_prompt_sharing); every other family shares (InternVL 3, LLaVA-OneVision and SmolVLM
     # at 1-D positions) and is checked both ways. SmolVLM's rows hold 10 tiles (two images), none and 5
-    assert actor.share_prompts == (arch != "gemma3")
+    assert actor.share_prompts == (arch != "gemma3") == family(arch).training_shares_prompt.supported
     for share in (True, False) if actor.share_prompts else (False,):
         # Gemma 3's random tiny model has gradients up to ~2e3 (embeddings scaled by sqrt(hidden), (1 + w) norms),
         # where float32 itself resolves ~1e-4: within 1e-5 of each tensor's largest magnitude there

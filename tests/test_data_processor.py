@@ -412,6 +412,9 @@ def test_gemma3_prompts_match_its_processor_alone_with_images_per_prompt_and_fix
     assert spec.image_token_id == soft
     assert set(spec.suppressed_ids) == {processor.tokenizer.convert_tokens_to_ids(t)
                                         for t in ("<start_of_image>", "<end_of_image>", "<image_soft_token>")}
+    # videos are refused in one line naming the family and the family table's reason, not the processor's error
+    with pytest.raises(UserError, match=r"\(Gemma 3: its processor takes no videos\); use images"):
+        PromptEncoder(processor, CFG).encode(samples[3:])
 
 
 def test_a_bos_the_chat_template_writes_is_not_added_again(tiny_vlm_dir, mixed):

@@ -17,19 +17,17 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert Version(versions["torch"]).public == Version(torch.__version__).public  # with or without +cpu / +cu13x
     assert Version(versions["transformers"]) == Version(transformers.__version__)
     assert report["torch"]["cuda_available"] == torch.cuda.is_available()
-    # the tested model families, each with what is tested, exactly those loading accepts
-    from vlrft.models.loading import SUPPORTED_FAMILIES
+    # the tested model families, each with what is tested and what is refused with why: the family table's
+    from vlrft.families import MODEL_TYPES
 
-    assert list(report["families"]) == list(SUPPORTED_FAMILIES)
-    assert report["families"]["qwen3_vl_moe"].startswith("Qwen3-VL-MoE: images and videos; engine hf")
-    assert report["families"]["glm4v"].startswith("GLM-4.1V: images (videos refused); engines hf and vllm")
-    assert "no prompt sharing" in report["families"]["gemma3"]
-    assert report["families"]["internvl"].startswith("InternVL 3: images, a variable number of tiles each")
-    assert "engines hf (transformers' generate) and vllm" in report["families"]["internvl"]
-    assert report["families"]["llava_onevision"].startswith("LLaVA-OneVision: images, anyres crops with image_sizes")
-    assert "engines hf (transformers' generate) and vllm" in report["families"]["llava_onevision"]
-    assert report["families"]["smolvlm"].startswith("SmolVLM: images split into tiles (videos refused); engine hf")
-    assert "prompt sharing in training at 1-D positions" in report["families"]["smolvlm"]
+    assert list(report["families"]) == list(MODEL_TYPES)
+    assert report["families"]["qwen3_vl_moe"].startswith("Qwen3-VL-MoE: images as a grid of 16 px patches")
+    assert "; engines hf; videos;" in report["families"]["qwen3_vl_moe"]
+    assert "; refused vllm, vllm_server, sglang: its experts are fused" in report["families"]["qwen3_vl_moe"]
+    assert "; engines hf, vllm; no videos;" in report["families"]["glm4v"]
+    assert "each row in full in training" in report["families"]["gemma3"]
+    assert "hf engine: transformers' generate" in report["families"]["internvl"]
+    assert "each prompt once for its group in training" in report["families"]["smolvlm"]
     # CI installs a coherent stack (constraints.txt): no requirement among the installed packages is broken.
     assert report["problems"] == [] and code == 0, report["problems"]
 
@@ -59,3 +57,16 @@ def test_an_installed_package_that_does_not_import_is_a_problem_with_its_error(t
     flat = " ".join(out.split())
     assert "vlrft-env-probe 1.0 IMPORT FAILS: RuntimeError: operator torchvision::nms does not exist" in flat
     assert "1 problem(s):" in out and "vlrft-env-probe 1.0 is installed but does not import" in out
+
+
+def test_env_prints_the_family_table_as_the_readme_has_it_and_each_refusal_with_why(capsys):
+    from vlrft.families_markdown import markdown_table
+
+    assert main(["env", "--families-markdown"]) == 0
+    assert capsys.readouterr().out == markdown_table()
+    main(["env"])
+    lines = capsys.readouterr().out.splitlines()
+    moe = lines.index(next(line for line in lines if line.startswith("  qwen3_vl_moe ")))
+    assert lines[moe + 1].strip() == ("✘ vllm, vllm_server, sglang: its experts are fused 3-D tensors, laid out in "
+                                      "memory otherwise than vLLM and SGLang load them, so weight sync cannot send "
+                                      "them")

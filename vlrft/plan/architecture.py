@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlrft.errors import UserError
+from vlrft.families import MODEL_TYPES
 from vlrft.plan.shapes import QWEN3_VL, Tensor, TextShape, VisionShape
 from vlrft.plan.tensors import model_tensors
 
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "gemma3", "internvl", "llava_onevision",
-             "smolvlm")
+SUPPORTED = MODEL_TYPES  # every family vlrft trains (vlrft.families) has a shape rule here
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 
 

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
+from vlrft.families import ENGINES
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, EngineDeps, RolloutEngine, Rollouts, SamplingParams
-
-ENGINES = ("hf", "vllm", "sglang", "vllm_server")
-# The model families each engine server is tested with (tests/test_engine_contracts.py, tests/test_vllm_executed.py);
-# the hf engine runs every family vlrft loads (vlrft.models.loading.SUPPORTED_FAMILIES).
-SERVER_ENGINE_FAMILIES = {"vllm": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision",
-                                   "internvl"),
-                          # executed through a real server: tests/test_vllm_server_engine.py, tests/test_vllm_server.py
-                          "vllm_server": ("qwen2_vl", "qwen2_5_vl"),
-                          "sglang": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
@@ -26,18 +18,22 @@ def make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
 
 
 def _check_engine_family(name: str, actor) -> None:
-    """Refuse a server engine for a family its prompt folding and weight names were never tested with (Gemma 3's
-    placeholders expand to text around the image tokens; SGLang never ran GLM-4.1V), in one line naming the way out,
-    before the engine starts."""
+    """Refuse an engine the family table (`vlrft.families`) marks refused for the policy's family, in one line with
+    the table's reason and the engines that take the family, before the engine starts."""
     from vlrft.errors import UserError
+    from vlrft.families import family
     from vlrft.models.actor import base_of
 
     model = getattr(actor, "model", None)
     model_type = getattr(getattr(base_of(model), "config", None), "model_type", None) if model is not None else None
-    tested = SERVER_ENGINE_FAMILIES.get(name)
-    if tested and isinstance(model_type, str) and model_type not in tested:
-        raise UserError(f"rollout.engine={name} is not tested with model family '{model_type}' (only with "
-                        f"{', '.join(tested)}); use rollout.engine=hf")
+    if name not in ENGINES or name == "hf" or not isinstance(model_type, str):
+        return
+    fam = family(model_type)
+    if fam is None:
+        raise UserError(f"rollout.engine={name} is not tested with model family '{model_type}'; use rollout.engine=hf")
+    if not fam.engine(name).supported:
+        raise UserError(f"rollout.engine={name} does not take {fam.name} ({model_type}): {fam.engine(name).refused}; "
+                        f"use rollout.engine={' or '.join(fam.supported_engines())}")
 
 
 def _make_engine(cfg, deps: EngineDeps) -> RolloutEngine:
