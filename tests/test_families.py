@@ -91,11 +91,16 @@ def test_every_cell_is_supported_with_tests_or_refused_with_a_one_line_reason():
         Cell(("tests/test_x.py::test_y",), refused="why")
 
 
-def test_the_table_holds_every_family_vlrft_loads_and_builds_a_tiny_model_of():
+def test_the_table_holds_every_family_vlrft_builds_a_tiny_model_of_and_every_engine_the_config_takes():
+    from typing import get_args, get_type_hints
+
+    from vlrft.config import RolloutConfig
+    from vlrft.families import ENGINES
     from vlrft.models.tiny import ARCHES
 
     assert MODEL_TYPES == ARCHES
     assert family("llava") is None and family("qwen2_vl").name == "Qwen2-VL"
+    assert get_args(get_type_hints(RolloutConfig)["engine"]) == ENGINES
 
 
 def test_the_readme_table_is_the_family_tables_rendering():
@@ -137,8 +142,8 @@ ENGINE_WORDS = {"vllm": r"\bvllm\b(?!_server)", "vllm_server": r"\bvllm_server\b
 
 
 def comment_contradictions(comments: str, fam) -> list[str]:
-    """What `comments` (a config's comment text) says of `fam`'s engines against the table: a clause (split at ; ( ) and a
-    sentence's full stop)
+    """What `comments` (a config's comment text) says of `fam`'s engines against the table: a clause (split at ; ( )
+    and a sentence's full stop)
     that calls engines refused names only refused ones, one that says an engine runs or takes the model names only
     supported ones, and 'tested with the hf engine only' holds only where every other engine is refused."""
     wrong = []

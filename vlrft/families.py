@@ -9,7 +9,9 @@ the one-line reason vlrft gives when asked for it. Loading (`vlrft.models.loadin
 (`vlrft.sampling.hf_decoder`), the memory plan, `vlrft env` and the README's table
 (`vlrft.families_markdown`) all read it.
 
-Pure data (no vlrft import): every layer can read it.
+A new family: a `Family` here (each ✔ with the tests that run it), a tiny builder in `vlrft.models.tiny`, a shape rule
+in `vlrft.plan.architecture`; then paste `vlrft env --families-markdown` into the README. Pure data (no vlrft import):
+every layer can read it.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def _lean(arch: str) -> tuple[str, ...]:
 
 def _train_steps(arch: str, model_class: str) -> tuple[str, ...]:
     return _ids("test_trainer.py", f"test_vlrft_train_runs_three_grpo_steps[{arch}-{model_class}]")
+
+
+def _image_tools(arch: str) -> tuple[str, ...]:
+    """Multi-turn with an image tool on the hf engine: what it samples is what the trainer scores."""
+    return _ids("test_multiturn.py",
+                f"test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores[{arch}]")
 
 
 def _vllm(arch: str) -> tuple[str, ...]:
@@ -275,8 +283,7 @@ FAMILIES: tuple[Family, ...] = (
         "gemma3", "Gemma 3", "Gemma3Processor", "one 896 px image, 256 tokens",
         hf=Cell(_hf_engine("gemma3", "transformers-generate")
                 + _train_steps("gemma3", "Gemma3ForConditionalGeneration")
-                + _ids("test_multiturn.py", "test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores"
-                                            "[gemma3]")),
+                + _image_tools("gemma3")),
         vllm=Cell(refused=EXPANDED_PLACEHOLDERS),
         vllm_server=Cell(refused=EXPANDED_PLACEHOLDERS),
         sglang=Cell(refused=EXPANDED_PLACEHOLDERS),
@@ -293,8 +300,7 @@ FAMILIES: tuple[Family, ...] = (
         "internvl", "InternVL 3", "InternVLProcessor", "448 px tiles, as many as its aspect ratio asks",
         hf=Cell(_hf_engine("internvl", "transformers-generate")
                 + _train_steps("internvl", "InternVLForConditionalGeneration")
-                + _ids("test_multiturn.py", "test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores"
-                                            "[internvl]")),
+                + _image_tools("internvl")),
         vllm=Cell(_vllm("internvl")),
         vllm_server=Cell(refused=NO_SERVER),
         sglang=Cell(refused=NO_SGLANG),
@@ -334,8 +340,7 @@ FAMILIES: tuple[Family, ...] = (
         "smolvlm", "SmolVLM", "SmolVLMProcessor", "384 px tiles plus the whole image",
         hf=Cell(_hf_engine("smolvlm", "transformers-generate")
                 + _train_steps("smolvlm", "SmolVLMForConditionalGeneration")
-                + _ids("test_multiturn.py", "test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores"
-                                            "[smolvlm]")),
+                + _image_tools("smolvlm")),
         vllm=Cell(refused="not yet executed on vLLM (tests/test_vllm_executed.py does not build it)"),
         vllm_server=Cell(refused=NO_SERVER),
         sglang=Cell(refused=NO_SGLANG),

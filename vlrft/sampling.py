@@ -41,8 +41,8 @@ LEAN_DECODE_FAMILIES = {f.model_type: f.lean_text_model for f in FAMILIES if f.h
 
 
 def hf_decoder(model_type: str, lean_decode: bool = True, attn_implementation: str = "sdpa") -> str:
-    """How the hf engine samples a `model_type` (one of vlrft.families.HF_DECODERS): the lean group decoder, the group decoder
-    through transformers' layers, or transformers' `generate`. `lean_decode`: rollout.lean_decode;
+    """How the hf engine samples a `model_type` (one of vlrft.families.HF_DECODERS): the lean group decoder, the group
+    decoder through transformers' layers, or transformers' `generate`. `lean_decode`: rollout.lean_decode;
     `attn_implementation`: model.attn_implementation."""
     if model_type not in GROUP_DECODE_FAMILIES:
         return "generate"
