@@ -7,15 +7,17 @@ WANDB_API_KEY variable or the config and is never written to disk by vlrft.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vlrft.config import Config, LoggingConfig, to_dict
-from vlrft.errors import MissingDependencyError
+from vlrft.errors import MissingDependencyError, write_failed
 
 # metric -> its short name in the progress bar
 HEADLINE = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "kl": "kl", "entropy": "entropy",
@@ -40,30 +42,34 @@ def _clean(value: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _writing(path: Path):
+    """A failed write of `path` (a full disk, a read-only mount) as one line naming the file and the way out."""
+    try:
+        yield
+    except OSError as exc:
+        raise write_failed(path, exc) from exc
+
+
 class RunLogger:
-    """Writes every tracker the config asks for; call `log(step, metrics)` once per step on rank 0."""
+    """Writes every tracker the config asks for; call `log(step, metrics)` once per step on rank 0.
+
+    A file it cannot write (a full disk, a read-only mount) is a `UserError` naming the file, never a traceback."""
 
     def __init__(self, cfg: Config, output_dir: str | Path, total_steps: int, start_step: int = 0,
                  run_id: str | None = None):
         self.cfg: LoggingConfig = cfg.logging
         self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.completions_path = self.dir / "completions.jsonl"
-        _truncate_after(self.metrics_path, start_step)  # a resumed run rewrites the steps after its checkpoint
-        _truncate_after(self.completions_path, start_step)
+        self.tb_dir = self.dir / "tensorboard"
+        with _writing(self.dir):
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _truncate_after(self.metrics_path, start_step)  # a resumed run rewrites the steps after its checkpoint
+            _truncate_after(self.completions_path, start_step)
         self._tb = None
         if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # One event file, rewritten from the jsonl logs on every (re)start: they are what survived a crash, and
-            # several event files of killed runs can be read back out of order (their names sort by the second
-            # and pid they were created in), which hid steps from TensorBoard.
-            tb_dir = self.dir / "tensorboard"
-            for old in tb_dir.glob("events.out.tfevents.*"):
-                old.unlink()
-            self._tb = SummaryWriter(log_dir=str(tb_dir))
-            self._replay_tensorboard()
+            self._open_tensorboard()
         self._wandb = self._init_wandb(cfg, run_id) if self.cfg.wandb else None
         self._bar = None
         if self.cfg.progress:
@@ -86,6 +92,43 @@ class RunLogger:
         return wandb.init(project=self.cfg.wandb_project, name=self.cfg.wandb_run_name, dir=str(self.dir),
                           config=to_dict(cfg, redact_secrets=True), id=run, resume="allow")
 
+    def _open_tensorboard(self) -> None:
+        """One event file, rewritten from the jsonl logs on every (re)start: they are what survived a crash, and
+        several event files of killed runs can be read back out of order (their names sort by the second and pid
+        they were created in), which hid steps from TensorBoard."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        with _writing(self.tb_dir):
+            for old in self.tb_dir.glob("events.out.tfevents.*"):
+                old.unlink()
+            self._tb = SummaryWriter(log_dir=str(self.tb_dir))
+        # TensorBoard writes from a thread, which prints the traceback of a failed write; the writer raises it again
+        # on our next call, where `_tb_write` makes it one line.
+        self._thread_hook = threading.excepthook
+        threading.excepthook = self._tensorboard_thread_failed
+        self._tb_write(self._replay_tensorboard)
+
+    def _tensorboard_thread_failed(self, args) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard.")):
+            self._thread_hook(args)
+
+    def _tb_write(self, write) -> None:
+        """`write()` to TensorBoard, then flush; a failed write (here or in its writer thread) is one `UserError`,
+        after which TensorBoard is closed."""
+        try:
+            write()
+            self._tb.flush()
+        except OSError as exc:
+            self._close_tensorboard()
+            raise write_failed(self.tb_dir, exc) from exc
+
+    def _close_tensorboard(self) -> None:
+        tb, self._tb = self._tb, None
+        with contextlib.suppress(OSError):  # already failed: raised once, by `_tb_write`
+            tb.close()
+        if threading.excepthook == self._tensorboard_thread_failed:
+            threading.excepthook = self._thread_hook
+
     def _replay_tensorboard(self) -> None:
         """The steps kept in metrics.jsonl / completions.jsonl (a resumed run's steps up to its checkpoint)."""
         for record in _records(self.metrics_path) if self.metrics_path.exists() else []:
@@ -95,7 +138,6 @@ class RunLogger:
             by_step.setdefault(row.get("step", 0), []).append(row)
         for step, rows in by_step.items():
             self._tb.add_text("completions", _completions_markdown(rows), step)
-        self._tb.flush()
 
     def _tb_scalars(self, step: int, metrics: dict) -> None:
         for key, value in metrics.items():
@@ -104,11 +146,10 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        with self.metrics_path.open("a", encoding="utf-8") as f:
+        with _writing(self.metrics_path), self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            self._tb_scalars(step, metrics)
-            self._tb.flush()
+            self._tb_write(lambda: self._tb_scalars(step, metrics))
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if self._bar is not None:
@@ -120,10 +161,10 @@ class RunLogger:
         records = [{"step": step, "prompt": row.prompt, "completion": row.completion,
                     "rewards": {k: _clean(v) for k, v in row.rewards.items()},
                     "advantage": _clean(row.advantage), "image": row.image, **row.extra} for row in rows]
-        with self.completions_path.open("a", encoding="utf-8") as f:
+        with _writing(self.completions_path), self.completions_path.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(record) + "\n" for record in records))
         if self._tb is not None:
-            self._tb.add_text("completions", _completions_markdown(records), step)
+            self._tb_write(lambda: self._tb.add_text("completions", _completions_markdown(records), step))
         if self._wandb is not None:
             import wandb
 
@@ -144,10 +185,13 @@ class RunLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        try:
+            if self._tb is not None:
+                self._tb_write(lambda: None)  # a failed write of the last step, raised by the flush
+                self._close_tensorboard()
+        finally:
+            if self._wandb is not None:
+                self._wandb.finish()
 
 
 def _completions_markdown(records: list[dict]) -> str:

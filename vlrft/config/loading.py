@@ -8,7 +8,7 @@ from typing import Any
 from vlrft.config.coercion import build_dataclass, to_dict
 from vlrft.config.deprecated import DEPRECATED_KEYS, rename_deprecated
 from vlrft.config.root import Config
-from vlrft.errors import ConfigError
+from vlrft.errors import ConfigError, write_failed
 
 
 def _strict_loader():
@@ -214,11 +214,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 
 
 def save_config(cfg: Config, out_dir: str | Path, name: str = "config.yaml") -> Path:
-    """Write the resolved config (secrets removed) next to a run's outputs."""
+    """Write the resolved config (secrets removed) next to a run's outputs; a failed write is a `UserError`."""
     import yaml
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     target = out / name
-    target.write_text(yaml.safe_dump(to_dict(cfg, redact_secrets=True), sort_keys=False), encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        target.write_text(yaml.safe_dump(to_dict(cfg, redact_secrets=True), sort_keys=False), encoding="utf-8")
+    except OSError as exc:  # a full disk or a read-only mount: one line naming the file, not a traceback
+        raise write_failed(target, exc) from exc
     return target

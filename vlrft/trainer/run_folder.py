@@ -26,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from vlrft.errors import ConfigError, UserError
+from vlrft.errors import ConfigError, UserError, write_failed
 
 # What a run writes into its output folder; `train.overwrite=true` deletes these and nothing else.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "completions.jsonl", "completions", "tensorboard", "checkpoints",
@@ -69,12 +69,15 @@ def check_output_dir(output_dir: str | Path, resume: str, resume_from: Path | No
 
 
 def clear(paths: list[Path]) -> None:
-    """Delete the run files `check_output_dir` listed (main rank only)."""
+    """Delete the run files `check_output_dir` listed (main rank only); one that cannot be deleted: a `UserError`."""
     for path in paths:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise write_failed(path, exc) from exc
 
 
 # How long a rank looks again for a file another rank has just created before calling it missing: a network file

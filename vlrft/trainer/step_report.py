@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from vlrft.algo.stats import Stats
+from vlrft.errors import write_failed
 from vlrft.logging import CompletionRow
 from vlrft.rollout.base import Rollouts
 from vlrft.trainer.collect import Collected
@@ -61,11 +62,8 @@ def completion_rows(collected: Collected, exp: Experience, step: int, output_dir
         p = collected.rollouts.prompt_index[r]
         image_ref = None
         if collected.prompts.images[p]:
-            image_dir.mkdir(parents=True, exist_ok=True)
-            thumb = collected.prompts.images[p][0].copy()
-            thumb.thumbnail((128, 128))
             image_ref = str((image_dir / f"{r}.png").relative_to(output_dir))
-            thumb.save(output_dir / image_ref)
+            save_thumbnail(collected.prompts.images[p][0], output_dir / image_ref)
         extra = {"reward": _float_or_none(collected.rewards[r]),
                  "finish_reason": collected.rollouts.finish_reasons[r],
                  "answer": collected.prompts.samples[p].answer}
@@ -80,6 +78,18 @@ def completion_rows(collected: Collected, exp: Experience, step: int, output_dir
             extra=extra))
     return rows
 
+
+def save_thumbnail(image, path: Path) -> None:
+    """A 128-pixel copy of `image` at `path`; a failed write (a full disk) is one line naming the file."""
+    thumb = image.copy()
+    thumb.thumbnail((128, 128))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        thumb.save(path)
+    except OSError as exc:
+        raise write_failed(path, exc) from exc
+
+
 def trajectory_record(rollouts: Rollouts, r: int, image_dir: Path, output_dir: Path) -> dict:
     """Row `r`'s turns, tool calls and observations; the tool images the model saw as thumbnails next to the
     table (each tool step's `image_files`)."""
@@ -90,11 +100,8 @@ def trajectory_record(rollouts: Rollouts, r: int, image_dir: Path, output_dir: P
         if step["role"] == "tool" and step.get("shown") and step.get("images"):
             step["image_files"] = []
             for _ in range(step["images"]):
-                thumb = next(images).copy()
-                thumb.thumbnail((128, 128))
-                image_dir.mkdir(parents=True, exist_ok=True)
                 path = image_dir / f"{r}_tool{len(steps)}_{len(step['image_files'])}.png"
-                thumb.save(path)
+                save_thumbnail(next(images), path)
                 step["image_files"].append(str(path.relative_to(output_dir)))
         steps.append(step)
     return {"turns": rollouts.turns[r], "tool_images": len(rollouts.observation_images[r]), "trajectory": steps}

@@ -503,14 +503,11 @@ class Trainer:
             self.message(ckpt.nothing_to_do(self.resume_from, self.step_count, cfg.train.total_steps))
             self.release_hold()
             return history
-        if self.strategy.is_main:
-            run_folder.clear(self._stale_run_files)
-            save_config(cfg, self.output_dir)
-            self.logger = RunLogger(cfg, self.output_dir, cfg.train.total_steps, start_step=self.step_count,
-                                    run_id=self.run_id)
-            if self.resume_from is not None:
-                self.message(f"resumed from {self.resume_from} at step {self.step_count}")
-        self.strategy.barrier()  # the old run's files are gone before any rank writes
+        try:  # the old run's files are gone before any rank writes; a full disk here: one line on every rank
+            self._main_decides(self._open_run_files)
+        except BaseException:
+            self.release_hold()
+            raise
         interrupt = InterruptGuard(cfg.train.save_on_interrupt).install()
         try:
             if self.step_count == 0 and self.eval_samples and cfg.train.eval_before_training:
@@ -538,10 +535,21 @@ class Trainer:
             if self.producer is not None:
                 self.producer.close()
             interrupt.uninstall()
-            if self.logger is not None:
-                self.logger.close()
-            self.release_hold()
+            try:
+                if self.logger is not None:
+                    self.logger.close()
+            finally:
+                self.release_hold()
         return history
+
+    def _open_run_files(self) -> None:
+        """On the main rank: the old run's files cleared (train.overwrite), config.yaml written, the loggers opened."""
+        run_folder.clear(self._stale_run_files)
+        save_config(self.cfg, self.output_dir)
+        self.logger = RunLogger(self.cfg, self.output_dir, self.cfg.train.total_steps, start_step=self.step_count,
+                                run_id=self.run_id)
+        if self.resume_from is not None:
+            self.message(f"resumed from {self.resume_from} at step {self.step_count}")
 
     def _stop_requested(self, interrupt: InterruptGuard) -> bool:
         """Whether a Ctrl-C or SIGTERM on any rank asked to save and stop (all ranks agree, so all save together)."""
