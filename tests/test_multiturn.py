@@ -582,11 +582,42 @@ def test_whole_trajectories_are_recorded_turn_by_turn_and_only_shown_images_coun
     assert zoomed[1]["call"] == {"name": "look", "arguments": {}} and zoomed[1]["status"] == "ok"
     assert zoomed[1]["text"] == "zoomed in" and zoomed[1]["images"] == 1
     assert refused[1]["status"] == "bad_outputs" and refused[1]["images"] == 0
-    assert refused[1]["text"].startswith("Error: the tool's output could not be processed")
+    assert refused[1]["text"].startswith("Error: image refused: image (RGB PIL image) is 2000x4")
     assert [s.images_returned for s in out.tool_stats] == [1, 0]
     assert [len(images) for images in out.observation_images] == [1, 0]
     part = Trajectories.concat([out.select_groups([1]), out.select_groups([0])])
     assert part.transcripts == [refused, zoomed]
+
+
+def test_a_refused_tool_image_reaches_the_model_as_an_error_saying_why(text_setup, tmp_path):
+    """An image the tool returns that cannot be used (an aspect ratio over 200:1, a truncated file) is an `Error:`
+    observation carrying the refusal's one-line reason, as a tool's other failures are, not just its class name."""
+    from PIL import Image
+
+    whole = tmp_path / "whole.png"
+    Image.new("RGB", (64, 64), (0, 90, 200)).save(whole)
+    torn = tmp_path / "torn.png"
+    torn.write_bytes(whole.read_bytes()[:60])  # the header survives, the pixel data does not
+
+    def tool(call, ctx):
+        return {"sliver": [Image.new("RGB", (2000, 4)), "a sliver"], "torn": [Image.open(torn), "a photo"],
+                "whole": [Image.open(whole), "a photo"]}[ctx.sample.id]
+
+    out = _scripted_run(text_setup, {sid: [CALL, "done"] for sid in ("sliver", "torn", "whole")}, tool)
+    sliver, broken, fine = (trajectory[1]["text"] for trajectory in out.transcripts)
+    assert sliver == ("Error: image refused: image (RGB PIL image) is 2000x4, an aspect ratio of 500:1 over the limit "
+                      "200:1; crop or pad it")
+    assert broken.startswith(f"Error: image refused: image {torn} is truncated or corrupt (") and "\n" not in broken
+    assert fine == "a photo"
+    assert [step[1]["status"] for step in out.transcripts] == ["bad_outputs", "bad_outputs", "ok"]
+    assert [s.bad_outputs for s in out.tool_stats] == [1, 1, 0] and [s.images_returned for s in out.tool_stats] == \
+        [0, 0, 1]
+    decoded = [text_setup[0].tokenizer.decode(ids) for ids in out.completion_ids]
+    assert sliver in decoded[0] and broken in decoded[1]  # what the model reads on its next turn
+    from vlrft.rollout.multiturn import refusal
+
+    assert refusal(ValueError("the template\nbroke")) == "the tool's output could not be processed (ValueError: the " \
+        "template broke)"
 
 
 def test_each_trajectory_has_its_own_id_for_tool_state(text_setup):

@@ -57,6 +57,9 @@ class PixelBounds:
 def _describe(ref: Any) -> str:
     if isinstance(ref, (bytes, bytearray)):
         return f"<{len(ref)} bytes>"
+    if isinstance(ref, Image.Image):  # its file when opened from one; its repr would show a memory address
+        return _describe(ref.filename) if isinstance(getattr(ref, "filename", None), str) and ref.filename \
+            else f"({ref.mode} PIL image)"
     text = str(ref)
     return text if len(text) <= 80 else text[:60] + "..."
 

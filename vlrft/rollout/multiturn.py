@@ -31,7 +31,7 @@ import torch
 from vlrft.batch import join_samples
 from vlrft.rollout.base import FINISH_LENGTH, FINISH_STOP, Rollouts, SamplingParams, engine_state, load_engine_state
 from vlrft.tools.parsing import TOOL_CALL_CLOSE, MalformedCall, parse_qwen_tool_call
-from vlrft.tools.toolset import ToolSet
+from vlrft.tools.toolset import ERROR_PREFIX, ToolSet
 from vlrft.tools.types import ToolCall, ToolContext, ToolOutput, ToolStats
 from vlrft.vision import VisualBatch, crop_rows
 
@@ -55,10 +55,14 @@ TOOL_PROMPT = (
 class ObservationTemplate:
     """Observation ids (and visual tensors) for a tool output, templated on their own by the chat template."""
 
-    def __init__(self, processor, image_bounds=None, role: str = "user"):
+    def __init__(self, processor, image_bounds=None, role: str = "user", media_limits=None):
+        """`media_limits`: a tool image's refusal thresholds (`MediaLimits`; None: the defaults)."""
+        from vlrft.data.media import MediaLimits
+
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.image_bounds = image_bounds
+        self.media_limits = media_limits or MediaLimits()
         self.role = role
         history = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
                    {"role": "assistant", "content": _SENTINEL}]
@@ -86,15 +90,27 @@ class ObservationTemplate:
         return closing + rendered[len(self._before):]
 
     def encode(self, output: ToolOutput, turn_ids: list[int], merge_size: int) -> tuple[list[int], VisualBatch, list]:
-        """(ids, visual tensors of its images as one sample, the images as processed)."""
-        from vlrft.data.media import fit_image
+        """(ids, visual tensors of its images as one sample, the images as processed). An image checked and
+        converted as a dataset's are (`load_image`): one it refuses is a `MediaError` saying why."""
+        from vlrft.data.media import fit_image, load_image
 
-        images = [fit_image(im.convert("RGB"), self.image_bounds) for im in output.images]
+        images = [fit_image(load_image(im, self.media_limits), self.image_bounds) for im in output.images]
         out = self.processor(text=[self.text(output, turn_ids)], images=images or None, return_tensors=None)
         ids = [int(i) for i in out["input_ids"][0]]
         visual = VisualBatch.from_processor_output(crop_rows(self.processor, out, [len(images)]), [len(images)], [0],
                                                    merge_size, int(getattr(self.processor, "image_seq_len", 0) or 0))
         return ids, visual, images
+
+
+def refusal(exc: Exception) -> str:
+    """Why a tool's output could not become an observation, on one line (the model reads it after `Error: `): an
+    image refused (`MediaError`: unreadable, too large, an aspect ratio over the limit) says so and why."""
+    from vlrft.data.media import MediaError
+
+    text = " ".join(str(exc).split())[:300]
+    if isinstance(exc, MediaError):
+        return f"image refused: {text}"
+    return f"the tool's output could not be processed ({type(exc).__name__}" + (f": {text})" if text else ")")
 
 
 # A multi-turn engine's rollouts: completions are whole trajectories (model turns + observations), with the multi-turn
@@ -130,7 +146,7 @@ class MultiTurnEngine:
     def __init__(self, engine, processor, tokens: "TokenSpec", tools: ToolSet, *, max_turns: int,
                  max_trajectory_tokens: int, image_bounds=None, merge_size: int = 2,
                  parse_call: Callable[[str], ToolCall | MalformedCall | None] = parse_qwen_tool_call,
-                 any_rank_going: Callable[[bool], bool] | None = None, max_output_tokens: int = 0):
+                 any_rank_going: Callable[[bool], bool] | None = None, max_output_tokens: int = 0, media_limits=None):
         self.engine = engine
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -140,7 +156,7 @@ class MultiTurnEngine:
         self.max_trajectory_tokens = max_trajectory_tokens
         self.merge_size = merge_size
         self.parse_call = parse_call
-        self.observations = ObservationTemplate(processor, image_bounds)
+        self.observations = ObservationTemplate(processor, image_bounds, media_limits=media_limits)
         # Several ranks: whether any rank still has a trajectory going (an all-reduce). Every rank then calls the
         # engine for each turn, on an empty batch when its own trajectories are done: ranks sharing an engine
         # (tensor-parallel vLLM/SGLang groups) run each call together. None: this rank decides alone.
@@ -151,6 +167,7 @@ class MultiTurnEngine:
     @classmethod
     def from_deps(cls, cfg, deps, engine) -> "MultiTurnEngine":
         """Around `engine`; the prompt encoder describes the tools in every prompt (`rollout.describe_tools`)."""
+        from vlrft.data.media import MediaLimits
         from vlrft.registry import load_reference
 
         tools = ToolSet.from_config(cfg.rollout)
@@ -163,7 +180,8 @@ class MultiTurnEngine:
                    image_bounds=deps.encoder.image_bounds(cfg.rollout.tool_image_max_pixels),
                    merge_size=deps.encoder.merge_size, parse_call=parse_call,
                    any_rank_going=_any_rank_going(deps.strategy),
-                   max_output_tokens=cfg.rollout.tool_max_output_tokens)
+                   max_output_tokens=cfg.rollout.tool_max_output_tokens,
+                   media_limits=MediaLimits(cfg.data.max_source_pixels, cfg.data.max_aspect_ratio))
 
     # engine protocol: weights and memory belong to the wrapped engine
     def update_weights(self, model) -> None:
@@ -296,10 +314,10 @@ class MultiTurnEngine:
                 ids, visual, images = self.observations.encode(output, row.ids, self.merge_size)
             except Exception as exc:  # an image the processor refuses: the model reads why
                 kind, cut = "bad_outputs", False
+                why = refusal(exc)
                 self.tools.report(("processor", type(exc).__name__), f"the processor refused a tool's output "
-                                  f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); the model reads an "
-                                  "Error: observation", "tools/bad_outputs")
-                output = ToolOutput(text=f"Error: the tool's output could not be processed ({type(exc).__name__})")
+                                  f"({why}); the model reads an Error: observation", "tools/bad_outputs")
+                output = ToolOutput(text=f"{ERROR_PREFIX}{why}")
                 ids, visual, images = self.observations.encode(output, row.ids, self.merge_size)
             row.stats.count(kind, output)
             row.stats.truncated_outputs += cut
