@@ -139,3 +139,67 @@ def test_a_corrupt_or_frameless_video_is_found_at_start_and_a_good_one_is_opened
     assert validate.find_bad_media(samples, MediaLimits()) == problems and opened == ["bad.mp4"]  # good: cached
     assert validate.find_bad_media(samples, MediaLimits(max_source_pixels=100))[0].index == 0  # 56x56 frames
 
+
+
+def _pair_data(folder: Path) -> Path:
+    """Three prompts: one image, two images (row 2, id 'pair'), one image."""
+    for i in range(2):
+        Image.fromarray(np.full((28, 28, 3), 90 * i, np.uint8)).save(folder / f"{i}.png")
+    rows = [{"id": "one", "prompt": "<image>What colour?", "images": ["0.png"], "answer": "0"},
+            {"id": "pair", "prompt": "<image><image>Same colour?", "images": ["0.png", "1.png"], "answer": "no"},
+            {"id": "other", "prompt": "<image>What colour?", "images": ["1.png"], "answer": "1"}]
+    path = folder / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PAIR_REFUSED = (r"data.train_files: 1 of 3 samples are refused by rollout.engine=vllm, first: train.jsonl line 2 "
+                r"\(id 'pair'\), field 'images': 2 images in one prompt: LLaVA-OneVision encodes each "
+                r"image of a multi-image prompt as one crop, .*; give each prompt one image or set rollout.engine=hf; "
+                r"or set data.on_bad_sample=skip to leave them out$")
+
+
+def test_a_llava_onevision_prompt_with_several_images_is_refused_for_vllm_when_the_data_is_read(tmp_path, tiny_vlm_dir,
+                                                                                               monkeypatch):
+    """vLLM's processor crops each of a multi-image LLaVA-OneVision prompt's images as if alone: the prompt was
+    refused only when a step drew it (after trained steps). Now the data is refused before any model or engine."""
+    from vlrft.trainer import trainer as trainer_module
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(trainer_module, "load_processor", no_model)
+    monkeypatch.setattr(trainer_module, "make_engine", no_model)
+    data = _pair_data(tmp_path)
+    with pytest.raises(UserError, match=PAIR_REFUSED):
+        Trainer(config(tmp_path, tiny_vlm_dir("llava_onevision"), data, "rollout.engine=vllm"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_several_images_are_left_out_with_skip_and_kept_where_the_engine_takes_them(tmp_path):
+    """The check itself, on a stand-in model folder (only its config.json is read)."""
+    from vlrft.trainer.training_data import without_engine_refusals
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    samples = read_samples(_pair_data(tmp_path))
+    messages = []
+
+    def kept(*overrides):
+        cfg = load_config(None, [f"model.path={model}", *overrides], validate=False)
+        return [s.id for s in without_engine_refusals(samples, "data.train_files", cfg, messages.append)]
+
+    with pytest.raises(UserError, match=PAIR_REFUSED):
+        kept("rollout.engine=vllm")
+    assert kept("rollout.engine=vllm", "data.on_bad_sample=skip") == ["one", "other"]
+    assert messages == ["data.train_files: left out 1 of 3 samples rollout.engine=vllm cannot take "
+                        "(data.on_bad_sample=skip), first: train.jsonl line 2 (id 'pair'), field 'images': 2 images "
+                        "in one prompt: LLaVA-OneVision encodes each image of a "
+                        "multi-image prompt as one crop, but vLLM's processor crops every image as if alone (anyres), "
+                        "so the prompt cannot keep one tokenization; give each prompt one image or set "
+                        "rollout.engine=hf"]
+    assert kept("rollout.engine=vllm_server", "data.on_bad_sample=skip") == ["one", "other"]
+    assert kept("rollout.engine=hf") == ["one", "pair", "other"]  # the hf engine encodes as the processor does
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    assert kept("rollout.engine=vllm") == ["one", "pair", "other"]

@@ -209,6 +209,21 @@ def video_metadata_dict(metadata: Any) -> dict[str, Any]:
     return out
 
 
+# The engines that hand a prompt's images to vLLM's processor (`vllm_requests`).
+VLLM_PROCESSOR_ENGINES = ("vllm", "vllm_server")
+_ONE_CROP_EACH = ("LLaVA-OneVision encodes each image of a multi-image prompt as one crop, but vLLM's processor crops "
+                  "every image as if alone (anyres), so the prompt cannot keep one tokenization")
+
+
+def prompt_refusal(engine: str, model_type: str, num_images: int) -> str | None:
+    """Why `rollout.engine=engine` cannot take a `model_type` prompt with `num_images` images (None: it can); the
+    trainer checks every sample with it when the data is read, before any step draws one."""
+    if engine in VLLM_PROCESSOR_ENGINES and model_type == "llava_onevision" and num_images > 1:
+        return (f"{num_images} images in one prompt: {_ONE_CROP_EACH}; give each prompt one image or set "
+                "rollout.engine=hf")
+    return None
+
+
 def check_images_encoded_alone(visual: Any, name: str) -> None:
     """Refuse a LLaVA-OneVision prompt whose images its processor encoded together.
 
@@ -220,9 +235,7 @@ def check_images_encoded_alone(visual: Any, name: str) -> None:
     """
     groups = visual.extra.get("batch_num_images")
     if groups is not None and any(int(n) > 1 for n in groups.tolist()):
-        raise EngineInputError(f"{name}: LLaVA-OneVision encodes each image of a multi-image prompt as one crop, but "
-                               "vLLM's processor crops every image as if alone (anyres), so the prompt cannot keep "
-                               "one tokenization: use rollout.engine=hf for prompts with several images")
+        raise EngineInputError(f"{name}: {_ONE_CROP_EACH}: use rollout.engine=hf for prompts with several images")
 
 
 def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec",

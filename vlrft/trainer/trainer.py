@@ -241,7 +241,7 @@ class Trainer:
                             "node mounts, or copy it to the same path on every node")
 
     def _read(self, files: list[str], limit: int | None, key: str) -> list:
-        return read_training_data(files, limit, key, self.cfg.data, self.strategy, self.message,
+        return read_training_data(files, limit, key, self.cfg, self.strategy, self.message,
                                   progress=self.cfg.logging.progress and self.strategy.is_main)
 
     def _build_actor(self) -> ActorVL:
