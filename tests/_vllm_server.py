@@ -37,24 +37,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model: Path, port: int) -> list[str]:
+def server_command(model: Path, port: int, weight_transfer: str = "shm") -> list[str]:
     from vlrft.rollout.server import serve_command
 
     return serve_command(str(model), port=port, python=sys.executable, dtype="float32",
-                         gpu_memory_utilization=0.2, max_model_len=1024, cpu=True)
+                         gpu_memory_utilization=0.2, max_model_len=1024, cpu=True, weight_transfer=weight_transfer)
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, port: int | None = None, taskset: str | None = None) -> Iterator[SimpleNamespace]:
+def vllm_server(model: Path, port: int | None = None, taskset: str | None = None,
+                weight_transfer: str = "shm") -> Iterator[SimpleNamespace]:
     """The running server (`url`, `process`); its log's tail in the failure if it does not start. `taskset`: the CPU
-    cores it may run on (benches)."""
+    cores it may run on (benches); `weight_transfer`: rollout.weight_transfer (the backend it is started with)."""
     import requests
 
     port = port or free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own engine process, as users run it
-    command = server_command(model, port)
+    command = server_command(model, port, weight_transfer)
     if taskset:
         command = ["taskset", "-c", taskset, *command]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,

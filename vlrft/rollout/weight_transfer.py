@@ -1,23 +1,25 @@
-"""Weight sync into running vLLM servers through vLLM's native weight-transfer API, over shared memory.
+"""Weight sync into running vLLM servers through vLLM's native weight-transfer API, with vlrft's own backends.
 
 Two halves, one protocol:
 
-* `ShmWeightTransferEngine` (backend "vlrft_shm") runs inside every vLLM worker. vLLM creates it when the server
-  is started with `--weight-transfer-config '{"backend": "vlrft_shm"}'`; `register()` (our `vllm.general_plugins`
-  entry point, see setup.py) puts it in vLLM's engine registry in every vLLM process. Each `/update_weights` names
-  one safetensors file the trainer wrote (a bucket of checkpoint-named tensors); the engine reads it and loads each
-  tensor through the model's own `load_weights` inside vLLM's checkpoint-format layerwise reload (opened at
-  `/start_weight_update`, closed at `/finish_weight_update`), so each layer's post-load processing (the CPU
-  backend's oneDNN packing, quantisation) runs on the new weights.
+* The engines of `vlrft.rollout.weight_transfer_worker` run inside every vLLM worker. vLLM creates one when the
+  server is started with `--weight-transfer-config '{"backend": "vlrft_shm"}'` (or "vlrft_gloo"); `register()` (our
+  `vllm.general_plugins` entry point, see setup.py) puts them in vLLM's engine registry in every vLLM process. Each
+  `/update_weights` brings one bucket of checkpoint-named tensors, which the engine loads through the model's own
+  `load_weights` inside vLLM's checkpoint-format layerwise reload (opened at `/start_weight_update`, closed at
+  `/finish_weight_update`), so each layer's post-load processing (the CPU backend's oneDNN packing, quantisation)
+  runs on the new weights.
 * `ServerWeightSync` runs in the trainer: it drives the four phases (start / update per bucket / finish / version)
-  on one or more servers, between `/pause` and `/resume`, and checks every worker's report.
+  on one or more servers, between `/pause` and `/resume`, and checks every worker's report. How a bucket and a
+  report travel is its transport's business: `ShmTransport` ("vlrft_shm": safetensors files in /dev/shm, servers on
+  the trainer's host) or `weight_transfer_gloo.GlooTransport` ("vlrft_gloo": a broadcast over a gloo group, servers
+  on any node).
 
 Accounting: a tensor counts as consumed when the model's `load_weights` returns a parameter for it (vLLM's loaders
 return the names they loaded). Names vLLM's loaders drop silently (a bias the model has no parameter for, a tied
 `lm_head`) or refuse (no such parameter) are reported unconsumed. The worker never raises on that (a raise mid
-update would leave layers half loaded on the meta device): it writes a JSON report next to the buckets at finish,
-after vLLM has finalised the reload, and the trainer fails naming the first unconsumed tensors. Servers must share
-the trainer's filesystem (same host; /dev/shm by default).
+update would leave layers half loaded on the meta device): it sends a report at finish, after vLLM has finalised
+the reload, and the trainer fails naming the first unconsumed tensors.
 """
 
 from __future__ import annotations
@@ -44,14 +46,17 @@ PAUSE_MODE = "wait"  # see ServerWeightSync
 # ============================================================================================ worker side (vLLM)
 
 
+BACKENDS = {"vlrft_shm": "ShmWeightTransferEngine", "vlrft_gloo": "GlooWeightTransferEngine"}
+
+
 def register() -> None:
-    """`vllm.general_plugins` entry point: add our engine to vLLM's registry (vLLM loads plugins in every process,
+    """`vllm.general_plugins` entry point: add our engines to vLLM's registry (vLLM loads plugins in every process,
     possibly more than once in one, and the registry refuses a second registration)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "vlrft.rollout.weight_transfer_worker",
-                                                    "ShmWeightTransferEngine")
+    for backend, engine in BACKENDS.items():
+        if backend not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(backend, "vlrft.rollout.weight_transfer_worker", engine)
 
 
 # ============================================================================================ trainer side
@@ -75,14 +80,15 @@ class SyncStats:
 
 
 class ServerWeightSync:
-    """Pushes the policy's weights into running vLLM servers (started with the "vlrft_shm" backend) on this host.
+    """Pushes the policy's weights into running vLLM servers started with the transport's backend ("vlrft_shm" on
+    this host by default; `transport=GlooTransport()` for "vlrft_gloo", servers on any node).
 
         sync = ServerWeightSync(["http://127.0.0.1:8000"])   # checks every server, then /init_weight_transfer_engine
         sync.sync(policy_weights.buckets(bucket_bytes, "cpu"), version="step-12")  # pause ... resume
         sync.close()
 
-    Per sync, on every server: `/pause?mode=wait`, `/start_weight_update`, `/update_weights` per bucket (one
-    safetensors file in `folder`, written once and read by all servers), `/finish_weight_update`,
+    Per sync, on every server: `/pause?mode=wait`, `/start_weight_update`, `/update_weights` per bucket (shm: one
+    safetensors file in `folder`, written once and read by all servers; gloo: one broadcast), `/finish_weight_update`,
     `/update_weight_version` (read back from `/weight_info`), `/reset_prefix_cache`, `/reset_mm_cache`,
     `/reset_encoder_cache`, `/resume`.
 
@@ -97,7 +103,8 @@ class ServerWeightSync:
     """
 
     def __init__(self, urls: str | Iterable[str], folder: str | None = None, timeout: float = 600.0,
-                 connect_timeout: float = 3.0, pause_mode: str = PAUSE_MODE, require_complete: bool = True):
+                 connect_timeout: float = 3.0, pause_mode: str = PAUSE_MODE, require_complete: bool = True,
+                 transport=None):
         from vlrft.errors import require
 
         requests = require("requests", "driving vLLM servers (ServerWeightSync)")
@@ -108,16 +115,14 @@ class ServerWeightSync:
         self.timeout, self.connect_timeout = timeout, connect_timeout
         self.pause_mode, self.require_complete = pause_mode, require_complete
         self.count = 0
+        self.transport = transport or ShmTransport(folder)
         self.workers = [self._call(u, "GET", "/get_world_size", short=True)["world_size"] for u in self.urls]
-        base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.folder = tempfile.mkdtemp(prefix="vlrft-xfer-", dir=base)
-        # mkdtemp's 0700: the servers' workers must run as this user (they read buckets and write reports here)
-        try:
-            self._all("POST", "/init_weight_transfer_engine",
-                      lambda i: {"init_info": {"folder": self.folder, "server": f"s{i}"}})
-        except BaseException:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            raise
+        self.transport.open(self)  # /init_weight_transfer_engine on every server
+
+    @property
+    def folder(self) -> str | None:
+        """vlrft_shm: the folder of this driver's buckets and reports."""
+        return getattr(self.transport, "folder", None)
 
     # ------------------------------------------------------------------------------------------- HTTP
     def _call(self, url: str, method: str, path: str, json_body: Any = None, params: dict | None = None,
@@ -167,12 +172,11 @@ class ServerWeightSync:
             nbytes, tensors, files = self._send(buckets)
         except BaseException:
             try:  # close the update where it was opened: vLLM finalises the reload (layers that got nothing keep
-                self._all("POST", "/finish_weight_update")  # their weights), so a retry can start a new one
+                self.transport.finish(self)  # their weights), so a retry can start a new one
             except WeightSyncError:
                 pass
             raise
-        self._all("POST", "/finish_weight_update")
-        missing = self._check_reports(tensors)
+        missing = self._check_reports(self.transport.finish(self), tensors)
         self._all("POST", "/update_weight_version", {"new_version": version})
         if set(self.versions()) != {version}:
             raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
@@ -185,45 +189,34 @@ class ServerWeightSync:
         return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
 
     def _send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
-        """Each bucket as one file, loaded by every server before the next is written; (bytes, tensors, files)."""
-        from safetensors.torch import save_file
-
-        nbytes = tensors = files = 0
+        """Each bucket to every server (by the transport), loaded by all before the next is read;
+        (bytes, tensors, buckets)."""
+        nbytes = tensors = count = 0
         for bucket in buckets:
             names = [n for n, _ in bucket]
             if len(set(names)) != len(names):
-                raise WeightSyncError(f"bucket {files} names a tensor twice")
-            file = f"b{self.count}-{files}-{uuid.uuid4().hex[:8]}.safetensors"
-            path = os.path.join(self.folder, file)
-            contiguous = {n: t.detach().to("cpu").contiguous() for n, t in bucket}
-            save_file(contiguous, path)
-            info = {"file": file, "sync": self.count, "names": names,
-                    "dtype_names": [str(t.dtype).removeprefix("torch.") for t in contiguous.values()],
-                    "shapes": [list(t.shape) for t in contiguous.values()]}
-            try:
-                self._all("POST", "/update_weights", {"update_info": info})
-            finally:
-                os.unlink(path)
-            nbytes += sum(t.numel() * t.element_size() for t in contiguous.values())
-            tensors, files = tensors + len(names), files + 1
+                raise WeightSyncError(f"bucket {count} names a tensor twice")
+            contiguous = [t.detach().to("cpu").contiguous() for _, t in bucket]
+            info = {"sync": self.count, "bucket": count, "names": names,
+                    "dtype_names": [str(t.dtype).removeprefix("torch.") for t in contiguous],
+                    "shapes": [list(t.shape) for t in contiguous]}
+            self.transport.send(self, names, contiguous, info)
+            nbytes += sum(t.numel() * t.element_size() for t in contiguous)
+            tensors, count = tensors + len(names), count + 1
             del bucket, contiguous
-        if not files:
+        if not count:
             raise WeightSyncError("a sync with no buckets")
-        return nbytes, tensors, files
+        return nbytes, tensors, count
 
-    def _check_reports(self, sent: int) -> list[str]:
-        """Every worker of every server reported this sync, with every tensor consumed."""
+    def _check_reports(self, reports: list[list[dict]], sent: int) -> list[str]:
+        """Every worker of every server reported this sync (`reports`: per server), with every tensor consumed."""
         missing: set[str] = set()
-        for i, (url, workers) in enumerate(zip(self.urls, self.workers)):
-            prefix = f"report-s{i}-{self.count}-"
-            paths = [os.path.join(self.folder, f) for f in os.listdir(self.folder) if f.startswith(prefix)]
-            if len(paths) != workers:
-                raise WeightSyncError(f"vLLM server {url}: {len(paths)} of its {workers} workers reported sync "
-                                      f"{self.count} (is it running the {BACKEND} backend on this host?)")
-            for path in paths:
-                with open(path) as f:
-                    report = json.load(f)
-                os.unlink(path)
+        for url, workers, reported in zip(self.urls, self.workers, reports):
+            if len(reported) != workers:
+                raise WeightSyncError(f"vLLM server {url}: {len(reported)} of its {workers} workers reported sync "
+                                      f"{self.count} (is it running the {self.transport.backend} backend"
+                                      f"{self.transport.where}?)")
+            for report in reported:
                 if report["unconsumed"]:
                     first = list(report["unconsumed"].items())[:3]
                     raise WeightSyncError(
@@ -239,8 +232,72 @@ class ServerWeightSync:
         return sorted(missing)
 
     def close(self) -> None:
-        """Release the servers' transfer engines (they keep serving) and remove the bucket folder."""
+        """Release the servers' transfer engines (they keep serving) and the transport's resources."""
         try:
             self._all("POST", "/shutdown_weight_transfer_engine")
         finally:
+            self.transport.close()
+
+
+class ShmTransport:
+    """"vlrft_shm": each bucket a safetensors file in a folder of this host (/dev/shm by default) that every server
+    reads; the workers' reports are files there too. The servers must run on this host, as this user (mkdtemp's
+    0700)."""
+
+    backend = BACKEND
+    where = " on this host"
+
+    def __init__(self, folder: str | None = None):
+        self.base = folder or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.folder: str | None = None
+
+    def open(self, sync: ServerWeightSync) -> None:
+        self.folder = tempfile.mkdtemp(prefix="vlrft-xfer-", dir=self.base)
+        try:
+            sync._all("POST", "/init_weight_transfer_engine",
+                      lambda i: {"init_info": {"folder": self.folder, "server": f"s{i}"}})
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, sync: ServerWeightSync, names: list[str], tensors: list[torch.Tensor], info: dict) -> None:
+        from safetensors.torch import save_file
+
+        assert self.folder is not None
+        info["file"] = f"b{sync.count}-{info.pop('bucket')}-{uuid.uuid4().hex[:8]}.safetensors"
+        path = os.path.join(self.folder, info["file"])
+        save_file(dict(zip(names, tensors)), path)
+        try:
+            sync._all("POST", "/update_weights", {"update_info": info})
+        finally:
+            os.unlink(path)
+
+    def finish(self, sync: ServerWeightSync) -> list[list[dict]]:
+        """`/finish_weight_update` on every server, then each server's reports of this sync (read and removed)."""
+        sync._all("POST", "/finish_weight_update")
+        assert self.folder is not None
+        reports = []
+        for i in range(len(sync.urls)):
+            prefix = f"report-s{i}-{sync.count}-"
+            reports.append([])
+            for file in sorted(f for f in os.listdir(self.folder) if f.startswith(prefix)):
+                path = os.path.join(self.folder, file)
+                with open(path) as f:
+                    reports[-1].append(json.load(f))
+                os.unlink(path)
+        return reports
+
+    def close(self) -> None:
+        if self.folder:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def transport_for(kind: str, master_address: str | None = None, master_port: int = 0):
+    """The trainer's half of a `rollout.weight_transfer` kind: "shm" (same host) or "gloo" (any node)."""
+    if kind == "shm":
+        return ShmTransport()
+    if kind == "gloo":
+        from vlrft.rollout.weight_transfer_gloo import GlooTransport
+
+        return GlooTransport(master_address, master_port)
+    raise ValueError(f"rollout.weight_transfer={kind!r}: 'shm' (servers on the trainer's host) or 'gloo' (any node)")

@@ -1,14 +1,16 @@
-"""The vLLM-side half of the "vlrft_shm" weight-transfer backend: runs inside every vLLM worker process.
+"""The vLLM-side half of vlrft's weight-transfer backends, "vlrft_shm" and "vlrft_gloo": runs inside every vLLM
+worker process.
 
 vLLM's factory imports this module (registered by `vlrft.rollout.weight_transfer.register`, our
 `vllm.general_plugins` entry point) when a server started with `--weight-transfer-config
-'{"backend": "vlrft_shm"}'` gets `/init_weight_transfer_engine`; the training processes never import it.
-Each `/update_weights` names one safetensors file the trainer wrote (a bucket of checkpoint-named
-tensors); the engine reads it and loads each tensor through the model's own `load_weights` inside
-vLLM's checkpoint-format layerwise reload (opened at `/start_weight_update`, closed at
-`/finish_weight_update`), so each layer's post-load processing (the CPU backend's oneDNN packing,
-quantisation) runs on the new weights. What it could not load is reported, never raised mid update
-(see `vlrft.rollout.weight_transfer`, "Accounting").
+'{"backend": "vlrft_shm"}'` (or "vlrft_gloo") gets `/init_weight_transfer_engine`; the training processes never
+import it. Each `/update_weights` brings one bucket of checkpoint-named tensors: "vlrft_shm" reads a safetensors
+file the trainer wrote on this host, "vlrft_gloo" receives the trainer's broadcast over a gloo group
+(`vlrft.rollout.weight_transfer_gloo`). Either way each tensor is loaded through the model's own `load_weights`
+inside vLLM's checkpoint-format layerwise reload (opened at `/start_weight_update`, closed at
+`/finish_weight_update`), so each layer's post-load processing (the CPU backend's oneDNN packing, quantisation)
+runs on the new weights. What could not be loaded is reported at finish, never raised mid update (see
+`vlrft.rollout.weight_transfer`, "Accounting").
 """
 
 from __future__ import annotations
@@ -37,17 +39,38 @@ class ShmUpdateInfo:
     shapes: list[list[int]]
 
 
-class ShmEngineMethods:
-    """Checkpoint-format buckets from safetensors files, loaded through vLLM's layerwise reload: the methods of
-    `ShmWeightTransferEngine`, which adds vLLM's `WeightTransferEngine` base when vLLM's factory asks for it."""
+@dataclass
+class GlooInitInfo:  # as vLLM's NCCLWeightTransferInitInfo (TCP rendezvous), plus the group's timeout
+    master_address: str  # the trainer's address, as this server reaches it
+    master_port: int  # its TCPStore
+    rank_offset: int  # this server's first rank in the group (the trainer is rank 0)
+    world_size: int  # the trainer and every worker of every server
+    timeout_s: float = 600.0  # of every collective of the group
 
-    init_info_cls = ShmInitInfo
-    update_info_cls = ShmUpdateInfo
+
+@dataclass
+class GlooUpdateInfo:  # as vLLM's NCCLWeightTransferUpdateInfo, plus our accounting's fields
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    nbytes: int  # the packed buffer the trainer broadcasts (`weight_transfer_gloo.bucket_layout`)
+    sync: int  # the trainer's sync counter
+    bucket: int  # index within the sync (names it in the report)
+
+
+class LayerwiseLoad:
+    """What both vlrft backends' engines share: buckets of checkpoint-named tensors loaded through the model's own
+    `load_weights` inside vLLM's layerwise reload (opened at `/start_weight_update`, closed at
+    `/finish_weight_update`), every tensor accounted for, and a report at finish. A backend adds how buckets arrive
+    (`init_transfer_engine`, `receive_weights`) and how the report leaves (`deliver_report`). Its engine class adds
+    vLLM's `WeightTransferEngine` base when vLLM's factory asks for it (`__getattr__` below)."""
+
+    backend = "vlrft"
     supports_draft_weight_update = False
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.init_info: ShmInitInfo | None = None
+        self.init_info = None
         self._reset()
 
     def _reset(self) -> None:
@@ -56,16 +79,11 @@ class ShmEngineMethods:
         self.unconsumed: dict[str, str] = {}  # name -> why
         self.loaded: set[str] = set()  # vLLM parameter names load_weights reported
 
-    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        if not os.path.isdir(init_info.folder):
-            raise ValueError(f"vlrft_shm: folder {init_info.folder!r} does not exist on this server's host")
-        self.init_info = init_info
-
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self.init_info is None:
-            raise RuntimeError("vlrft_shm: /init_weight_transfer_engine first")
+            raise RuntimeError(f"{self.backend}: /init_weight_transfer_engine first")
         self._reset()
         initialize_layerwise_reload(self.model)
 
@@ -74,71 +92,149 @@ class ShmEngineMethods:
         if torch.accelerator.is_available():  # a GPU copy may still be in flight; vLLM's CPU build has none
             torch.accelerator.synchronize()
 
-    def receive_weights(self, info: ShmUpdateInfo) -> None:
-        from safetensors.torch import load_file
+    def load_bucket(self, info, tensors: dict[str, torch.Tensor], where: str) -> None:
+        """Load the announced tensors of one bucket (`info`: names, dtype names, shapes) from `tensors`, accounting
+        for each; what `tensors` holds beyond the announcement is reported too."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        assert self.init_info is not None
         self.sync = info.sync
         self.received += len(info.names)
-        path = os.path.join(self.init_info.folder, os.path.basename(info.file))
-        try:
-            tensors = load_file(path, device=str(self.device))
-        except Exception as err:  # noqa: BLE001 - accounted below, never raised mid update
-            self.unconsumed.update({n: f"bucket {info.file} unreadable: {err}" for n in info.names})
-            return
         with disable_mtp_completeness_check():
             for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
                 tensor = tensors.pop(name, None)
                 if tensor is None:
-                    self.unconsumed[name] = f"not in {info.file}"
+                    self.unconsumed[name] = f"not in {where}"
                 elif str(tensor.dtype).removeprefix("torch.") != dtype_name or list(tensor.shape) != shape:
-                    self.unconsumed[name] = f"{tensor.dtype} {list(tensor.shape)} in the file, " \
+                    self.unconsumed[name] = f"{tensor.dtype} {list(tensor.shape)} in {where}, " \
                                             f"announced {dtype_name} {shape}"
                 else:
-                    try:
-                        loaded = self.model.load_weights([(name, tensor)])
-                    except Exception as err:  # noqa: BLE001 - e.g. "There is no module or parameter named"
-                        self.unconsumed[name] = f"load_weights refused it: {str(err)[:200]}"
-                        continue
-                    if loaded:
-                        self.loaded.update(loaded)
-                    else:
-                        self.unconsumed[name] = "load_weights loaded nothing for it"
-        for name in tensors:  # in the file but not announced
-            self.unconsumed[name] = f"in {info.file} but not announced"
+                    self._load(name, tensor.to(self.device))
+        for name in tensors:  # sent but not announced
+            self.unconsumed[name] = f"in {where} but not announced"
+
+    def _load(self, name: str, tensor: torch.Tensor) -> None:
+        try:
+            loaded = self.model.load_weights([(name, tensor)])
+        except Exception as err:  # noqa: BLE001 - e.g. "There is no module or parameter named"
+            self.unconsumed[name] = f"load_weights refused it: {str(err)[:200]}"
+            return
+        if loaded:
+            self.loaded.update(loaded)
+        else:
+            self.unconsumed[name] = "load_weights loaded nothing for it"
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        assert self.init_info is not None
         params = {name for name, _ in self.model.named_parameters()}
         report = {"sync": self.sync, "received": self.received, "unconsumed": self.unconsumed,
                   "missing": sorted(params - self.loaded), "pid": os.getpid()}
         if self.unconsumed:
             from vllm.logger import init_logger
 
-            init_logger(__name__).error("vlrft_shm: %d tensor(s) not consumed: %s", len(self.unconsumed),
+            init_logger(__name__).error("%s: %d tensor(s) not consumed: %s", self.backend, len(self.unconsumed),
                                         list(self.unconsumed)[:5])
+        self.deliver_report(report)
+        self._reset()
+
+
+class ShmEngineMethods(LayerwiseLoad):
+    """"vlrft_shm": each bucket is a safetensors file in a folder the trainer shares (same host); reports are files
+    there too."""
+
+    backend = "vlrft_shm"
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        if not os.path.isdir(init_info.folder):
+            raise ValueError(f"vlrft_shm: folder {init_info.folder!r} does not exist on this server's host")
+        self.init_info = init_info
+
+    def receive_weights(self, info: ShmUpdateInfo) -> None:
+        from safetensors.torch import load_file
+
+        assert self.init_info is not None
+        path = os.path.join(self.init_info.folder, os.path.basename(info.file))
+        try:
+            tensors = load_file(path, device=str(self.device))
+        except Exception as err:  # noqa: BLE001 - accounted, never raised mid update
+            self.sync = info.sync
+            self.received += len(info.names)
+            self.unconsumed.update({n: f"bucket {info.file} unreadable: {err}" for n in info.names})
+            return
+        self.load_bucket(info, tensors, info.file)
+
+    def deliver_report(self, report: dict) -> None:
+        assert self.init_info is not None
         name = f"report-{self.init_info.server}-{self.sync}-{os.getpid()}.json"
         tmp = os.path.join(self.init_info.folder, "." + name)
         with open(tmp, "w") as f:
             json.dump(report, f)
         os.replace(tmp, os.path.join(self.init_info.folder, name))  # readers never see half a report
-        self._reset()
 
     def shutdown(self) -> None:
         self.init_info = None
 
 
+class GlooEngineMethods(LayerwiseLoad):
+    """"vlrft_gloo": each bucket is broadcast by the trainer over a gloo group this worker joined at init (any
+    node); the report goes back over it at finish (`vlrft.rollout.weight_transfer_gloo`)."""
+
+    backend = "vlrft_gloo"
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = self.store = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        from vlrft.rollout import weight_transfer_gloo as wire
+
+        self.shutdown()  # a new trainer (driver): the old group is gone
+        parallel = self.parallel_config  # this worker's rank as vLLM's NCCL backend computes it
+        rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
+        address = wire.local_address_towards(init_info.master_address)
+        self.store = wire.connect_store(init_info.master_address, init_info.master_port, init_info.world_size,
+                                        init_info.timeout_s)
+        self.group = wire.open_group(self.store, address, rank, init_info.world_size, init_info.timeout_s)
+        self.init_info = init_info
+
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
+        from vlrft.rollout import weight_transfer_gloo as wire
+
+        _, nbytes = wire.bucket_layout(info.dtype_names, info.shapes)
+        if nbytes != info.nbytes:  # raised before the broadcast: the trainer sees this call fail
+            raise ValueError(f"vlrft_gloo: the announced tensors take {nbytes} bytes, the trainer sends "
+                             f"{info.nbytes} (vlrft versions differ between trainer and server?)")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        wire.broadcast(self.group, buffer)
+        tensors = wire.unpack(buffer, info.dtype_names, info.shapes)
+        self.load_bucket(info, dict(zip(info.names, tensors)), f"bucket {info.bucket}")
+
+    def deliver_report(self, report: dict) -> None:
+        from vlrft.rollout import weight_transfer_gloo as wire
+
+        wire.send_report(self.group, report)
+
+    def shutdown(self) -> None:
+        self.init_info = self.group = self.store = None
+
+
+ENGINES = {"ShmWeightTransferEngine": ShmEngineMethods, "GlooWeightTransferEngine": GlooEngineMethods}
+
+
 def __getattr__(name: str):
-    """`ShmWeightTransferEngine`, built on first access: vLLM is imported only inside vLLM's own processes."""
-    if name != "ShmWeightTransferEngine":
+    """An engine of `ENGINES` with vLLM's base, built on first access: vLLM is imported only inside vLLM's own
+    processes."""
+    if name not in ENGINES:
         raise AttributeError(name)
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    engine = types.new_class(name, (ShmEngineMethods, WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]),
+    methods = ENGINES[name]
+    engine = types.new_class(name, (methods, WeightTransferEngine[methods.init_info_cls, methods.update_info_cls]),
                              exec_body=lambda namespace: namespace.update(__module__=__name__))
     globals()[name] = engine
     return engine
