@@ -53,8 +53,8 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["vlrft=vlrft.cli:main"],
-        # vLLM loads these in every one of its processes: our weight-transfer backend "vlrft_shm" for
-        # `--weight-transfer-config '{"backend": "vlrft_shm"}'` (vlrft/rollout/weight_transfer.py)
+        # vLLM loads these in every one of its processes: our weight-transfer backends "vlrft_shm" and "vlrft_gloo"
+        # for `--weight-transfer-config '{"backend": "vlrft_shm"}'` (vlrft/rollout/weight_transfer.py)
         "vllm.general_plugins": ["vlrft_weight_transfer=vlrft.rollout.weight_transfer:register"],
     },
 )

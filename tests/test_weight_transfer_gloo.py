@@ -37,10 +37,10 @@ TENSORS = {
 
 def test_a_packed_bucket_unpacks_to_the_same_tensors_at_aligned_offsets():
     tensors = list(TENSORS.values())
-    buffer = pack = wire.pack(tensors)
+    buffer = wire.pack(tensors)
     names = [wire.dtype_name(t) for t in tensors]
     offsets, nbytes = wire.bucket_layout(names, [t.shape for t in tensors])
-    assert pack.dtype == torch.uint8 and pack.numel() == nbytes and all(o % wire.ALIGN == 0 for o in offsets)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == nbytes and all(o % wire.ALIGN == 0 for o in offsets)
     for sent, got in zip(tensors, wire.unpack(buffer, names, [list(t.shape) for t in tensors])):
         assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent)
 
@@ -51,10 +51,12 @@ class FakeServer:
 
     def __init__(self, workers: int, accepts: set[str]):
         self.workers, self.accepts = workers, accepts
+        self.refuse_updates = False  # answer /update_weights with an error, without taking part in the broadcast
         self.groups: list = []
         self.loaded: list[dict[str, torch.Tensor]] = [{} for _ in range(workers)]
         self.unconsumed: list[dict[str, str]] = [{} for _ in range(workers)]
         self.received = [0] * workers
+        self.errors: list[Exception] = []
         self.version = "0"
         handler = type("Handler", (FakeHandler,), {"fake": self})
         self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -62,7 +64,12 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
 
     def each_worker(self, call) -> None:
-        threads = [threading.Thread(target=call, args=(w,)) for w in range(self.workers)]
+        def guarded(w):  # a worker left waiting in an abandoned group fails at its timeout, after its test
+            try:
+                call(w)
+            except RuntimeError as err:
+                self.errors.append(err)
+        threads = [threading.Thread(target=guarded, args=(w,), daemon=True) for w in range(self.workers)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -78,6 +85,8 @@ class FakeServer:
                 self.groups[w] = wire.open_group(store, "127.0.0.1", info["rank_offset"] + w, info["world_size"], 30)
             self.each_worker(join)
         elif path == "/update_weights":
+            if self.refuse_updates:
+                return None
             info = body["update_info"]
             assert wire.bucket_layout(info["dtype_names"], info["shapes"])[1] == info["nbytes"]
 
@@ -115,7 +124,14 @@ class FakeHandler(AcknowledgeAll):
 
     def do_POST(self):
         data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self._answer(self.fake.route(self.path.split("?")[0], json.loads(data) if data.strip() else {}))
+        answer = self.fake.route(self.path.split("?")[0], json.loads(data) if data.strip() else {})
+        if answer is None:
+            self.send_response(500)
+            self.send_header("Content-Length", "7")
+            self.end_headers()
+            self.wfile.write(b"refused")
+        else:
+            self._answer(answer)
 
 
 @pytest.fixture
@@ -158,6 +174,18 @@ def test_a_tensor_a_worker_did_not_consume_fails_the_sync_naming_it(servers):
     assert sync.versions() == ["step-1", "step-1"]
 
 
+def test_a_server_failing_mid_transfer_fails_the_sync_at_once_and_the_group_is_then_refused(servers):
+    sync = ServerWeightSync([s.url for s in servers], timeout=30, transport=GlooTransport())
+    servers[1].refuse_updates = True  # the other server's workers wait in the broadcast, as the trainer does
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"^vLLM server {servers[1].url}/update_weights answered 500: refused$"):
+        sync.sync(buckets(), version="never")
+    assert time.monotonic() - started < 10  # not the group's 30 s timeout
+    with pytest.raises(WeightSyncError, match="^the vlrft_gloo group is unusable \\(a sync failed mid-transfer: "
+                                              ".*\\); create a new ServerWeightSync"):
+        sync.sync(buckets(), version="never")
+
+
 def test_a_server_whose_workers_never_join_is_named_in_one_line(servers):
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AcknowledgeAll)  # acknowledges, joins nothing
     threading.Thread(target=stub.serve_forever, daemon=True).start()
@@ -174,3 +202,17 @@ def test_a_server_whose_workers_never_join_is_named_in_one_line(servers):
                               "/init_weight_transfer_engine (is it running the vlrft_gloo backend") \
         and "\n" not in message, message
     assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("kind", ["shm", "gloo"])
+def test_serve_command_prints_the_backend_of_each_weight_transfer(kind, capsys):
+    import shlex
+
+    from vlrft.cli import main
+    from vlrft.rollout.weight_transfer import BACKENDS, transport_for
+
+    assert main(["serve-command", "/models/m", "--host", "0.0.0.0", "--weight-transfer", kind]) == 0
+    words = shlex.split(capsys.readouterr().out)
+    backend = json.loads(words[words.index("--weight-transfer-config") + 1])["backend"]
+    # the backend vLLM is told to use is one vlrft registers, and the one the trainer's transport drives
+    assert backend == f"vlrft_{kind}" == transport_for(kind).backend and backend in BACKENDS

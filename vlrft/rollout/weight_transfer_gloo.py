@@ -222,11 +222,19 @@ class GlooTransport:
         return local.result()
 
     def _raise_failure(self, done: set[Future], pending: set[Future]) -> None:
-        failed = [f.exception() for f in done if f.exception() is not None]
+        """The first failure among `done`, one line: a server's (it names the server) before this side's."""
+        from vlrft.rollout.weight_transfer import WeightSyncError
+
+        failed = sorted((f.exception() for f in done if f.exception() is not None),
+                        key=lambda err: not isinstance(err, WeightSyncError))
         if failed:
             if pending:
                 self.broken = f"a sync failed mid-transfer: {failed[0]}"
-            raise failed[0]
+            if isinstance(failed[0], WeightSyncError):
+                raise failed[0]
+            lines = str(failed[0]).strip().splitlines() or [""]
+            raise WeightSyncError(f"the {BACKEND} group failed on the trainer's side: {type(failed[0]).__name__}: "
+                                  f"{lines[0][:300]}") from failed[0]
 
     def _usable(self) -> None:
         if self.group is None or self.broken:
