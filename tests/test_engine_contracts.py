@@ -277,6 +277,7 @@ def assert_engine_loads_every_weight(worker: str, dirs: list[str], out) -> None:
     results = json.loads(out.read_text())
     assert len(results) == 2 * len(dirs)
     for key, result in results.items():
+        assert result.get("unconsumed", {}) == {} and result.get("dropped", {}) == {}, key  # every tensor sent consumed
         assert result["params"] and result["loaded"] == result["params"], (key, set(result["params"]) - set(result["loaded"]))
         assert result["still_nan"] == [], key
         assert result["engine_sum"] == pytest.approx(result["sent_sum"], rel=1e-9, abs=1e-6), key
@@ -289,9 +290,10 @@ def test_vllm_model_classes_load_every_weight_our_sync_sends(vllm, tiny_vlm_dir,
     """vLLM's own Qwen2/2.5/3-VL classes, built on CPU with every parameter NaN, take our weight-sync buckets
     (checkpoint names, LoRA merged) through their `load_weights`: every parameter reported loaded and fully
     written, and what they hold sums to what we sent. A name vLLM does not map, or a weight we do not send,
-    would leave an engine sampling from stale weights on a GPU."""
-    assert_engine_loads_every_weight("vllm_load_worker.py", [str(tiny_vlm_dir(arch)) for arch in ARCHES],
-                                     tmp_path / "loaded.json")
+    would leave an engine sampling from stale weights on a GPU. A tied LM head too: sent once, as the embedding,
+    and every tensor sent consumed one at a time (the accounting both vLLM syncs run)."""
+    dirs = [str(tiny_vlm_dir(arch)) for arch in ARCHES] + [str(tiny_vlm_dir("qwen2_vl", tie_word_embeddings=True))]
+    assert_engine_loads_every_weight("vllm_load_worker.py", dirs, tmp_path / "loaded.json")
 
 
 # ============================================================================================== SGLang

@@ -19,6 +19,7 @@ import copy
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,11 +184,14 @@ def largest_difference(got: list[list[float]], want: list[list[float]]) -> float
 
 
 def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
-    """Move every weight of the policy (as a training step would, only more), vision tower included."""
+    """Move every weight of the policy (as a training step would, only more), vision tower included: by `scale` of
+    its spread, or by `scale` where it has none (biases that start at zero, norms at one), so a sync that leaves
+    those out is seen too."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * scale * (p.std() if p.numel() > 1 else 1.0))
+            spread = float(p.std()) if p.numel() > 1 else 0.0
+            p.add_(torch.randn(p.shape, generator=generator) * scale * (spread if spread > 0 else 1.0))
 
 
 # ============================================================================================== generation
@@ -289,6 +293,75 @@ def test_after_a_sync_the_engine_samples_the_new_weights(stack, bucket_bytes):
     hf = HFEngine(lambda: stack.model, stack.processor, stack.tokens, max_batch_prompts=len(batch))
     assert synced.completion_ids == greedy(hf, batch).completion_ids
     assert largest_difference(synced.logprobs, reference_logprobs(stack, batch, synced)) < TOLERANCE
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the model folder's safetensors files, as transformers saved them (vLLM starts from these)."""
+    from safetensors.torch import load_file
+
+    return {name: t for file in sorted(folder.glob("*.safetensors")) for name, t in load_file(str(file)).items()}
+
+
+def test_a_sync_accounts_for_every_tensor_it_sends(stack):
+    """Every tensor a sync sends is consumed by the engine's model (its `load_weights` named a parameter for it):
+    as many as the checkpoint transformers saved holds, vision tower included, and every vLLM parameter got one. The
+    only exceptions are those vLLM's own name maps declare unused (LLaVA-OneVision's SigLIP post-layernorm): the
+    policy's outputs do not move when those tensors do."""
+    stack.engine.update_weights(stack.actor)
+    account = stack.engine.backend.last_load
+    assert account.unconsumed == {}
+    assert account.received == len(checkpoint_tensors(Path(stack.cfg.model.path)))
+    assert any("vision" in name or "visual" in name for name in account.loaded)
+    assert account.missing == []
+    assert set(account.dropped) == ({"vision_tower.vision_model.post_layernorm.weight",
+                                     "vision_tower.vision_model.post_layernorm.bias"}
+                                    if stack.arch == "llava_onevision" else set()), account.dropped
+    if account.dropped:
+        assert_unused_by_the_policy(stack, set(account.dropped))
+
+
+def assert_unused_by_the_policy(stack: Stack, checkpoint_names: set[str]) -> None:
+    """Moving these tensors of the policy (checkpoint names) leaves its logprobs of an image prompt bitwise equal."""
+    from vlrft.models.weights import checkpoint_names as names_on_save
+
+    moved = copy.deepcopy(stack.model)
+    parameters = dict(moved.named_parameters())
+    saved = names_on_save(moved, parameters)
+    chosen = [parameters[name] for name, on_save in saved.items() if on_save in checkpoint_names]
+    assert len(chosen) == len(checkpoint_names), saved
+    with torch.no_grad():
+        for param in chosen:
+            param.add_(1.0)
+    batch = stack.encoder.encode(mixed_samples(stack.arch)[1:2]).batch  # one image
+    rollouts = greedy(stack.engine, batch, 4)
+    moved_stack = SimpleNamespace(model=moved, tokens=stack.tokens, processor=stack.processor)
+    assert reference_logprobs(moved_stack, batch, rollouts) == reference_logprobs(stack, batch, rollouts)
+
+
+def test_a_tensor_the_engine_has_no_parameter_for_stops_the_sync(tiny_vlm_dir, tmp_path):
+    """The tiny GLM-4.1V as it was, its config.json without `text_config.attention_bias`: transformers' GLM-4.1V has
+    q/k/v biases all the same, vLLM's GLM-4 builds attention without them and its loader dropped them at every sync,
+    silently (engine and trainer agreed while the biases were zero, then differed by ~1e-2 a token). The start-up
+    sync now stops, in one line naming the first such biases and how many of how many tensors were left."""
+    import shutil
+
+    from vlrft.rollout.load_accounting import WeightSyncError
+
+    folder = tmp_path / "glm4v_without_attention_bias"
+    shutil.copytree(tiny_vlm_dir("glm4v", **SPEC), folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["text_config"].pop("attention_bias") is True
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = checkpoint_tensors(folder)
+    biases = [name for name in tensors if re.search(r"\.self_attn\.[qkv]_proj\.bias$", name)]
+    assert biases  # the policy has them
+    with pytest.raises(WeightSyncError) as failure:
+        build_stack(folder)
+    message = str(failure.value)
+    assert "\n" not in message, message
+    assert f"did not consume {len(biases)} of {len(tensors)} tensors: " in message, message
+    first = re.search(r"tensors: (\S+) \(load_weights loaded nothing for it\)", message)
+    assert first and re.search(r"\.self_attn\.[qkv]_proj\.bias$", first.group(1)), message
 
 
 def test_a_sync_drops_the_prompts_cached_with_the_old_weights(stack, monkeypatch):

@@ -3,10 +3,10 @@ sync sends them.
 
 `python tests/vllm_load_worker.py OUT MODEL_DIR...`: for each tiny model folder, builds the model class vLLM picks
 for it, on CPU (vLLM's config objects, its model-parallel state over a one-process gloo group), sets every
-parameter to NaN, then streams vlrft's `PolicyWeights` buckets through the model's own `load_weights`, as
-`VLLMEngine` does on a GPU; once for the plain policy and once for a LoRA-wrapped one (merged on the way). OUT gets,
+parameter to NaN, then streams vlrft's `PolicyWeights` buckets through the model's own `load_weights`, one tensor at
+a time and accounted as `VLLMEngine` and the rollout servers do (`vlrft.rollout.load_accounting`); once for the plain policy and once for a LoRA-wrapped one (merged on the way). OUT gets,
 per folder and variant: the parameters vLLM has, those `load_weights` reports loaded, those still holding a NaN,
-and the sums of what was sent and of what vLLM holds. A separate process: vLLM's process group and global config
+the tensors it did not consume, and the sums of what was sent and of what vLLM holds. A separate process: vLLM's process group and global config
 must not leak into the other tests.
 """
 
@@ -16,6 +16,8 @@ import sys
 
 import torch
 from _weight_load import fill_with_nan, free_port, policy_buckets, report
+
+from vlrft.rollout.load_accounting import LoadAccount
 
 
 _PLACEHOLDERS = []
@@ -59,7 +61,11 @@ def load_into_vllm(model_dir: str, lora: bool) -> dict:
             engine_model = initialize_model(vllm_config=config)
         fill_with_nan(engine_model)
         base_sum, sent = policy_buckets(model_dir, lora)
-        return report(engine_model, engine_model.load_weights(iter(sent)), base_sum, sent)
+        account = LoadAccount()  # one tensor at a time, as both of vlrft's vLLM syncs account for them
+        loaded = account.load_all(engine_model.load_weights, iter(sent))
+        account.finish(engine_model)
+        return {**report(engine_model, loaded, base_sum, sent), "unconsumed": account.unconsumed,
+                "dropped": account.dropped}
 
 
 def main() -> None:

@@ -357,6 +357,9 @@ def _build_glm4v_config(spec: TinySpec, tokenizer):
         vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+        # as the released config says: transformers' GLM-4.1V always has q/k/v biases, vLLM's only when this is set
+        # (without it vLLM's loaders drop those biases at every weight sync)
+        attention_bias=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]},
     )

@@ -5,7 +5,8 @@ tensor-parallel engine through vLLM's `external_launcher` backend, as TRL's colo
 the policy's tensors can be handed to the engine's model directly. Weight sync is vLLM's in-place
 reload, one call per sync, the same on GPU and CPU builds:
 `LLM.collective_rpc("reload_weights", kwargs={"weights_iterator": ..., "is_checkpoint_format": True})`
-(`VLLMBackend.load` says why not `model.load_weights`). Sleep uses vLLM's sleep mode on GPUs:
+(`VLLMBackend.load` says why not `model.load_weights`), with every tensor sent accounted for: one the engine's model
+drops stops the run, naming it (`vlrft.rollout.load_accounting`, shared with the rollout servers). Sleep uses vLLM's sleep mode on GPUs:
 `LLM.sleep(level=2)` drops weights and KV cache, `LLM.wake_up(tags=["weights"])` re-allocates only
 the weights for a weight update, `LLM.wake_up(tags=["kv_cache"])` the rest (docs.vllm.ai "Sleep
 Mode"); the trainer's cached CUDA blocks are freed before each wake-up. vLLM's CPU platform has no
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -46,6 +48,7 @@ from vlrft.errors import UserError, require
 from vlrft.rollout.base import SamplingParams
 from vlrft.rollout.colocate import (DTYPES, ColocatedEngine, EngineOptions, RankLayout,
                                     tensor_parallel_group)
+from vlrft.rollout.load_accounting import LoadAccount, WeightSyncError, unconsumed_line
 from vlrft.rollout.outputs import EngineError, EngineSample, vllm_samples
 from vlrft.rollout.requests import PromptRequest, image_wrappers, pixel_bounds, vllm_requests
 
@@ -141,6 +144,24 @@ def _one_by_one(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[t
         del bucket
 
 
+def accounted_reload(worker, weights_iterator: Iterable[tuple[str, torch.Tensor]]) -> LoadAccount:
+    """Run on each vLLM worker (`LLM.collective_rpc`): vLLM's own in-place reload (`Worker.reload_weights`, checkpoint
+    format), its model's `load_weights` offered one tensor at a time meanwhile, so that each tensor is accounted
+    (`vlrft.rollout.load_accounting`, the rule the rollout servers' workers follow). The account comes back."""
+    model = worker.model_runner.get_model()
+    account = LoadAccount()
+    own = vars(model).get("load_weights")  # an instance attribute, if the model had one: put back afterwards
+    model.load_weights = functools.partial(account.load_all, model.load_weights)
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+    finally:
+        if own is None:
+            del model.load_weights
+        else:
+            model.load_weights = own
+    return account.finish(model)
+
+
 def sleep_mode(requested: bool, platform) -> bool:
     """Whether the engine sleeps between steps: `rollout.sleep_between_steps` where vLLM's platform has a sleep mode.
 
@@ -187,6 +208,7 @@ class VLLMBackend:
         # Single process: vLLM set up torch.distributed for itself and tears it down on close. Under
         # torchrun (external launcher) the process group is the trainer's and stays.
         self.owns_distributed = owns_distributed
+        self.last_load: LoadAccount | None = None  # the latest sync's account (tests, diagnostics)
 
     def run(self, requests: list[PromptRequest], sampling: SamplingParams) -> list[EngineSample]:
         import vllm
@@ -213,7 +235,8 @@ class VLLMBackend:
             raise EngineError("vLLM is not fully awake after wake_up(tags=['kv_cache']); its scheduler stays paused")
 
     def load(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-        """One whole sync through vLLM's in-place reload (`reload_weights` with checkpoint-format weights).
+        """One whole sync through vLLM's in-place reload (`reload_weights` with checkpoint-format weights), every
+        tensor accounted for.
 
         The same call on every vLLM build: the reload restores each layer's checkpoint layout, loads what
         arrives through the model's own `load_weights` (names mapped as from a checkpoint) and, once a
@@ -222,10 +245,18 @@ class VLLMBackend:
         into the processed layout instead: on CPU it fails on the packed layers, and lm_head's "load"
         changed nothing (a silently stale engine). One call for the whole sync, fed lazily: each call
         re-initialises every layer, and a layer left incomplete by one call is processed half loaded.
+        `accounted_reload` offers the tensors to `load_weights` one at a time, so a tensor the engine's model
+        drops (a bias its config leaves out) fails the sync, once the reload is finalised, naming it.
         Afterwards vLLM drops its encoder and multimodal caches itself; `weights_loaded` does the rest.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _one_by_one(buckets),
-                                                          "is_checkpoint_format": True})
+        accounts = self.llm.collective_rpc(accounted_reload, kwargs={"weights_iterator": _one_by_one(buckets)})
+        for account in accounts:
+            if account.unconsumed:
+                raise WeightSyncError(unconsumed_line("the vLLM engine", account.unconsumed, account.received) +
+                                      "; the model vLLM built from model.path's config.json has no parameter for "
+                                      "them, so it would sample without them: make config.json describe the "
+                                      "policy's layers")
+        self.last_load = accounts[0]
 
     def weights_loaded(self) -> None:
         """Drop everything computed with the old weights: KV prefixes, and encoder outputs reused by image hash."""
@@ -280,12 +311,12 @@ class VLLMEngine(ColocatedEngine):
         if current_platform.is_cpu():
             check_cpu_attention(deps.actor)
             kwargs = {**CPU_ENGINE_DEFAULTS, "max_num_batched_tokens": max(8192, kwargs["max_model_len"]), **kwargs}
-        with launcher_variables_kept():
-            llm = vllm.LLM(**kwargs)
+        with launcher_variables_kept():  # the LLM is held by the backend only: `close` ends it (no local keeps it)
+            backend = VLLMBackend(vllm.LLM(**kwargs), deps.tokens, owns_distributed=not distributed)
         actor = deps.actor
         wrappers = image_wrappers(deps.processor)
         engine = cls(
-            backend=VLLMBackend(llm, deps.tokens, owns_distributed=not distributed),
+            backend=backend,
             build_requests=lambda batch: vllm_requests(batch, deps.tokens, wrappers),
             layout=layout, comm=comm, get_policy=lambda: actor, tokenizer=deps.processor.tokenizer,
             tokens=deps.tokens,
@@ -295,7 +326,13 @@ class VLLMEngine(ColocatedEngine):
                                   seed=layout.seed(cfg.train.seed)),
             every_rank_drives=True,
         )
-        # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once.
+        # The engine loaded the checkpoint from disk; the policy may differ (resumed run, LoRA): sync once. A sync
+        # that fails (a tensor the engine's model drops) ends the engine it made: an LLM kept alive by the error's
+        # traceback would tear vLLM's process groups down under a later engine when it is collected.
         if deps.sync_weights_at_start:
-            engine.update_weights(actor)
+            try:
+                engine.update_weights(actor)
+            except BaseException:
+                engine.close()
+                raise
         return engine

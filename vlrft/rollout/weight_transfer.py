@@ -15,11 +15,11 @@ Two halves, one protocol:
   the trainer's host) or `weight_transfer_gloo.GlooTransport` ("vlrft_gloo": a broadcast over a gloo group, servers
   on any node).
 
-Accounting: a tensor counts as consumed when the model's `load_weights` returns a parameter for it (vLLM's loaders
-return the names they loaded). Names vLLM's loaders drop silently (a bias the model has no parameter for, a tied
-`lm_head`) or refuse (no such parameter) are reported unconsumed. The worker never raises on that (a raise mid
-update would leave layers half loaded on the meta device): it sends a report at finish, after vLLM has finalised
-the reload, and the trainer fails naming the first unconsumed tensors.
+Accounting (`vlrft.rollout.load_accounting`, the rule the colocated vLLM engine follows too): a tensor counts as
+consumed when the model's `load_weights` returns a parameter for it; names vLLM's loaders drop silently (a bias the
+model has no parameter for, a tied `lm_head`) or refuse (no such parameter) are unconsumed. The worker never raises
+on that (a raise mid update would leave layers half loaded on the meta device): it sends a report at finish (by its
+transport), after vLLM has finalised the reload, and the trainer fails naming the first unconsumed tensors.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from vlrft.errors import UserError
+from vlrft.rollout.load_accounting import WeightSyncError, unconsumed_line
 
 BACKEND = "vlrft_shm"
 PAUSE_MODE = "wait"  # see ServerWeightSync
@@ -60,10 +60,6 @@ def register() -> None:
 
 
 # ============================================================================================ trainer side
-
-
-class WeightSyncError(UserError):
-    """A sync that did not reach every server, or left a tensor unconsumed."""
 
 
 @dataclass
@@ -218,10 +214,8 @@ class ServerWeightSync:
                                       f"{self.transport.where}?)")
             for report in reported:
                 if report["unconsumed"]:
-                    first = list(report["unconsumed"].items())[:3]
-                    raise WeightSyncError(
-                        f"vLLM server {url} did not consume {len(report['unconsumed'])} of {sent} tensors: " +
-                        "; ".join(f"{n} ({why})" for n, why in first) + " (servers left paused)")
+                    raise WeightSyncError(unconsumed_line(f"vLLM server {url}", report["unconsumed"], sent) +
+                                          " (servers left paused)")
                 if report["received"] != sent:
                     raise WeightSyncError(f"vLLM server {url}: a worker received {report['received']} of the "
                                           f"{sent} tensors sent")

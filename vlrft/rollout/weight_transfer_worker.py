@@ -9,8 +9,8 @@ file the trainer wrote on this host, "vlrft_gloo" receives the trainer's broadca
 (`vlrft.rollout.weight_transfer_gloo`). Either way each tensor is loaded through the model's own `load_weights`
 inside vLLM's checkpoint-format layerwise reload (opened at `/start_weight_update`, closed at
 `/finish_weight_update`), so each layer's post-load processing (the CPU backend's oneDNN packing, quantisation)
-runs on the new weights. What could not be loaded is reported at finish, never raised mid update (see
-`vlrft.rollout.weight_transfer`, "Accounting").
+runs on the new weights. What could not be loaded is reported at finish, never raised mid update
+(`vlrft.rollout.load_accounting`, the rule the colocated vLLM engine follows too).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vlrft.rollout.load_accounting import LoadAccount
 
 
 @dataclass
@@ -75,9 +77,7 @@ class LayerwiseLoad:
 
     def _reset(self) -> None:
         self.sync: int | None = None
-        self.received = 0
-        self.unconsumed: dict[str, str] = {}  # name -> why
-        self.loaded: set[str] = set()  # vLLM parameter names load_weights reported
+        self.account = LoadAccount()
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -95,46 +95,31 @@ class LayerwiseLoad:
     def load_bucket(self, info, tensors: dict[str, torch.Tensor], where: str) -> None:
         """Load the announced tensors of one bucket (`info`: names, dtype names, shapes) from `tensors`, accounting
         for each; what `tensors` holds beyond the announcement is reported too."""
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         self.sync = info.sync
-        self.received += len(info.names)
-        with disable_mtp_completeness_check():
-            for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
-                tensor = tensors.pop(name, None)
-                if tensor is None:
-                    self.unconsumed[name] = f"not in {where}"
-                elif str(tensor.dtype).removeprefix("torch.") != dtype_name or list(tensor.shape) != shape:
-                    self.unconsumed[name] = f"{tensor.dtype} {list(tensor.shape)} in {where}, " \
-                                            f"announced {dtype_name} {shape}"
-                else:
-                    self._load(name, tensor.to(self.device))
+        for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
+            tensor = tensors.pop(name, None)
+            if tensor is None:
+                self.account.refuse(name, f"not in {where}")
+            elif str(tensor.dtype).removeprefix("torch.") != dtype_name or list(tensor.shape) != shape:
+                self.account.refuse(name, f"{tensor.dtype} {list(tensor.shape)} in {where}, announced {dtype_name} "
+                                          f"{shape}")
+            else:
+                self.account.load(self.model.load_weights, name, tensor.to(self.device))
         for name in tensors:  # sent but not announced
-            self.unconsumed[name] = f"in {where} but not announced"
-
-    def _load(self, name: str, tensor: torch.Tensor) -> None:
-        try:
-            loaded = self.model.load_weights([(name, tensor)])
-        except Exception as err:  # noqa: BLE001 - e.g. "There is no module or parameter named"
-            self.unconsumed[name] = f"load_weights refused it: {str(err)[:200]}"
-            return
-        if loaded:
-            self.loaded.update(loaded)
-        else:
-            self.unconsumed[name] = "load_weights loaded nothing for it"
+            self.account.unconsumed[name] = f"in {where} but not announced"
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        params = {name for name, _ in self.model.named_parameters()}
-        report = {"sync": self.sync, "received": self.received, "unconsumed": self.unconsumed,
-                  "missing": sorted(params - self.loaded), "pid": os.getpid()}
-        if self.unconsumed:
+        account = self.account.finish(self.model)
+        report = {"sync": self.sync, "received": account.received, "unconsumed": account.unconsumed,
+                  "dropped": account.dropped, "missing": account.missing, "pid": os.getpid()}
+        if account.unconsumed:
             from vllm.logger import init_logger
 
-            init_logger(__name__).error("%s: %d tensor(s) not consumed: %s", self.backend, len(self.unconsumed),
-                                        list(self.unconsumed)[:5])
+            init_logger(__name__).error("%s: %d tensor(s) not consumed: %s", self.backend, len(account.unconsumed),
+                                        list(account.unconsumed)[:5])
         self.deliver_report(report)
         self._reset()
 
@@ -161,8 +146,8 @@ class ShmEngineMethods(LayerwiseLoad):
             tensors = load_file(path, device=str(self.device))
         except Exception as err:  # noqa: BLE001 - accounted, never raised mid update
             self.sync = info.sync
-            self.received += len(info.names)
-            self.unconsumed.update({n: f"bucket {info.file} unreadable: {err}" for n in info.names})
+            for name in info.names:
+                self.account.refuse(name, f"bucket {info.file} unreadable: {err}")
             return
         self.load_bucket(info, tensors, info.file)
 
