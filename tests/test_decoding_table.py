@@ -9,9 +9,10 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs n
 
 
 def pick(lean=True, device=CPU, max_new_tokens=16, cuda_graph=None, static_cache=None, autocast_on=False,
-         one_prefill=True):
+         one_prefill=True, sliding_window=False):
     return choose(lean=lean, device=device, max_new_tokens=max_new_tokens, cuda_graph=cuda_graph,
-                  static_cache=static_cache, autocast_on=autocast_on, one_prefill=one_prefill)
+                  static_cache=static_cache, autocast_on=autocast_on, one_prefill=one_prefill,
+                  sliding_window=sliding_window)
 
 
 @pytest.mark.parametrize("options, expected", [
@@ -25,6 +26,9 @@ def pick(lean=True, device=CPU, max_new_tokens=16, cuda_graph=None, static_cache
     (dict(lean=False, static_cache=True), "transformers_static"),
     (dict(lean=False, device=CUDA, autocast_on=True), "transformers_dynamic"),
     (dict(lean=False, device=CUDA, one_prefill=False), "transformers_dynamic"),
+    # Gemma 3's sliding-window layers: transformers' dynamic cache, whose sliding layers keep their window only
+    (dict(lean=False, device=CUDA, sliding_window=True), "transformers_dynamic"),
+    (dict(lean=False, static_cache=True, sliding_window=True), "transformers_dynamic"),
 ], ids=lambda x: x if isinstance(x, str) else ",".join(f"{k}={v}" for k, v in x.items()) or "defaults")
 def test_the_table_chooses_by_model_device_and_options(options, expected):
     assert pick(**options) == expected

@@ -857,38 +857,42 @@ def _hand_kv_per_token(shipped: str) -> int:
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim
 
 
-@pytest.mark.parametrize("recipe, shipped", [
-    ("gemma3_4b_grpo_geometry3k.yaml", "google/gemma-3-4b-it"),
-    ("internvl3_8b_grpo_geometry3k.yaml", "OpenGVLab/InternVL3-8B-hf"),
-    ("smolvlm2_2b_grpo_geometry3k.yaml", "HuggingFaceTB/SmolVLM2-2.2B-Instruct"),
-    ("internvl3_8b_grpo_geometry3k.yaml", "llava-hf/llava-onevision-qwen2-7b-ov-hf")])
-def test_a_family_that_samples_through_generate_holds_every_rows_prompt_and_completion(recipe, shipped):
-    """Gemma 3, InternVL 3, LLaVA-OneVision and SmolVLM sample through transformers' `generate` (vlrft.sampling.
-    hf_decoder), which repeats each prompt n times: every row holds its prompt's and completion's keys (float32 under
-    bf16 autocast) and values (bf16), whatever rollout.lean_decode says; the prefill runs every row's prompt."""
-    from vlrft.plan.engine import generate_scores_bytes
-
+@pytest.mark.parametrize("recipe, shipped, lean", [
+    ("gemma3_4b_grpo_geometry3k.yaml", "google/gemma-3-4b-it", False),
+    ("internvl3_8b_grpo_geometry3k.yaml", "OpenGVLab/InternVL3-8B-hf", True),
+    ("smolvlm2_2b_grpo_geometry3k.yaml", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", True),
+    ("internvl3_8b_grpo_geometry3k.yaml", "llava-hf/llava-onevision-qwen2-7b-ov-hf", True)])
+def test_the_one_d_families_are_counted_with_the_group_decoder_that_samples_them(recipe, shipped, lean):
+    """Gemma 3, InternVL 3, LLaVA-OneVision and SmolVLM sample through the group decoder at 1-D positions (vlrft.
+    sampling.hf_decoder): InternVL 3, LLaVA-OneVision and SmolVLM through the lean step, each prompt's KV held once
+    for its group (bf16 under bf16 autocast); Gemma 3 (sliding-window layers), and any family with
+    rollout.lean_decode=false, through transformers' layers, every row its prompt's copy (float32 keys, bf16 values
+    under autocast). Each prompt is prefilled once either way: no `generate` score tensors, no prompt repeated n
+    times."""
     cfg = load_config(REPO / "configs" / recipe, [f"model.path={shipped}"], validate=False)
     hw = Hardware(gpus_per_node=8, gpu_memory=80 * GiB)
     shape = load_model_shape(shipped)
-    rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
-    tokens = rows * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-    elements = tokens * _hand_kv_per_token(shipped) // 2  # keys (or values) of every row's tokens
+    prompts = cfg.prompts_per_step // hw.world_size
+    rows, prompt, new = prompts * cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+    per_token = _hand_kv_per_token(shipped) // 2  # keys (or values) of one token
     for lean_decode in (True, False):
         run = replace(cfg, rollout=replace(cfg.rollout, lean_decode=lean_decode))
         mixed = plan_memory(run, shape, hw, StrategyChoice("fsdp2"))
-        assert mixed.component("engine_kv_cache") == elements * (4 + 2)
         float32 = plan_memory(run, shape, hw, StrategyChoice("fsdp2", mixed_precision=False))
-        assert float32.component("engine_kv_cache") == elements * (4 + 4)
-        assert mixed.component("engine_scores") == generate_scores_bytes(shape, rows) > 0
         [kv] = [c for c in mixed.components if c.name == "engine_kv_cache"]
-        assert "generate" in kv.note and f"{rows} rollouts" in kv.note
-    # the prefill: every row's prompt, n times what one prompt each gives
-    grouped = plan_memory(replace(cfg, model=replace(cfg.model, path="Qwen/Qwen2.5-VL-7B-Instruct")),
-                          load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct"), hw, StrategyChoice("fsdp2"))
-    assert grouped.component("engine_scores") == 0
-    [prefill] = [c for c in mixed.components if c.name == "engine_prefill"]
-    assert f"repeated {cfg.rollout.n} times" in prefill.note
+        if lean and lean_decode:
+            shared = (prompts * prompt + rows * new) * per_token
+            assert (mixed.component("engine_kv_cache"), float32.component("engine_kv_cache")) == \
+                (shared * (2 + 2), shared * (4 + 4))
+            assert "lean group decoder" in kv.note
+        else:
+            every_row = rows * (prompt + new) * per_token
+            assert (mixed.component("engine_kv_cache"), float32.component("engine_kv_cache")) == \
+                (every_row * (4 + 2), every_row * (4 + 4))
+            assert "transformers' layers" in kv.note
+        assert mixed.component("engine_scores") == 0
+        [prefill] = [c for c in mixed.components if c.name == "engine_prefill"]
+        assert "repeated" not in prefill.note
 
 
 def test_a_qwen_family_keeps_the_grouped_kv_figure_and_glm_decodes_through_transformers_layers():
@@ -909,67 +913,70 @@ def test_a_qwen_family_keeps_the_grouped_kv_figure_and_glm_decodes_through_trans
 
 
 def test_every_family_decodes_the_way_the_plan_counts(tiny_vlm_dir):
-    """vlrft.sampling.hf_decoder is the one table the engine and the plan read: the group decoder is named for
-    exactly the families with an M-RoPE rule (which it needs), the lean step for exactly those whose text decoder it
-    takes."""
+    """vlrft.sampling.hf_decoder is the one table the engine and the plan read: every supported family samples
+    through the group decoder (by its M-RoPE rule, or at 1-D positions where it has none), the lean step for exactly
+    those whose text decoder it takes."""
     from vlrft.decoding.lean_weights import unsupported_reason
+    from vlrft.decoding.transformers_layers import text_model_of
     from vlrft.models.actor import split_head
     from vlrft.models.loading import load_policy
     from vlrft.models.positions import has_rope_index
     from vlrft.plan.architecture import SUPPORTED
-    from vlrft.sampling import hf_decoder
+    from vlrft.sampling import ONE_D_POSITION_FAMILIES, hf_decoder
 
     for arch in SUPPORTED:
         model = load_policy(tiny_vlm_dir(arch))
         backbone = split_head(model)[0]
         decoder = hf_decoder(model.config.model_type)
         assert model.config.model_type == arch
-        assert (decoder != "generate") == has_rope_index(backbone), arch
-        text = getattr(backbone, "language_model", None)
+        assert decoder != "generate", arch
+        assert (arch in ONE_D_POSITION_FAMILIES) == (not has_rope_index(backbone)), arch
+        text = text_model_of(backbone)
         takes_lean = text is not None and unsupported_reason(text) is None
         assert (decoder == "lean") == takes_lean, (arch, unsupported_reason(text) if text is not None else None)
-    assert {arch for arch in SUPPORTED if hf_decoder(arch) == "generate"} == \
-        {"gemma3", "internvl", "llava_onevision", "smolvlm"}
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True])
-def test_the_cache_generate_holds_for_a_tiny_smolvlm_is_the_plans_kv_figure(tiny_vlm_dir, mixed_precision):
-    """Measured: the hf engine samples a tiny SmolVLM through `generate` (rows = prompts x n), and the KV cache
-    `generate` leaves (transformers' cache object) is the plan's engine_kv_cache for the same numbers, less the
-    last sampled token of each row (sampled, never fed back); float32 keys and bf16 values under bf16 autocast."""
+def test_the_cache_the_group_decoder_holds_for_a_tiny_smolvlm_is_the_plans_kv_figure(tiny_vlm_dir, mixed_precision):
+    """Measured: the hf engine samples a tiny SmolVLM (1-D positions, a Llama text decoder) through the lean group
+    decoder, each prompt's keys and values held once for its group (prompts of SHARED_PROMPT_TOKENS and more) and
+    every row's generated positions; their bytes are the plan's engine_kv_cache for the same numbers (bf16 under
+    bf16 autocast, float32 without)."""
     from _rollout_helpers import engine_setup
 
     from vlrft.data import Sample
+    from vlrft.decoding.lean import LeanDecoder
     from vlrft.rollout import SamplingParams
     from vlrft.rollout.hf import HFEngine
+    from vlrft.sampling import SHARED_PROMPT_TOKENS
 
-    samples = [Sample(id=str(i), prompt=f"Question {i}: describe the shape. " * (4 + i)) for i in range(3)]
+    samples = [Sample(id=str(i), prompt=f"Question {i}: describe the shape. " * (16 + i)) for i in range(3)]
     processor, model, tokens, batch = engine_setup(tiny_vlm_dir("smolvlm"), samples)
     longest, group, new = max(len(ids) for ids in batch.prompt_ids), 4, 6
-    seen = {}
-    generate = model.generate
+    assert longest >= SHARED_PROMPT_TOKENS
+    held = {}
+    init = LeanDecoder.__init__
 
-    def recording(*args, **kwargs):
-        out = generate(*args, **kwargs, return_dict_in_generate=True)
-        seen["cache"], seen["rows"] = out.past_key_values, out.sequences.shape[0]
-        return out.sequences
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        tensors = [*self.keys, *self.values, *self.shared.keys, *self.shared.values]
+        held["bytes"] = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        held["dtypes"] = {t.dtype for t in tensors}
 
-    model.generate = recording
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mixed_precision else None
-    engine = HFEngine(lambda: model, processor, tokens, max_batch_prompts=len(samples), autocast=autocast)
-    engine.generate(batch, SamplingParams(n=group, max_new_tokens=new, min_new_tokens=new, temperature=1.0))
+    LeanDecoder.__init__ = recording
+    try:
+        autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mixed_precision else None
+        engine = HFEngine(lambda: model, processor, tokens, max_batch_prompts=len(samples), autocast=autocast)
+        engine.generate(batch, SamplingParams(n=group, max_new_tokens=new, min_new_tokens=new, temperature=1.0))
+    finally:
+        LeanDecoder.__init__ = init
+    assert held["dtypes"] == {torch.bfloat16 if mixed_precision else torch.float32}
     rows = len(samples) * group
-    assert seen["rows"] == rows  # every prompt repeated n times
-    layers = seen["cache"].layers
-    assert {(layer.keys.dtype, layer.values.dtype) for layer in layers} == \
-        {(torch.float32, torch.bfloat16 if mixed_precision else torch.float32)}
-    measured = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
     cfg = load_config(CONFIG_7B, ["rollout.engine=hf", f"rollout.n={group}", f"rollout.max_new_tokens={new}",
                                   f"rollout.global_batch_completions={rows}", f"data.max_prompt_length={longest}"],
                       validate=False)
     shape = shape_from_config(model.config.to_dict())
     plan = plan_memory(cfg, shape, Hardware(gpus_per_node=1), StrategyChoice("single", mixed_precision=mixed_precision),
                        images_per_prompt=0)
-    per_token = shape.text.num_layers * shape.text.kv_dim * (4 + (2 if mixed_precision else 4))
-    assert plan.component("engine_kv_cache") == rows * (longest + new) * per_token
-    assert measured == rows * (longest + new - 1) * per_token
+    per_token = shape.text.num_layers * shape.text.kv_dim * (2 + 2 if mixed_precision else 4 + 4)
+    assert plan.component("engine_kv_cache") == (len(samples) * longest + rows * new) * per_token == held["bytes"]

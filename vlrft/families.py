@@ -158,8 +158,6 @@ def _fsdp2(arch: str) -> Claim:
 NO_SERVER = "not yet executed through a real vLLM server (the tests run Qwen2-VL and Qwen2.5-VL)"
 NO_SGLANG = ("SGLang's own model classes were never checked against this family's weight names and requests "
              "(the tests check the Qwen-VL families)")
-GENERATE = ("1-D positions, which the group decoder does not place after a cached prompt: transformers' generate "
-            "samples it, every row a copy of its prompt")
 FUSED_EXPERTS = ("its experts are fused 3-D tensors, laid out in memory otherwise than vLLM and SGLang load them, so "
                  "weight sync cannot send them")
 EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image tokens, which vlrft's prompt folding "
@@ -281,7 +279,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "gemma3", "Gemma 3", "Gemma3Processor", "one 896 px image, 256 tokens",
-        hf=Cell(_hf_engine("gemma3", "transformers-generate")
+        hf=Cell(_hf_engine("gemma3", "group-decoder")
                 + _train_steps("gemma3", "Gemma3ForConditionalGeneration")
                 + _image_tools("gemma3")),
         vllm=Cell(refused=EXPANDED_PLACEHOLDERS),
@@ -291,14 +289,15 @@ FAMILIES: tuple[Family, ...] = (
         training_shares_prompt=Cell(refused="1-D positions, sliding-window layers and bidirectional attention over "
                                             "each image, which the shared forward's prompt caches do not follow: "
                                             "each row runs in full"),
-        sampling_shares_prompt=Cell(refused=GENERATE),
-        hf_decoder="generate",
+        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[gemma3-lean]",
+                                         "test_sampled_logprobs_equal_a_float64_forward[gemma3]")),
+        hf_decoder="transformers_layers",
         configs=("gemma3_4b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("gemma3"),),
     ),
     Family(
         "internvl", "InternVL 3", "InternVLProcessor", "448 px tiles, as many as its aspect ratio asks",
-        hf=Cell(_hf_engine("internvl", "transformers-generate")
+        hf=Cell(_hf_engine("internvl", "group-decoder")
                 + _train_steps("internvl", "InternVLForConditionalGeneration")
                 + _image_tools("internvl")),
         vllm=Cell(_vllm("internvl")),
@@ -308,14 +307,15 @@ FAMILIES: tuple[Family, ...] = (
                            "vlrft's visual layout does not follow yet"),
         training_shares_prompt=Cell(_training_shares("internvl", m_rope=False) + _ids(
             "test_actor.py", "test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward[internvl]")),
-        sampling_shares_prompt=Cell(refused=GENERATE),
-        hf_decoder="generate",
+        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[internvl-lean]",
+                                         "test_sampled_logprobs_equal_a_float64_forward[internvl]")),
+        hf_decoder="lean", lean_text_model="Qwen2Model",
         configs=("internvl3_8b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("internvl"),),
     ),
     Family(
         "llava_onevision", "LLaVA-OneVision", "LlavaOnevisionProcessor", "anyres crops with image_sizes",
-        hf=Cell(_hf_engine("llava_onevision", "transformers-generate")
+        hf=Cell(_hf_engine("llava_onevision", "group-decoder")
                 + _train_steps("llava_onevision", "LlavaOnevisionForConditionalGeneration")),
         vllm=Cell(_vllm("llava_onevision") + _ids(
             "test_rollout_engines.py",
@@ -332,13 +332,14 @@ FAMILIES: tuple[Family, ...] = (
         training_shares_prompt=Cell(_training_shares("llava_onevision", m_rope=False) + _ids(
             "test_actor.py", "test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward"
                              "[llava_onevision]")),
-        sampling_shares_prompt=Cell(refused=GENERATE),
-        hf_decoder="generate",
+        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[llava_onevision-lean]",
+                                         "test_sampled_logprobs_equal_a_float64_forward[llava_onevision]")),
+        hf_decoder="lean", lean_text_model="Qwen2Model",
         claims=(_fsdp2("llava_onevision"),),
     ),
     Family(
         "smolvlm", "SmolVLM", "SmolVLMProcessor", "384 px tiles plus the whole image",
-        hf=Cell(_hf_engine("smolvlm", "transformers-generate")
+        hf=Cell(_hf_engine("smolvlm", "group-decoder")
                 + _train_steps("smolvlm", "SmolVLMForConditionalGeneration")
                 + _image_tools("smolvlm")),
         vllm=Cell(refused="not yet executed on vLLM (tests/test_vllm_executed.py does not build it)"),
@@ -347,8 +348,9 @@ FAMILIES: tuple[Family, ...] = (
         video=Cell(refused="its processor writes a video as timestamped frames of <image> tokens and returns them as "
                            "image pixels, which vlrft's video batches and token types do not follow yet"),
         training_shares_prompt=Cell(_training_shares("smolvlm", m_rope=False)),
-        sampling_shares_prompt=Cell(refused=GENERATE),
-        hf_decoder="generate",
+        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[smolvlm-lean]",
+                                         "test_sampled_logprobs_equal_a_float64_forward[smolvlm]")),
+        hf_decoder="lean", lean_text_model="LlamaModel",
         configs=("smolvlm2_2b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("smolvlm"),),
     ),

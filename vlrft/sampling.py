@@ -30,14 +30,19 @@ LEAN_ATTENTION = ("sdpa", "eager")
 # How the hf engine samples each family (config.json `model_type`), from the family table (`vlrft.families`, its
 # `hf_decoder`); the engine (vlrft.rollout.hf, vlrft.decoding) and the memory plan (vlrft.plan.engine) both read these,
 # so the plan counts the decoder that runs.
-# The group decoder (vlrft.decoding): each prompt prefilled once, then its n completions; it places tokens after a
-# cached prompt by the model's M-RoPE rule (`get_rope_index`), so it takes these families only.
+# The group decoder (vlrft.decoding): each prompt prefilled once, then its n completions. It places tokens after a
+# cached prompt by the model's M-RoPE rule (`get_rope_index`), or at 1-D positions (the prompt's last + 1, + 2, ...)
+# for the families without one (ONE_D_POSITION_FAMILIES).
+ONE_D_POSITION_FAMILIES = ("gemma3", "internvl", "llava_onevision", "smolvlm")
 GROUP_DECODE_FAMILIES = tuple(f.model_type for f in FAMILIES if f.hf_decoder != "generate")
 # Of those, the ones whose text decoder the lean decode step takes (its class name; vlrft.decoding.lean_weights);
-# the others decode through transformers' layers, every row holding its own copy of its prompt's KV.
+# the others decode through transformers' layers, every row holding its own copy of its prompt's KV (Gemma 3: its
+# sliding-window layers; GLM-4.1V, Qwen3-VL-MoE: other layer layouts). InternVL 3 and LLaVA-OneVision as released
+# have a Qwen2 language model, SmolVLM a Llama one (a checkpoint with another decodes through transformers' layers).
 LEAN_DECODE_FAMILIES = {f.model_type: f.lean_text_model for f in FAMILIES if f.hf_decoder == "lean"}
-# Every other family (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) samples through transformers' `generate`: the
-# prompts repeated n times before the prefill, every row a KV cache of its prompt and completion.
+# A family the table gives `generate` samples through transformers' `generate` (as every family does with
+# HFEngine(share_prompts=False)): the prompts repeated n times before the prefill, every row a KV cache of its prompt
+# and completion.
 
 
 def hf_decoder(model_type: str, lean_decode: bool = True, attn_implementation: str = "sdpa") -> str:

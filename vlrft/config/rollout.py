@@ -42,7 +42,7 @@ class RolloutConfig:
     stop: list[str] = option(help="stop strings; the completion ends right after the first one", factory=list)
     stop_token_ids: list[int] = option(help="extra token ids that end a completion (besides the model's EOS)",
                                        factory=list, minimum=0)
-    lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL decode steps run the layers' arithmetic directly "
+    lean_decode: bool = option(True, "hf engine: Qwen2/2.5/3-VL, InternVL 3, LLaVA-OneVision and SmolVLM decode steps run the layers' arithmetic directly "
                                "(weights read in place, preallocated KV cache) instead of through transformers' "
                                "modules (LoRA adapters as base weight + delta); other models and DoRA decode through "
                                "transformers")

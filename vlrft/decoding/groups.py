@@ -10,9 +10,10 @@ from vlrft.data.processor import left_pad
 from vlrft.decoding.prefill import prefill, prefill_groups
 from vlrft.decoding.processors import next_tokens, step_processors, stop_string_criteria
 from vlrft.decoding.table import VARIANTS, DecodeInputs, Decoder, choose, lean_applies
+from vlrft.decoding.transformers_layers import has_sliding_window
 from vlrft.errors import DivergedError
 from vlrft.models.actor import split_head
-from vlrft.models.positions import prompt_positions
+from vlrft.models.positions import has_rope_index, prompt_positions
 from vlrft.models.precision import active_autocast_dtype
 from vlrft.sampling import FINISH_LENGTH, FINISH_STOP, SamplingParams, shares_prompt
 from vlrft.vision import VisualBatch, mm_token_type_ids
@@ -56,11 +57,13 @@ def decode_groups(model, prompt_ids: list[list[int]], visual: VisualBatch, sampl
     prompt_len, max_new = ids.shape[1], sampling.max_new_tokens
     mm = mm_token_type_ids(ids, image_token_id, video_token_id)
     positions = prompt_positions(backbone, ids, mask, mm, visual.model_inputs())
+    if not has_rope_index(backbone):  # 1-D positions (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM): one axis
+        positions = positions[:1]
     groups = prefill_groups(mask)
     variant = VARIANTS[choose(lean=lean_step and lean_applies(backbone, positions[:, :, -1]), device=device,
                               max_new_tokens=max_new, cuda_graph=cuda_graph, static_cache=static_cache,
                               autocast_on=active_autocast_dtype(device) is not None,
-                              one_prefill=len(groups) == 1)]
+                              one_prefill=len(groups) == 1, sliding_window=has_sliding_window(backbone))]
     cache = None
     if variant.static_cache:
         from transformers import StaticCache

@@ -1,4 +1,5 @@
-"""The lean decode step for Qwen-family text decoders: transformers' layers' arithmetic, about half the ops.
+"""The lean decode step for Qwen2/Llama-layout text decoders (Qwen2/2.5/3-VL; InternVL 3, LLaVA-OneVision: Qwen2;
+SmolVLM: Llama): transformers' layers' arithmetic, about half the ops.
 
 What it keeps and why (the op counts, the attention branches, the rounding under autocast): docs/decoding.md.
 """
@@ -18,14 +19,15 @@ class LeanDecoder:
     """Decode steps for `rows` rows continuing prompts of `prompt_len` (left-padded) positions.
 
     Built from the prefill's KV cache, one row per prompt; `rows` picks each decoded row's prompt, `prompt_mask`
-    and `last_position` are per decoded row. `step` returns the final-norm hidden state of each row's new token.
+    and `last_position` are per decoded row. `mrope`: the rotary module takes M-RoPE's [3, B, L] positions (decoded
+    tokens are text, equal on the three axes), else 1-D [B, L] ones. `step` returns the final-norm hidden state of each row's new token.
     A layer's cache [rows, kv_heads, length, head_dim] is read as [rows * kv_heads, ...], a KV head's query heads
     as the rows of one `baddbmm` (GQA without repeating the cache); under autocast through SDPA (`_sdpa`).
     """
 
     def __init__(self, text_model: nn.Module, prefill_cache, rows: torch.Tensor, prompt_mask: torch.Tensor,
                  last_position: torch.Tensor, max_new_tokens: int, fixed_shapes: bool = False,
-                 share_prompt: bool = False):
+                 share_prompt: bool = False, mrope: bool = True):
         self.model = text_model
         self.fixed_shapes = fixed_shapes
         # Under autocast: the dtype of its matmuls, in which the projections and the KV cache are kept.
@@ -69,7 +71,7 @@ class LeanDecoder:
         table = torch.arange(int(last_position.max()) + max_new_tokens + 1, device=device)
         # in the hidden states' dtype, as transformers' layers take it (under autocast float32, not the cache's)
         probe = text_model.embed_tokens.weight.new_empty(1, 1, self.head_dim)
-        cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1))
+        cos, sin = text_model.rotary_emb(probe, table.view(1, 1, -1).expand(3, 1, -1) if mrope else table.view(1, -1))
         half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * [-sin[:half], sin[half:]]: the sign folded into the table
         self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [positions, head_dim]

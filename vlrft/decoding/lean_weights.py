@@ -20,7 +20,7 @@ from vlrft.sampling import LEAN_ATTENTION, LEAN_DECODE_FAMILIES
 # Text decoders whose layer is: RMSNorm -> q/k/v (optional bias; Qwen3: RMSNorm on each head) -> rotary ->
 # attention -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP -> residual; final RMSNorm. Listed by family in
 # vlrft.sampling, which the memory plan reads too.
-SUPPORTED_TEXT_MODELS = tuple(LEAN_DECODE_FAMILIES.values())
+SUPPORTED_TEXT_MODELS = tuple(dict.fromkeys(LEAN_DECODE_FAMILIES.values()))
 
 
 def unsupported_reason(text_model: nn.Module) -> str | None:

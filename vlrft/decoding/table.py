@@ -17,7 +17,7 @@ from vlrft.decoding import graph
 from vlrft.decoding.lean import LeanDecoder
 from vlrft.decoding.lean_weights import unsupported_reason
 from vlrft.decoding.rows import HalvingRowsDecoder
-from vlrft.decoding.transformers_layers import TransformersDecoder
+from vlrft.decoding.transformers_layers import TransformersDecoder, text_model_of
 from vlrft.models.precision import active_autocast_dtype
 
 
@@ -37,7 +37,7 @@ class DecodeInputs:
     cache: Any
     rows: torch.Tensor  # [rows]: each decoded row's prompt, a prompt's rows together
     row_mask: torch.Tensor  # [rows, prompt_len]: each row's prompt padding mask (left-padded)
-    position: torch.Tensor  # [3, rows]: each row's last prompt position (M-RoPE)
+    position: torch.Tensor  # [axes, rows]: each row's last prompt position (3 axes: M-RoPE; 1: 1-D positions)
     max_new_tokens: int
     mm_dtype: torch.dtype
     share_prompt: bool  # the lean decoder holds a prompt's KV once for its group (vlrft.sampling.shares_prompt)
@@ -54,8 +54,9 @@ class Variant:
 def _lean(inputs: DecodeInputs, fixed_shapes: bool = False) -> LeanDecoder:
     if active_autocast_dtype(inputs.row_mask.device) is not None:
         torch.clear_autocast_cache()  # the prefill's cached weight casts: one bf16 copy while decoding, not two
-    return LeanDecoder(inputs.backbone.language_model, inputs.cache, inputs.rows, inputs.row_mask, inputs.position[0],
-                       inputs.max_new_tokens, fixed_shapes=fixed_shapes, share_prompt=inputs.share_prompt)
+    return LeanDecoder(text_model_of(inputs.backbone), inputs.cache, inputs.rows, inputs.row_mask, inputs.position[0],
+                       inputs.max_new_tokens, fixed_shapes=fixed_shapes, share_prompt=inputs.share_prompt,
+                       mrope=inputs.position.shape[0] == 3)
 
 
 def _transformers(inputs: DecodeInputs, static_cache: bool) -> Decoder:
@@ -90,15 +91,17 @@ VARIANTS: dict[str, Variant] = {
 
 def lean_applies(backbone: nn.Module, position: torch.Tensor) -> bool:
     """Whether the lean step can decode: a supported text decoder, and text positions (equal on all axes)."""
-    text_model = getattr(backbone, "language_model", None)
+    text_model = text_model_of(backbone)
     if text_model is None or unsupported_reason(text_model) is not None:
         return False
     return bool((position == position[0]).all())
 
 
 def choose(*, lean: bool, device: torch.device, max_new_tokens: int, cuda_graph: bool | None,
-           static_cache: bool | None, autocast_on: bool, one_prefill: bool) -> str:
-    """The name of the variant in VARIANTS that decodes a call. `cuda_graph`, `static_cache`: None picks by device."""
+           static_cache: bool | None, autocast_on: bool, one_prefill: bool, sliding_window: bool = False) -> str:
+    """The name of the variant in VARIANTS that decodes a call. `cuda_graph`, `static_cache`: None picks by device.
+    `sliding_window`: the model has sliding-window layers (Gemma 3), which the lean step refuses (`lean` is then
+    False) and which decode over transformers' dynamic cache, whose sliding layers keep their window only."""
     if lean:
         fixed = (device.type == "cuda" if cuda_graph is None else cuda_graph)
         if fixed and max_new_tokens > graph.WARMUP_STEPS:  # a call too short for the capture's warm-up: no graph
@@ -106,4 +109,5 @@ def choose(*, lean: bool, device: torch.device, max_new_tokens: int, cuda_graph:
         return "lean"
     static = device.type == "cuda" if static_cache is None else static_cache
     # a StaticCache cannot hold autocast's float32 keys beside bf16 values; a grouped prefill merges a dynamic cache
-    return "transformers_static" if static and not autocast_on and one_prefill else "transformers_dynamic"
+    return ("transformers_static" if static and not autocast_on and one_prefill and not sliding_window
+            else "transformers_dynamic")

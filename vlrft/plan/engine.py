@@ -48,8 +48,10 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
         prompts = cfg.prompts_per_step // world
         rows = prompts * r.n
         # How the engine samples this family (vlrft.sampling.hf_decoder, which the engine reads too): the lean group
-        # decoder (SDPA/eager attention, Qwen2/2.5/3-VL text decoders; plain LoRA it reads), the group decoder through
-        # transformers' layers, or transformers' `generate` (families without an M-RoPE rule).
+        # decoder (SDPA/eager attention; Qwen2/2.5/3-VL, and InternVL 3, LLaVA-OneVision, SmolVLM at 1-D positions;
+        # plain LoRA it reads), the group decoder through transformers' layers (GLM-4.1V, Qwen3-VL-MoE, Gemma 3), or
+        # transformers' `generate` (a family the group decoder does not list). Gemma 3's sliding-window layers keep
+        # their window only; the figure counts every layer in full (an upper bound).
         decoder = hf_decoder(shape.model_type, r.lean_decode, m.attn_implementation)
         lean = decoder == "lean"
         # Under bf16 autocast over float32 weights the lean decode step keeps its KV cache in bf16; transformers'
