@@ -4,8 +4,14 @@
     python bench/bench_decode.py [--repeats 3] [--tokens 64]
     python bench/bench_decode.py --device cuda --dtype bfloat16 --hidden 896 --layers 24 --tokens 256
     python bench/bench_decode.py --device cuda --autocast bfloat16 --hidden 896 --layers 24 --tokens 256
+    python bench/bench_decode.py --family smolvlm --regimes 0,3
 
-A random Qwen2-VL (hidden 256, 4 layers, vocabulary 512; `--hidden`, `--layers`) samples completions
+`--family` (qwen2_vl by default; any of vlrft.models.tiny's architectures, e.g. gemma3, internvl,
+llava_onevision, smolvlm: the 1-D-position families) picks the tiny model's architecture; a family whose text
+decoder the lean step does not take (Gemma 3: sliding-window layers) times `generate` against transformers' layers
+only (the variants it would decode with), and one with sliding-window layers never with the static cache.
+
+A random Qwen2-VL (or `--family`; hidden 256, 4 layers, vocabulary 512; `--hidden`, `--layers`) samples completions
 forced to `--tokens` tokens (min_new_tokens = max_new_tokens, so every variant generates the same
 number) for each regime: text-only prompts and 112 px image prompts, groups of 4 and 8, 4 prompts
 per call. Variants run interleaved, `--repeats` times each; min / median / max tokens/s are printed,
@@ -42,6 +48,7 @@ REGIMES = [("text, group 4", False, 4), ("text, group 8", False, 8), ("112 px im
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--family", default="qwen2_vl", help="the tiny model's architecture (vlrft.models.tiny)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
@@ -74,7 +81,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench_decode_"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
-    folder = build_tiny_vlm(work / "model", TinySpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
+    folder = build_tiny_vlm(work / "model", TinySpec(arch=args.family, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                                                       num_kv_heads=2, intermediate_size=args.hidden * 2,
                                                       min_pixels=112 * 112, max_pixels=112 * 112))
     processor = load_processor(folder)
@@ -98,6 +105,8 @@ def main() -> None:
     for name in filter(None, (v.strip() for v in args.skip.split(";"))):
         if name == "generate" or name not in variants:
             raise SystemExit(f"--skip {name!r}: not a variant that can be left out ({'; '.join(list(variants)[1:])})")
+        del variants[name]
+    for name in family_variants_left_out(model, variants):
         del variants[name]
     chosen = REGIMES if args.regimes == "all" else [REGIMES[int(i)] for i in args.regimes.split(",")]
     print(f"{args.tokens} tokens per completion, {args.prompts} prompts per call, {args.threads} thread(s); "
@@ -139,6 +148,20 @@ def main() -> None:
             print(f"  {variant:<42} {min(wall):6.0f}/{statistics.median(wall):6.0f}/{max(wall):6.0f} "
                   f"{statistics.median(wall) / base:5.2f}x | {min(cpu):6.0f}/{statistics.median(cpu):6.0f}/"
                   f"{max(cpu):6.0f} {statistics.median(cpu) / cpu_base:5.2f}x")
+
+
+def family_variants_left_out(model, variants: dict) -> list[str]:
+    """The variants that would not decode as named on this model: the lean ones where the lean step refuses its text
+    decoder (they would run transformers' layers), the static cache where it has sliding-window layers."""
+    from vlrft.decoding.lean_weights import unsupported_reason
+    from vlrft.decoding.transformers_layers import has_sliding_window, text_model_of
+    from vlrft.models.actor import split_head
+
+    text_model = text_model_of(split_head(model)[0])
+    out = [v for v in variants if "lean" in v and unsupported_reason(text_model) is not None]
+    if has_sliding_window(text_model):
+        out.append("group, static cache")
+    return [v for v in out if v in variants]
 
 
 @contextlib.contextmanager
