@@ -81,9 +81,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="bench_decode_"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
-    folder = build_tiny_vlm(work / "model", TinySpec(arch=args.family, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
-                                                      num_kv_heads=2, intermediate_size=args.hidden * 2,
-                                                      min_pixels=112 * 112, max_pixels=112 * 112))
+    spec = TinySpec(arch=args.family, hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=2,
+                    intermediate_size=args.hidden * 2, min_pixels=112 * 112, max_pixels=112 * 112)
+    folder = build_tiny_vlm(work / "model", spec)
     processor = load_processor(folder)
     model = load_policy(folder).to(args.device, getattr(torch, args.dtype)).eval()
     cuda = args.device.startswith("cuda")

@@ -26,7 +26,7 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert "; refused vllm, vllm_server, sglang: its experts are fused" in report["families"]["qwen3_vl_moe"]
     assert "; engines hf, vllm; no videos;" in report["families"]["glm4v"]
     assert "each row in full in training" in report["families"]["gemma3"]
-    assert "hf engine: transformers' generate" in report["families"]["internvl"]
+    assert "hf engine: lean group decoder" in report["families"]["internvl"]
     assert "each prompt once for its group in training" in report["families"]["smolvlm"]
     # CI installs a coherent stack (constraints.txt): no requirement among the installed packages is broken.
     assert report["problems"] == [] and code == 0, report["problems"]

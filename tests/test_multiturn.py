@@ -170,7 +170,7 @@ def test_training_logprobs_equal_the_engine_and_a_single_forward_over_the_conver
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llava_onevision", "internvl", "smolvlm", "gemma3"])
 def test_image_tools_in_a_batch_of_image_prompts_sample_what_the_trainer_scores(arch, tiny_vlm_dir, tmp_path):
-    """Families sampled through transformers' generate, two image prompts each getting a tool image: every second
+    """The 1-D-position families (sampled through the group decoder at 1-D positions), two image prompts each getting a tool image: every second
     turn samples from the prompt's image and the tool's (each encoded as its processor encodes them: LLaVA-OneVision
     crops an image alone by anyres, so a trajectory holds two groups of crops), and the trainer's logprobs of the
     sampled tokens over the whole trajectory equal the engine's."""

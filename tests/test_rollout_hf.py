@@ -139,7 +139,7 @@ def test_min_new_tokens_holds_back_the_stop_tokens(setup, share):
 @pytest.mark.slow
 def test_llava_onevision_samples_after_a_video_with_the_trainers_logprobs(tiny_vlm_dir, tmp_path):
     """LLaVA-OneVision with a video prompt (data.video_max_frames frames, 32 by default: the 3 frames given are spread
-    over them) beside a text one: the hf engine generates through transformers' generate, never a vision token, with
+    over them) beside a text one: the hf engine samples through the group decoder (1-D positions), never a vision token, with
     logprobs equal to the trainer's (prompt shared)."""
     from _data_helpers import noise_image, write_png
 

@@ -20,7 +20,8 @@ class LeanDecoder:
 
     Built from the prefill's KV cache, one row per prompt; `rows` picks each decoded row's prompt, `prompt_mask`
     and `last_position` are per decoded row. `mrope`: the rotary module takes M-RoPE's [3, B, L] positions (decoded
-    tokens are text, equal on the three axes), else 1-D [B, L] ones. `step` returns the final-norm hidden state of each row's new token.
+    tokens are text, equal on the three axes), else 1-D [B, L] ones. `step` returns the final-norm hidden state of
+    each row's new token.
     A layer's cache [rows, kv_heads, length, head_dim] is read as [rows * kv_heads, ...], a KV head's query heads
     as the rows of one `baddbmm` (GQA without repeating the cache); under autocast through SDPA (`_sdpa`).
     """

@@ -68,7 +68,7 @@ def _transformers(inputs: DecodeInputs, static_cache: bool) -> Decoder:
 VARIANTS: dict[str, Variant] = {
     "cuda_graph": Variant(
         lambda inputs: graph.CudaGraphDecoder(_lean(inputs, fixed_shapes=True)), False,
-        "CUDA, Qwen2/2.5/3-VL (rollout.cuda_graph_decode unset)",
+        "CUDA, Qwen2/2.5/3-VL, InternVL 3, LLaVA-OneVision, SmolVLM (rollout.cuda_graph_decode unset)",
         "H100, bench_decode.py, 0.5B shape, text group 8: 8,834 tokens/s, 7.37x generate; eager lean 1.95x"),
     "fixed_rows": Variant(
         lambda inputs: graph.FixedRowsDecoder(_lean(inputs, fixed_shapes=True)), False,
@@ -76,15 +76,15 @@ VARIANTS: dict[str, Variant] = {
         "none of its own: it is the cuda_graph variant's step, without the capture"),
     "lean": Variant(
         lambda inputs: HalvingRowsDecoder(_lean(inputs), len(inputs.rows)), False,
-        "CPU, Qwen2/2.5/3-VL; CUDA with rollout.cuda_graph_decode=false",
+        "CPU, Qwen2/2.5/3-VL, InternVL 3, LLaVA-OneVision, SmolVLM; CUDA with rollout.cuda_graph_decode=false",
         "CPU, bench_decode.py, text group 4: 1.61x generate against 1.28x through transformers' layers"),
     "transformers_static": Variant(
         lambda inputs: _transformers(inputs, static_cache=True), True,
-        "CUDA, models the lean step does not take, no autocast",
+        "CUDA, models the lean step does not take (not Gemma 3: sliding-window layers), no autocast",
         "CPU, bench_decode.py, 112 px group 8: 1.52x generate against 1.34x with the dynamic cache"),
     "transformers_dynamic": Variant(
         lambda inputs: _transformers(inputs, static_cache=False), False,
-        "CPU, models the lean step does not take; under autocast; prompts prefilled in groups",
+        "CPU, models the lean step does not take; Gemma 3; under autocast; prompts prefilled in groups",
         "CPU, bench_decode.py, text group 4: 1.28x generate against 1.23x with the static cache"),
 }
 

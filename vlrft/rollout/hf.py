@@ -154,8 +154,8 @@ class HFEngine:
         from vlrft.vision import mm_token_type_ids, token_type_kwargs
 
         model = self._get_model()
-        # the group decoder for the families vlrft.sampling names (the memory plan reads the same); the others
-        # (Gemma 3, InternVL 3, LLaVA-OneVision, SmolVLM) through transformers' generate
+        # the group decoder for the families vlrft.sampling names (the memory plan reads the same: every supported
+        # family); another, or share_prompts=False, through transformers' generate
         model_type = getattr(getattr(base_of(model), "config", None), "model_type", None)
         if hf_decoder(str(model_type)) != "generate" and self.share_prompts is not False:
             return self._generate_groups(model, batch, sampling)
