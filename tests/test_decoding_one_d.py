@@ -86,7 +86,7 @@ def test_the_lean_step_takes_the_qwen2_and_llama_decoders_and_refuses_gemma3s_sl
         assert reason is None
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True], ids=["lean", "fixed_shapes"])
+@pytest.mark.parametrize("cuda_graph", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["lean", "fixed_shapes"])
 def test_greedy_groups_equal_generate_on_each_prompt_alone(setup, variants, cuda_graph):
     """Groups of 2, prompts of three lengths (an image prompt among them), one row stopping at a stop token: every
     row's ids equal transformers' greedy `generate` on its prompt alone, token for token."""
