@@ -11,7 +11,8 @@ interleaved in each repeat (the order rotates):
   colocated  rollout.engine=vllm: vLLM inside the trainer's process, both cores, for reference
 A mode's figure is the median seconds per step over steps 2..S of one run (step 1 holds warm-ups); printed as
 min / median / max over the repeats. G (generation) and T (everything else of a step) come from the sync runs'
-`time/generate` and `time/step`. `--ppo-epochs 4` makes T close to G (the setting where overlap approaches 2x).
+`time/generate` and `time/step`; "prod. CPU" the async runs' `async/producer_cpu_s`, the CPU the collecting thread
+takes from the trainer's core per step. `--ppo-epochs 4` makes T close to G (the setting where overlap approaches 2x).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> None:
     model = Path(build_tiny_vlm(work / "model", TinySpec(arch="qwen2_vl", **SPEC)))
     modes = args.modes.split(",")
     step_s: dict[str, list[float]] = {m: [] for m in modes}
-    generate_s, train_s = [], []
+    generate_s, train_s, producer_cpu_s = [], [], []
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine on core 0
     with vllm_server(model, taskset="0") as server:
         for repeat in range(args.repeats):
@@ -84,6 +85,8 @@ def main() -> None:
             for mode in order:
                 metrics = run(mode, model, server.url, args.steps, args.ppo_epochs, work / f"{mode}-{repeat}")
                 step_s[mode].append(per_step(metrics, "time/step"))
+                if mode == "async":
+                    producer_cpu_s.append(per_step(metrics, "async/producer_cpu_s"))
                 if mode == "sync":
                     generate_s.append(per_step(metrics, "time/generate"))
                     train_s.append(step_s[mode][-1] - generate_s[-1])
@@ -95,6 +98,8 @@ def main() -> None:
     if generate_s:
         bound = [1.15 * max(g, t) for g, t in zip(generate_s, train_s)]
         print(f"{'G':10s} {summary(generate_s)}\n{'T':10s} {summary(train_s)}\n{'1.15max':10s} {summary(bound)}")
+    if producer_cpu_s:  # what the collecting thread takes from the trainer's one core
+        print(f"{'prod. CPU':10s} {summary(producer_cpu_s)}  (async: CPU s/step of the producer thread)")
     if "async" in step_s and "sync" in step_s:
         print(f"async speedup over sync: {statistics.median(step_s['sync']) / statistics.median(step_s['async']):.2f}x")
     if "async" in step_s and "colocated" in step_s:

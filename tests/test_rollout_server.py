@@ -220,3 +220,29 @@ def test_greedy_groups_are_one_request_each_repeated_n_times():
         assert rollouts.n == 3 and rollouts.completion_ids == [[7]] * 6 and rollouts.weight_versions == [0] * 6
     finally:
         server.stop()
+
+
+def test_the_producers_cpu_time_counts_its_work_not_its_waits(monkeypatch):
+    """`async/producer_cpu_s`: the CPU the collecting thread burned for a step (what overlap takes from the trainer's
+    cores), without the time it slept waiting on servers. A collect that spins 0.2 s and sleeps 0.3 s reads ~0.2."""
+    from vlrft.trainer import producer as producer_module
+
+    engine = StandInEngine()
+
+    def stand_in_collect(deps, step):
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:  # CPU work (prompts, payloads, rewards)
+            pass
+        time.sleep(0.3)  # waiting on the servers' answers
+        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+
+    monkeypatch.setattr(producer_module, "collect", stand_in_collect)
+    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
+                           rollout=SimpleNamespace(server_timeout_s=5))
+    producer = producer_module.AsyncProducer(deps, 1, engine, first_step=1)
+    try:
+        produced = producer.next(1)
+        metrics = producer_module.staleness_metrics(produced, producer)
+    finally:
+        producer.close()
+    assert 0.2 <= metrics["async/producer_cpu_s"] < 0.35, metrics

@@ -48,6 +48,7 @@ class Produced:
     resume_state: dict[str, Any]  # {"sampler": ..., "engine": ...} as after this step's collection
     waited_s: float = 0.0  # seconds the trainer waited for it
     trainer_version: int | None = None  # the weight version the trainer held when it took the step
+    cpu_s: float = 0.0  # CPU seconds the producer's thread spent collecting it (async; taken from the trainer's cores)
 
 
 class SyncProducer:
@@ -135,11 +136,12 @@ class AsyncProducer:
                 if self._stop:
                     return
             try:
+                cpu = time.thread_time()
                 collected = collect(self.deps, step)
                 versions = collected.rollouts.weight_versions or [self.engine.version]
                 state = {"sampler": copy.deepcopy(self.deps.sampler.state_dict()),
                          "engine": self.engine.state_dict()}
-                self._queue.put(Produced(collected, min(versions), state))
+                self._queue.put(Produced(collected, min(versions), state, cpu_s=time.thread_time() - cpu))
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread, which raises it
                 self._queue.put(exc)
                 return
@@ -186,10 +188,12 @@ def make_producer(cfg, deps: Callable[[], CollectDeps], awake: Callable[[], Cont
 
 def staleness_metrics(produced: Produced, producer) -> dict[str, float]:
     """Per step: how old the rows' weights were (mean and max, in syncs), how long each side waited for the other,
-    and the steps collected ahead."""
+    the steps collected ahead, and the CPU time the producer's thread spent collecting this step (on the trainer's
+    own cores: what overlapping costs the training side)."""
     out: dict[str, float] = {"async/trainer_wait_s": produced.waited_s}
     if isinstance(producer, AsyncProducer):
         out["async/producer_wait_s"] = producer.waited_s
+        out["async/producer_cpu_s"] = produced.cpu_s
         out["async/queue_depth"] = float(producer.queue_depth)
     versions = produced.collected.rollouts.weight_versions
     if versions and produced.trainer_version is not None:
