@@ -148,7 +148,7 @@ def test_the_heads_backward_allocates_what_the_plan_counts_for_it():
     logits."""
     from _live_bytes import LiveBytes
 
-    from vlrft.plan.activations import LOGITS_BYTES_PER_ELEMENT, head_backward_bytes
+    from vlrft.plan.activations import LOGITS_CHUNK_BYTES, LOGITS_CHUNK_ELEMENTS, head_backward_bytes
 
     head, hidden, targets = _case(tokens=200, vocab=3000, width=64)
     budget = 16 * 3000  # 13 chunks, recomputed in backward
@@ -159,8 +159,10 @@ def test_the_heads_backward_allocates_what_the_plan_counts_for_it():
         (lp.sum() + ent.mean()).backward(retain_graph=True)  # .grad exists, as after a first micro-batch
         with LiveBytes().ignore(head.weight, head.weight.grad, hidden, hidden.grad) as live:
             (lp.sum() + ent.mean()).backward()
-        planned = head_backward_bytes(shape, trained=True, float32_weights=autocast)
-        chunk = 16 * 3000 * LOGITS_BYTES_PER_ELEMENT  # the plan's logits component for chunks of 16 tokens
+        # as the plan counts a micro-batch above one chunk's budget (this one's budget is made small)
+        planned = head_backward_bytes(shape, trained=True, float32_weights=autocast,
+                                      completion_tokens=LOGITS_CHUNK_ELEMENTS)
+        chunk = 2 * 16 * 3000 * LOGITS_CHUNK_BYTES  # two chunks of 16 tokens, as the plan counts one
         assert planned <= live.peak <= planned + chunk, (autocast, planned, live.peak)
         head.weight.grad = hidden.grad = None
 

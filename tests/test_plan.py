@@ -698,7 +698,7 @@ def test_the_shared_prompt_forwards_keys_values_and_their_gradients_are_counted_
         model.zero_grad(set_to_none=True)
     measured = peaks[1024] - peaks[256]
     layers = activation_bytes(shape, 1024, 0, True, 4) - activation_bytes(shape, 256, 0, True, 4)
-    kv = prompt_kv_bytes(shape, 1024, True, 4, 4) - prompt_kv_bytes(shape, 256, True, 4, 4)
+    kv = prompt_kv_bytes(shape, 1024, 4, 4) - prompt_kv_bytes(shape, 256, 4, 4)
     assert layers < measured <= layers + kv, (layers, measured, kv)
 
 

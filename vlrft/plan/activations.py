@@ -9,7 +9,8 @@ from vlrft.plan.architecture import ModelShape
 
 LOGITS_CHUNK_TOKENS = 1024  # ActorVL's default chunk_tokens
 LOGITS_CHUNK_ELEMENTS = 1 << 24  # vlrft.models.logprobs: logits per chunk, so large vocabularies get fewer tokens
-LOGITS_BYTES_PER_ELEMENT = 28  # bf16 logits, fp32 copies (scaled, probs, probs*logits), backward grads
+LOGITS_CHUNK_BYTES = 12  # per logit of the chunk being computed (`logits_bytes`)
+LOGITS_KEPT_BYTES = 12  # per logit autograd keeps below the element budget: float32 logits, log-probs, probs
 
 
 def _layer_activation_bytes(hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int) -> int:
@@ -65,24 +66,26 @@ def completion_pass_bytes(shape: ModelShape, rows: int, prompt_len: int, complet
     return copies + mask
 
 
-def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, checkpointing: bool, key_bytes: int, value_bytes: int
-                    ) -> int:
-    """The shared-prompt forward's record of every layer's prompt keys and values, and their gradients.
+def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, key_bytes: int, value_bytes: int) -> int:
+    """The shared-prompt forward's record of every layer's prompt keys and values, and one layer's gradients of them.
 
-    The completion pass reads every layer's prompt keys/values, and their gradients reach the prompt pass only after
-    the completion pass's whole backward: both are alive for all layers at once. Under checkpointing that comes on
-    top of the layer inputs; without it the records are among a layer's activations, and only the gradients count.
-    Keys follow the residual stream's dtype (float32 under autocast over float32 weights), values the compute dtype.
+    The completion pass reads every layer's prompt keys/values; its backward runs from the last layer down, each
+    layer handing back its records' gradients and freeing its hold on them, so all layers' records and one layer's
+    gradients are alive at once (with and without checkpointing; measured: 1.25x the records for 4 layers, 1.12x for
+    8, bench/bench_plan_terms.py). Keys follow the residual stream's dtype (float32 under autocast over float32
+    weights), values the compute dtype.
     """
-    per_token = shape.text.num_layers * shape.text.kv_dim * (key_bytes + value_bytes)
-    return prompt_tokens * per_token * (2 if checkpointing else 1)
+    per_layer = prompt_tokens * shape.text.kv_dim * (key_bytes + value_bytes)
+    return per_layer * (shape.text.num_layers + 1)
 
 
-def head_backward_bytes(shape: ModelShape, trained: bool, float32_weights: bool) -> int:
-    """What the chunked LM head's backward (`vlrft.models.logprobs`) allocates beside the model's own gradients: the
-    head's float32 gradient accumulated over the chunks (when the head trains) and, for bf16 products over float32
-    weights, the head cast once."""
-    return shape.text.vocab_size * shape.text.hidden_size * ((4 if trained else 0) + (2 if float32_weights else 0))
+def head_backward_bytes(shape: ModelShape, trained: bool, float32_weights: bool, completion_tokens: int) -> int:
+    """What the LM head's backward (`vlrft.models.logprobs`) allocates beside the model's own gradients: for bf16
+    products over float32 weights the head cast once, and when the logits exceed one chunk (the chunked backward) and
+    the head trains, its float32 gradient accumulated over the chunks (below, autograd adds into .grad directly)."""
+    chunked = completion_tokens * shape.text.vocab_size > LOGITS_CHUNK_ELEMENTS
+    return shape.text.vocab_size * shape.text.hidden_size * ((4 if trained and chunked else 0)
+                                                              + (2 if float32_weights else 0))
 
 
 def chunk_tokens(shape: ModelShape) -> int:
@@ -90,10 +93,41 @@ def chunk_tokens(shape: ModelShape) -> int:
     return max(1, min(LOGITS_CHUNK_TOKENS, LOGITS_CHUNK_ELEMENTS // max(shape.text.vocab_size, 1)))
 
 
-def logits_bytes(shape: ModelShape, micro_batch: int, completion_len: int) -> int:
-    """The LM-head chunk alive at once: its completion tokens (capped by the element budget) times the vocabulary."""
-    tokens = min(chunk_tokens(shape), micro_batch * completion_len)
-    return tokens * shape.text.vocab_size * LOGITS_BYTES_PER_ELEMENT
+def logits_bytes(shape: ModelShape, completion_tokens: int) -> int:
+    """The [tokens, vocabulary] tensors of the logprob computation (`vlrft.models.logprobs.token_logprobs`) alive at
+    once. Above one chunk's element budget the chunked head keeps nothing per chunk: one chunk's float32 logits and
+    logsumexp's two temporaries (forward), or its recomputed logits, probabilities and their bf16 copies (backward),
+    12 B a logit. Below it autograd keeps every chunk's float32 logits, log-probabilities and probabilities (12 B a
+    logit) and the chunk being formed or differentiated adds its 12 B."""
+    vocab = shape.text.vocab_size
+    chunk = min(chunk_tokens(shape), completion_tokens) * vocab * LOGITS_CHUNK_BYTES
+    if completion_tokens * vocab > LOGITS_CHUNK_ELEMENTS:
+        return chunk
+    return completion_tokens * vocab * LOGITS_KEPT_BYTES + chunk
+
+
+def weight_cast_bytes(shape: ModelShape, frozen_tower: bool) -> int:
+    """Autocast's bf16 copies of the float32 weights, kept for the backward without checkpointing: not the
+    embeddings (a lookup) nor the LM head (the chunked head keeps its float32 weight), nor a frozen tower's."""
+    head_and_embeddings = shape.text.vocab_size * shape.text.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return 2 * (shape.num_parameters - head_and_embeddings - (shape.tower_count() if frozen_tower else 0))
+
+
+def micro_batch_terms(shape: ModelShape, batch: "MicroBatchSize", prompt_len: int, completion_len: int,
+                      checkpointing: bool, compute_bytes: int, float32_weights: bool, frozen_tower: bool = False
+                      ) -> dict[str, int]:
+    """`activations`, `prompt_kv` and (float32 weights under bf16 autocast, no checkpointing) `weight_casts` of one
+    training micro-batch (`micro_batch_size`) whose prompts are `prompt_len` tokens and rows `completion_len` after
+    them. Measured against the live tensors by bench/bench_plan_terms.py."""
+    copies = completion_pass_bytes(shape, batch.rows, prompt_len, batch.completion_tokens, completion_len,
+                                   checkpointing, compute_bytes)
+    terms = {"activations": activation_bytes(shape, batch.tokens, batch.vision_patches, checkpointing, compute_bytes)
+             + copies,
+             "prompt_kv": prompt_kv_bytes(shape, batch.prompt_tokens, 4 if float32_weights else compute_bytes,
+                                          compute_bytes)}
+    if float32_weights and not checkpointing:
+        terms["weight_casts"] = weight_cast_bytes(shape, frozen_tower)
+    return terms
 
 
 

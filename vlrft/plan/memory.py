@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vlrft.plan.activations import (activation_bytes, chunk_tokens, completion_pass_bytes, head_backward_bytes,
-                                    logits_bytes, micro_batch_size, prompt_kv_bytes, prompt_patches)
+from vlrft.plan.activations import (chunk_tokens, head_backward_bytes, logits_bytes, micro_batch_size, micro_batch_terms,
+                                    prompt_patches)
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.engine import engine_components
 from vlrft.plan.memory_plan import CUDA_RESERVE, Component, Hardware, MemoryPlan, StrategyChoice
@@ -127,33 +127,28 @@ def _micro_batch_components(cfg, shape: ModelShape, strategy: StrategyChoice, wo
     m, r, d = cfg.model, cfg.rollout, cfg.data
     train = ("train",)
     batch = micro_batch_size(cfg, shape, world, patches, seq_len)
-    tokens, vision, rows, what = batch.tokens, batch.vision_patches, batch.rows, batch.what
-    completion_tokens, prompt_tokens = batch.completion_tokens, batch.prompt_tokens
-    copies = completion_pass_bytes(shape, rows, d.max_prompt_length, completion_tokens, r.tokens_after_prompt,
-                                   m.gradient_checkpointing, hi)
-    acts = activation_bytes(shape, tokens, vision, m.gradient_checkpointing, hi) + copies
-    comps = [Component("activations", acts, train,
+    vision, what, completion_tokens = batch.vision_patches, batch.what, batch.completion_tokens
+    float32_weights = strategy.mixed_precision and strategy.name != "fsdp2"  # bf16 matmuls over float32 weights
+    terms = micro_batch_terms(shape, batch, d.max_prompt_length, r.tokens_after_prompt, m.gradient_checkpointing, hi,
+                              float32_weights, frozen_tower=m.freeze_vision_tower)
+    comps = [Component("activations", terms["activations"], train,
                        f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
                        f"{'on' if m.gradient_checkpointing else 'off'}")]
-    float32_weights = strategy.mixed_precision and strategy.name != "fsdp2"  # bf16 matmuls over float32 weights
-    comps.append(Component("prompt_kv", prompt_kv_bytes(shape, prompt_tokens, m.gradient_checkpointing,
-                                                        4 if float32_weights else hi, hi), train,
-                           f"the micro-batch's prompt tokens' keys and values, every layer's"
-                           f"{', and their gradients' if m.gradient_checkpointing else ' gradients'}"))
-    head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights)
+    comps.append(Component("prompt_kv", terms["prompt_kv"], train,
+                           "the micro-batch's prompt tokens' keys and values, every layer's, and one layer's "
+                           "gradients of them"))
+    head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights,
+                                     completion_tokens=completion_tokens)
     if head_bytes:  # under FSDP2 too: beside the gathered root's weight and gradient (gathered_layers)
         comps.append(Component("head_backward", head_bytes, train,
                                "the LM head's backward over the logits chunks: its float32 gradient, accumulated "
                                "before it reaches .grad" + (", and the head in bf16" if float32_weights else "")))
-    if float32_weights and not m.gradient_checkpointing:
+    if "weight_casts" in terms:
         # float32 weights under bf16 autocast: each matmul's bf16 copy of its weight is kept for the backward (ZeRO-3's
         # gathered layers' too); under checkpointing one layer's at a time. FSDP2 gathers bf16 weights: no copies.
-        # not the embeddings (a lookup) nor the LM head (the chunked head keeps its float32 weight for the backward)
-        head_and_embeddings = shape.text.vocab_size * shape.text.hidden_size * (1 if shape.tie_word_embeddings else 2)
-        cast = params - head_and_embeddings - (shape.tower_count() if m.freeze_vision_tower else 0)
-        comps.append(Component("weight_casts", 2 * cast, train,
+        comps.append(Component("weight_casts", terms["weight_casts"], train,
                                "bf16 copies of the float32 weights, made by autocast and kept for the backward "
                                "(model.gradient_checkpointing: true keeps one layer's at a time)"))
-    comps.append(Component("logits", logits_bytes(shape, 1, completion_tokens), train,
+    comps.append(Component("logits", logits_bytes(shape, completion_tokens), train,
                            f"LM-head chunk of {chunk_tokens(shape)} tokens x {shape.text.vocab_size} vocabulary"))
     return comps
