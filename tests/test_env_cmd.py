@@ -24,7 +24,7 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert report["families"]["qwen3_vl_moe"].startswith("Qwen3-VL-MoE: images as a grid of 16 px patches")
     assert "; engines hf; videos;" in report["families"]["qwen3_vl_moe"]
     assert "; refused vllm, vllm_server, sglang: its experts are fused" in report["families"]["qwen3_vl_moe"]
-    assert "; engines hf, vllm; no videos;" in report["families"]["glm4v"]
+    assert "; engines hf, vllm, vllm_server; no videos;" in report["families"]["glm4v"]
     assert "each row in full in training" in report["families"]["gemma3"]
     assert "hf engine: lean group decoder" in report["families"]["internvl"]
     assert "each prompt once for its group in training" in report["families"]["smolvlm"]

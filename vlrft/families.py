@@ -155,7 +155,7 @@ def _fsdp2(arch: str) -> Claim:
                                             f"test_two_fsdp2_ranks_train_two_grpo_steps[{arch}]"))
 
 
-NO_SERVER = "not yet executed through a real vLLM server (the tests run Qwen2-VL and Qwen2.5-VL)"
+NO_SERVER = "not yet executed through a real vLLM server (tests/test_vllm_server_families.py does not build it)"
 NO_SGLANG = ("SGLang's own model classes were never checked against this family's weight names and requests "
              "(the tests check the Qwen-VL families)")
 FUSED_EXPERTS = ("its experts are fused 3-D tensors, laid out in memory otherwise than vLLM and SGLang load them, so "
@@ -165,6 +165,17 @@ EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image
 SERVER_VIDEOS = ("no videos: vLLM's server takes a video as a URL, not the frames our processor sampled "
                  "(rollout.engine=vllm or hf take them)")
 SERVER_VIDEO_TEST = _ids("test_rollout_server.py", "test_a_video_is_refused_in_one_line_naming_the_sample")
+QWEN3_VIDEOS = ("no videos: timestamp text between a video's frame groups, which vLLM expands itself, cannot keep one "
+                "tokenization (rollout.engine=sglang or hf take them)")
+LLAVA_ONE_IMAGE = ("one image a prompt: its processor gives each image of several one crop, vLLM's crops every image "
+                   "as if alone (rollout.engine=hf takes several)")
+
+
+def _server(arch: str) -> tuple[str, ...]:
+    """A real vLLM server (tests/test_vllm_server_families.py): our prompt ids run, float64-reference logprobs, a
+    weight sync with a stale control, the colocated engine's per-prompt refusals."""
+    return _ids("test_vllm_server_families.py", "test_the_server_runs_our_prompts_with_the_policys_logprobs_and_syncs"
+                                                f"_to_new_weights[{arch}]") + SERVER_VIDEO_TEST
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -228,10 +239,8 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3_vl", "Qwen3-VL", "Qwen3VLProcessor", "a grid of 16 px patches, 2 x 2 merged",
         hf=Cell(_lean("qwen3_vl")),
         vllm=Cell(_vllm("qwen3_vl") + _ids("test_rollout_engines.py",
-                                           "test_vllm_refuses_qwen3_vl_video_naming_the_sample"),
-                  note="no videos: timestamp text between a video's frame groups, which vLLM expands itself, cannot "
-                       "keep one tokenization (rollout.engine=sglang or hf take them)"),
-        vllm_server=Cell(refused=NO_SERVER),
+                                           "test_vllm_refuses_qwen3_vl_video_naming_the_sample"), note=QWEN3_VIDEOS),
+        vllm_server=Cell(_server("qwen3_vl"), note=QWEN3_VIDEOS),
         sglang=Cell(_sglang("qwen3_vl")),
         video=Cell(_ids("test_actor.py", "test_qwen3_vl_video_rows_equal_a_plain_per_row_forward[qwen3_vl]")
                    + _ids("test_data_processor.py", "test_mixed_batch_matches_processing_each_sample_alone[qwen3_vl]")),
@@ -266,7 +275,7 @@ FAMILIES: tuple[Family, ...] = (
         "glm4v", "GLM-4.1V", "Glm4vProcessor", "a grid of 14 px patches, 2 x 2 merged",
         hf=Cell(_hf_engine("glm4v", "group-decoder") + _train_steps("glm4v", "Glm4vForConditionalGeneration")),
         vllm=Cell(_vllm("glm4v")),
-        vllm_server=Cell(refused=NO_SERVER),
+        vllm_server=Cell(_server("glm4v")),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(refused="its frames are <|image|> tokens between <|begin_of_video|> and <|end_of_video|> with "
                            "timestamps between them, which vlrft's token types and position rule do not follow yet"),
@@ -301,7 +310,7 @@ FAMILIES: tuple[Family, ...] = (
                 + _train_steps("internvl", "InternVLForConditionalGeneration")
                 + _image_tools("internvl")),
         vllm=Cell(_vllm("internvl")),
-        vllm_server=Cell(refused=NO_SERVER),
+        vllm_server=Cell(_server("internvl")),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(refused="its frames are images (<img> tiles) merged into pixel_values in text order, which "
                            "vlrft's visual layout does not follow yet"),
@@ -320,9 +329,11 @@ FAMILIES: tuple[Family, ...] = (
         vllm=Cell(_vllm("llava_onevision") + _ids(
             "test_rollout_engines.py",
             "test_vllm_requests_of_llava_onevision_fold_images_alone_and_refuse_images_encoded_together"),
-            note="one image a prompt: its processor gives each image of several one crop, vLLM's crops every image "
-                 "as if alone (rollout.engine=hf takes several)"),
-        vllm_server=Cell(refused=NO_SERVER),
+            note=LLAVA_ONE_IMAGE),
+        vllm_server=Cell(_server("llava_onevision") + _ids(
+            "test_rollout_engines.py",
+            "test_vllm_requests_of_llava_onevision_fold_images_alone_and_refuse_images_encoded_together"),
+            note=f"{LLAVA_ONE_IMAGE}; {SERVER_VIDEOS}"),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(_ids("test_actor.py", "test_llava_onevision_video_rows_equal_a_plain_per_row_forward")
                    + _ids("test_rollout_hf.py", "test_llava_onevision_samples_after_a_video_with_the_trainers_logprobs")
