@@ -65,3 +65,7 @@ def test_the_completions_log_averages_advantages_over_the_sampled_positions_of_a
                                 per_function={"acc": torch.tensor([1.0, 0.0, 0.0])})
     rows = completion_rows(collected, exp, step=1, output_dir=tmp_path, max_rows=3)
     assert [round(row.advantage, 6) for row in rows] == expected
+    assert all("weight_version" not in row.extra for row in rows)  # a colocated engine: always the current weights
+    rollouts.weight_versions = [4, 4, 3]  # rollout servers: the version that sampled each row
+    rows = completion_rows(collected, exp, step=1, output_dir=tmp_path, max_rows=3)
+    assert [row.extra["weight_version"] for row in rows] == [4, 4, 3]

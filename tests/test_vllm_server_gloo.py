@@ -5,9 +5,13 @@
 One server for the module (a backend is fixed per server: the vlrft_shm tests in tests/test_vllm_server.py need
 their own); the model, the moved policy, the float64 transformers reference and the tolerance (1e-5; measured
 error ~2e-6) are those of tests/test_vllm_server.py. Every expected value comes from outside the code under test.
+Last, a 3-step `vlrft train` with rollout.weight_transfer=gloo on the same server (the style of
+tests/test_vllm_server_engine.py's shm runs).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import requests
@@ -21,6 +25,7 @@ skip_unless_vllm()
 
 from _vllm_server import vllm_server  # noqa: E402
 from test_vllm_server import SPEC, TOLERANCE, buckets, disagreement, moved_policy  # noqa: E402
+from test_vllm_server_engine import completions, train  # noqa: E402
 from vlrft.models.weights import PolicyWeights  # noqa: E402
 from vlrft.rollout.weight_transfer import ServerWeightSync, WeightSyncError  # noqa: E402
 from vlrft.rollout.weight_transfer_gloo import GlooTransport  # noqa: E402
@@ -93,3 +98,20 @@ def test_a_new_trainer_replaces_the_servers_group(server, policy, sync):
         assert second.versions() == ["step-3"]
     finally:
         second.close()
+
+
+def test_three_steps_of_vlrft_train_sync_the_server_over_gloo(tmp_path, server):
+    """`vlrft train configs/demo.yaml rollout.engine=vllm_server rollout.weight_transfer=gloo` on this server (last in
+    the module: the run's trainer replaces the module's driver in the server's group). The start-up sync is version
+    1 and each step syncs once after training: step s's rows were sampled by version s, the server ends at version
+    4, and at max_staleness=0 the server samples the policy of every step (TIS weight 1 within 1e-6; a stale server
+    gives ~0.98-1.02)."""
+    out = tmp_path / "run"
+    steps = train(out, Path(server[1]), "rollout.engine=vllm_server", f"rollout.server_urls=[{server[0]}]",
+                  "rollout.weight_transfer=gloo")
+    tis = [s["actor/tis_weight_mean"] for s in steps if "actor/tis_weight_mean" in s]
+    assert len(tis) == 3 and all(abs(w - 1.0) < 1e-6 for w in tis), tis
+    rows = completions(out)
+    assert len(rows) == 3 * 32
+    assert sorted({(r["step"], r["weight_version"]) for r in rows}) == [(1, 1), (2, 2), (3, 3)]
+    assert requests.get(server[0] + "/weight_info", timeout=5).json() == {"weight_version": "4"}

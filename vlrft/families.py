@@ -234,6 +234,10 @@ FAMILIES: tuple[Family, ...] = (
                  "qwen2_5_vl_3b_ppo_geometry3k.yaml", "qwen2_5_vl_3b_rloo_geometry3k.yaml",
                  "qwen2_5_vl_7b_grpo_geometry3k.yaml", "qwen2_5_vl_7b_grpo_geometry3k_servers.yaml",
                  "qwen2_5_vl_32b_grpo_geometry3k.yaml", "qwen2_5_vl_72b_grpo_geometry3k.yaml"),
+        claims=(Claim("weight sync to vLLM servers on any node (rollout.weight_transfer=gloo), a 3-step vlrft train "
+                      "included", _ids("test_vllm_server_gloo.py",
+                                       "test_a_gloo_sync_makes_the_server_compute_with_the_trainers_weights",
+                                       "test_three_steps_of_vlrft_train_sync_the_server_over_gloo")),),
     ),
     Family(
         "qwen3_vl", "Qwen3-VL", "Qwen3VLProcessor", "a grid of 16 px patches, 2 x 2 merged",

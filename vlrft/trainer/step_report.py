@@ -67,6 +67,9 @@ def completion_rows(collected: Collected, exp: Experience, step: int, output_dir
         extra = {"reward": _float_or_none(collected.rewards[r]),
                  "finish_reason": collected.rollouts.finish_reasons[r],
                  "answer": collected.prompts.samples[p].answer}
+        versions = getattr(collected.rollouts, "weight_versions", None)
+        if versions is not None:  # rollout servers: the weight version that sampled the row
+            extra["weight_version"] = versions[r]
         if collected.rollouts.transcripts:  # multi-turn: the whole trajectory, turn by turn
             extra.update(trajectory_record(collected.rollouts, r, image_dir, output_dir))
         rows.append(CompletionRow(
