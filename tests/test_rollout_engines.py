@@ -945,8 +945,8 @@ def test_an_engine_the_family_table_refuses_for_a_family_is_one_line_with_its_re
 
         assert {n.rsplit(".", 1)[-1] for n in unsyncable_weights(model)} == {"gate_up_proj", "down_proj"}
     fam = family_of(family)
-    takes = {"qwen3_vl": "hf or vllm or sglang", "glm4v": "hf or vllm", "internvl": "hf or vllm",
-             "llava_onevision": "hf or vllm"}.get(family, "hf")
+    takes = {"glm4v": "hf or vllm or vllm_server", "internvl": "hf or vllm or vllm_server",
+             "llava_onevision": "hf or vllm or vllm_server"}.get(family, "hf")
     with pytest.raises(UserError) as refused:
         make_engine(cfg, deps)
     assert str(refused.value) == (f"rollout.engine={engine} does not take {fam.name} ({family}): "
