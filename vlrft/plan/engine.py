@@ -34,6 +34,39 @@ def hf_engine_weights(params: int, s: StrategyChoice) -> tuple[int, str]:
     return cast, "hf engine: bf16 copy of the float32 weights, made under autocast for each generate call"
 
 
+def hf_kv_cache(cfg, shape: ModelShape, hi: int, prompts: int, seq_len: int) -> tuple[str, Component]:
+    """The hf engine's decoder for this family and the KV cache it holds for the rank's `prompts` x rollout.n rows."""
+    m, r, d = cfg.model, cfg.rollout, cfg.data
+    rows = prompts * r.n
+    # How the engine samples this family (vlrft.sampling.hf_decoder, which the engine reads too): the lean group
+    # decoder (SDPA/eager attention; Qwen2/2.5/3-VL, and InternVL 3, LLaVA-OneVision, SmolVLM at 1-D positions;
+    # plain LoRA it reads), the group decoder through transformers' layers (GLM-4.1V, Qwen3-VL-MoE, Gemma 3), or
+    # transformers' `generate` (a family the group decoder does not list). Gemma 3's sliding-window layers keep
+    # their window only; the figure counts every layer in full (an upper bound).
+    decoder = hf_decoder(shape.model_type, r.lean_decode, m.attn_implementation)
+    lean = decoder == "lean"
+    # Under bf16 autocast over float32 weights the lean decode step keeps its KV cache in bf16; transformers'
+    # layers (and `generate`) keep the keys in float32 (rotated by the float32 residual stream's cos/sin) and the
+    # values in bf16.
+    if hi == 2:
+        kv_dtype = ("bf16", 2, 2) if lean else ("float32-key, bf16-value", 4, 2)
+    else:
+        kv_dtype = ("float32", 4, 4)
+    per_token = shape.text.num_layers * shape.text.kv_dim * (kv_dtype[1] + kv_dtype[2])
+    # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
+    if lean and shares_prompt(r.n, d.max_prompt_length) and not r.tools:
+        kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * per_token
+        what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
+                f"{r.tokens_after_prompt} tokens each")
+    else:
+        kv = rows * seq_len * per_token
+        what = f"the rank's {rows} rollouts x {seq_len} tokens, each row its own prompt"
+    how = {"lean": "lean group decoder", "transformers_layers": "group decoder through transformers' layers",
+           "generate": "transformers' generate"}[decoder]
+    note = f"hf engine ({how}): {kv_dtype[0]} KV cache of {what}"
+    return decoder, Component("engine_kv_cache", kv, ("rollout",), note)
+
+
 def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: StrategyChoice, hi: int, patches: int,
                       seq_len: int) -> tuple[list[Component], int | None, int | None]:
     """The rollout engine's memory (its KV cache, weights, prefill), and for vLLM/SGLang the KV bytes it has and
@@ -47,32 +80,8 @@ def engine_components(cfg, shape: ModelShape, hardware: Hardware, strategy: Stra
     if r.engine == "hf":
         prompts = cfg.prompts_per_step // world
         rows = prompts * r.n
-        # How the engine samples this family (vlrft.sampling.hf_decoder, which the engine reads too): the lean group
-        # decoder (SDPA/eager attention; Qwen2/2.5/3-VL, and InternVL 3, LLaVA-OneVision, SmolVLM at 1-D positions;
-        # plain LoRA it reads), the group decoder through transformers' layers (GLM-4.1V, Qwen3-VL-MoE, Gemma 3), or
-        # transformers' `generate` (a family the group decoder does not list). Gemma 3's sliding-window layers keep
-        # their window only; the figure counts every layer in full (an upper bound).
-        decoder = hf_decoder(shape.model_type, r.lean_decode, m.attn_implementation)
-        lean = decoder == "lean"
-        # Under bf16 autocast over float32 weights the lean decode step keeps its KV cache in bf16; transformers'
-        # layers (and `generate`) keep the keys in float32 (rotated by the float32 residual stream's cos/sin) and the
-        # values in bf16.
-        if hi == 2:
-            kv_dtype = ("bf16", 2, 2) if lean else ("float32-key, bf16-value", 4, 2)
-        else:
-            kv_dtype = ("float32", 4, 4)
-        per_token = shape.text.num_layers * shape.text.kv_dim * (kv_dtype[1] + kv_dtype[2])
-        # each prompt held once for its group; with tools, turns after the first decode each row alone (n = 1)
-        if lean and shares_prompt(r.n, d.max_prompt_length) and not r.tools:
-            kv = (prompts * d.max_prompt_length + rows * r.tokens_after_prompt) * per_token
-            what = (f"the rank's {prompts} prompts x {d.max_prompt_length} tokens once, {rows} rollouts x "
-                    f"{r.tokens_after_prompt} tokens each")
-        else:
-            kv = rows * seq_len * per_token
-            what = f"the rank's {rows} rollouts x {seq_len} tokens, each row its own prompt"
-        how = {"lean": "lean group decoder", "transformers_layers": "group decoder through transformers' layers",
-               "generate": "transformers' generate"}[decoder]
-        comps.append(Component("engine_kv_cache", kv, rollout, f"hf engine ({how}): {kv_dtype[0]} KV cache of {what}"))
+        decoder, kv_cache = hf_kv_cache(cfg, shape, hi, prompts, seq_len)
+        comps.append(kv_cache)
         whole, note = hf_engine_weights(params, strategy)
         if whole:
             comps.append(Component("engine_weights", whole, rollout, note))
