@@ -190,7 +190,7 @@ class GlooTransport:
             absent = [url for url, ranks in zip(sync.urls, self.ranks)
                       if not all(self.store.check([joined_key(r)]) for r in ranks)]
             if absent and time.monotonic() > deadline:
-                from vlrft.rollout.weight_transfer import WeightSyncError
+                from vlrft.rollout.load_accounting import WeightSyncError
 
                 self.broken = "its workers never joined"
                 raise WeightSyncError(f"vLLM server {absent[0]}: its workers did not join the gloo group within "
@@ -223,7 +223,7 @@ class GlooTransport:
 
     def _raise_failure(self, done: set[Future], pending: set[Future]) -> None:
         """The first failure among `done`, one line: a server's (it names the server) before this side's."""
-        from vlrft.rollout.weight_transfer import WeightSyncError
+        from vlrft.rollout.load_accounting import WeightSyncError
 
         failed = sorted((f.exception() for f in done if f.exception() is not None),
                         key=lambda err: not isinstance(err, WeightSyncError))
@@ -238,7 +238,7 @@ class GlooTransport:
 
     def _usable(self) -> None:
         if self.group is None or self.broken:
-            from vlrft.rollout.weight_transfer import WeightSyncError
+            from vlrft.rollout.load_accounting import WeightSyncError
 
             raise WeightSyncError(f"the {BACKEND} group is unusable ({self.broken or 'closed'}); create a new "
                                   "ServerWeightSync (the servers join a new group)")
