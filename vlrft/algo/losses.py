@@ -211,14 +211,15 @@ def zero_advantage_rows_add_nothing(cfg: AlgorithmConfig, kl_coef: float) -> boo
     """Whether a row whose advantage is 0 at every token adds exactly nothing to `policy_loss` or its gradient.
 
     True for the built-in surrogates (each token's loss is A times a finite factor) when no other term
-    sees the row: no KL in the loss, no entropy bonus, no CPGD drift, and no high-entropy token
-    selection (which ranks a micro-batch's tokens together). A registered or user surrogate may add
+    sees the row: no KL in the loss, no entropy bonus, no CPGD drift, no MoE router loss (every row's tokens
+    are routed), and no high-entropy token selection (which ranks a micro-batch's tokens together). A registered or user surrogate may add
     terms of its own, so it is never assumed.
     """
     surrogate = POLICY_LOSS_REGISTRY.resolve(cfg.policy_loss)  # the function itself: a name can be overridden
     surrogate_is_linear = surrogate in (ppo_surrogate, gspo_surrogate) or (
         surrogate is cpgd_surrogate and cfg.cpgd_drift_coef <= 0)
-    return (surrogate_is_linear and cfg.entropy_coef == 0.0 and not (cfg.kl_in == "loss" and kl_coef > 0)
+    return (surrogate_is_linear and cfg.entropy_coef == 0.0 and cfg.router_aux_loss_coef == 0.0
+            and not (cfg.kl_in == "loss" and kl_coef > 0)
             and (cfg.high_entropy_token_frac is None or cfg.high_entropy_token_frac >= 1.0))
 
 

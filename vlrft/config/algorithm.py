@@ -40,6 +40,12 @@ class AlgorithmConfig:
     kl_target: float = option(0.1, "adaptive KL controller: the KL it steers to")
     kl_horizon: int = option(10000, "adaptive KL controller: horizon in completions (larger = slower changes)", minimum=1)
     entropy_coef: float = option(0.0, "entropy bonus: the loss subtracts this times the mean token entropy")
+    router_aux_loss_coef: float = option(
+        0.0, "MoE models (Qwen3-VL-MoE): weight of the routers' load-balancing loss (transformers' aux_loss over "
+        "the trained rows' prompt and completion tokens, padding excluded) added to the policy loss; 0 = off (RL "
+        "starts from a balanced model and takes small steps); the released models' training used 0.001. Full "
+        "fine-tuning only: LoRA leaves the routers frozen, so > 0 with model.lora.rank > 0 is refused, as is > 0 "
+        "for a model without routers")
     high_entropy_token_frac: float | None = option(
         None, "train only on this top fraction of tokens by entropy (the 80/20 rule paper: 0.2); null = all")
     tis_cap: float | None = option(

@@ -24,6 +24,7 @@ _NUMBER_RANGES: tuple[tuple[str, typing.Callable[[Any], bool], str], ...] = (
     ("rollout.repetition_penalty", lambda v: v > 0, "a number > 0 (1 = off)"),
     ("model.lora.dropout", lambda v: 0 <= v < 1, "a fraction in [0, 1)"),
     ("algorithm.entropy_coef", lambda v: v >= 0, "a number >= 0"),
+    ("algorithm.router_aux_loss_coef", lambda v: v >= 0, "a number >= 0"),
     ("algorithm.value_coef", lambda v: v >= 0, "a number >= 0"),
     ("algorithm.overlong_penalty", lambda v: v >= 0, "a number >= 0"),
     ("reward.timeout_s", lambda v: v > 0, "a number of seconds > 0"),

@@ -70,7 +70,7 @@ class TrainConfig:
     skip_zero_advantage_rows: bool = option(
         True, "leave out of the policy's forward/backward the rows whose loss is exactly 0: advantage 0 at every "
         "token (a group whose rewards are all equal, under GRPO/RLOO) when nothing else trains on them (no KL in "
-        "the loss, entropy_coef 0, no critic, policy_loss ppo/gspo or cpgd without drift, no "
+        "the loss, entropy_coef 0, router_aux_loss_coef 0, no critic, policy_loss ppo/gspo or cpgd without drift, no "
         "high_entropy_token_frac); the loss denominators still count them, so the update is the same. "
         "actor/* statistics then cover the rows trained; actor/zero_advantage_rows_skipped is the share left out")
     strategy: Literal["single", "ddp", "fsdp2", "deepspeed"] = option(

@@ -20,6 +20,7 @@ from vlrft.models.logprobs import SamplingTruncation, token_logprobs
 from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
                                     prompt_positions)
+from vlrft.models.router_loss import RouterLogits
 from vlrft.models.prompt_cache import cache_argument, cache_through_checkpointing, prefix_cache, recording_cache
 from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
@@ -36,6 +37,8 @@ class TokenLogprobs(NamedTuple):
     entropy: torch.Tensor  # [B, C]
     # [B, C] log of the mass the rollout's top-k / top-p / min-p keep (`sampling_truncation`); None without one
     kept_log_mass: torch.Tensor | None = None
+    # MoE routers' load-balancing loss of this forward's tokens (`ActorVL.router_aux_loss`); None when not asked
+    router_aux_loss: torch.Tensor | None = None
 
 
 def base_of(model: nn.Module) -> nn.Module:
@@ -156,7 +159,7 @@ class ActorVL(nn.Module):
     """The policy: an `AutoModelForImageTextToText` model (optionally LoRA-wrapped) with completion logprobs."""
 
     def __init__(self, model: nn.Module, image_token_id: int, video_token_id: int, chunk_tokens: int = 1024,
-                 suppressed_ids: tuple[int, ...] = ()):
+                 suppressed_ids: tuple[int, ...] = (), router_aux_loss: bool = False):
         super().__init__()
         self.model = model
         self.image_token_id = image_token_id
@@ -179,6 +182,16 @@ class ActorVL(nn.Module):
         # The rollout's top-k / top-p / min-p: when set, each forward also returns the log of the mass they keep
         # (`TokenLogprobs.kept_log_mass`), which truncated importance sampling needs to compare like with like.
         self.sampling_truncation: SamplingTruncation | None = None
+        # MoE: forwards with gradients also return the routers' load-balancing loss (`vlrft.models.router_loss`)
+        self.router_aux_loss = router_aux_loss
+        self._routers: RouterLogits | None = None  # collecting during one `logprobs` call
+
+    def _router_kwargs(self) -> dict:
+        return {} if self._routers is None else {"output_router_logits": True}
+
+    def _keep_routers(self, output, mask: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        if self._routers is not None:
+            self._routers.add(output, mask, rows)
 
     def _agreed_kinds(self, ours: VisualKinds) -> VisualKinds | None:
         """The visual kinds some rank encodes in this forward (one all-reduce, which every rank makes once per
@@ -210,12 +223,16 @@ class ActorVL(nn.Module):
             lacking = None if anyone is None else VisualKinds.of(visual).lacking(anyone.merged())
             with self._dummy_calls(lacking, device):
                 kwargs.update(visual.model_inputs())
-                return backbone(**kwargs).last_hidden_state
+                out = backbone(**kwargs, **self._router_kwargs())
+                self._keep_routers(out, batch.attention_mask)
+                return out.last_hidden_state
         early = self._vision.encodes_before_backbone(batch.visual)
         lacking = None if anyone is None else VisualKinds.of(batch.visual).lacking(anyone)
         with self._dummy_calls(lacking, device, encoded_before_backbone=early):
             kwargs.update(self._vision(batch.visual, batch.row_prompt))
-            return backbone(**kwargs).last_hidden_state
+            out = backbone(**kwargs, **self._router_kwargs())
+            self._keep_routers(out, batch.attention_mask)
+            return out.last_hidden_state
 
     def predicting_states(self, batch: SequenceBatch) -> torch.Tensor:
         """Hidden states [B, C, H] that predict each completion token (the state before it)."""
@@ -270,14 +287,17 @@ class ActorVL(nn.Module):
         with cache_through_checkpointing(backbone):
             with self._dummy_calls(lacking, ids.device):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, **types(mm), position_ids=axes(positions),
-                                      use_cache=True, **cache_argument(backbone, recorded), **visual)
+                                      use_cache=True, **cache_argument(backbone, recorded), **visual,
+                                      **self._router_kwargs())
+            self._keep_routers(prompt_out, batch.attention_mask[:, :p], rows)
             last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
             if classes is None:
                 with self._dummy_calls(lacking, ids.device, later=True):
                     completion_out = backbone(input_ids=completion_ids, attention_mask=batch.attention_mask,
                                               position_ids=axes(completion_positions),
                                               use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows)),
-                                              **types(completion_mm), **completion_visual)
+                                              **types(completion_mm), **completion_visual, **self._router_kwargs())
+                self._keep_routers(completion_out, batch.attention_mask[:, p:])
                 return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
             pieces, order = [], []
             for members, width in classes:  # one call per class of similar lengths, padded to its own width
@@ -286,7 +306,8 @@ class ActorVL(nn.Module):
                                attention_mask=batch.attention_mask[idx, :p + width],
                                position_ids=axes(completion_positions[:, idx, :width]),
                                use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows[idx])),
-                               **types(completion_mm[idx, :width]))
+                               **types(completion_mm[idx, :width]), **self._router_kwargs())
+                self._keep_routers(out, batch.attention_mask[idx, p:p + width])
                 states = torch.cat([last_prompt_state[idx], out.last_hidden_state[:, :width - 1]], dim=1)
                 pieces.append(nn.functional.pad(states, (0, 0, 0, c - width)))
                 order += members
@@ -310,7 +331,12 @@ class ActorVL(nn.Module):
     def logprobs(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         """Logprob and entropy of each completion token under softmax(logits / temperature)."""
         _, head = split_head(self.model)
-        states = self.predicting_states(batch)
+        self._routers = RouterLogits(self.model) if self.router_aux_loss and torch.is_grad_enabled() else None
+        try:
+            states = self.predicting_states(batch)
+            routers, self._routers = self._routers, None
+        finally:
+            self._routers = None
         p, c = batch.prompt_width, batch.completion_width
         mask = batch.completion_mask.bool()
         predicting = states[mask]
@@ -320,7 +346,8 @@ class ActorVL(nn.Module):
         def scattered(values: torch.Tensor) -> torch.Tensor:
             return torch.zeros(mask.shape, dtype=torch.float32, device=states.device).masked_scatter(mask, values)
 
-        return TokenLogprobs(scattered(lp), scattered(ent), scattered(kept[0]) if kept else None)
+        return TokenLogprobs(scattered(lp), scattered(ent), scattered(kept[0]) if kept else None,
+                             None if routers is None else routers.loss())
 
     def forward(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         return self.logprobs(batch, temperature)

@@ -24,7 +24,7 @@ from vlrft.parallel import make_strategy
 from vlrft.parallel.strategy import ModelSource, Strategy, TrainedModel
 from vlrft.errors import UserError
 from vlrft.logging import RunLogger
-from vlrft.models import precision
+from vlrft.models import precision, router_loss
 from vlrft.models.actor import ActorVL, CriticVL, apply_lora, freeze_vision
 from vlrft.models.loading import DTYPES, load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
@@ -264,9 +264,9 @@ class Trainer:
                 model = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules,
                                    exclude_vision=cfg.freeze_vision_tower)
         self._train_mode(model)
-        config = model.config
-        return ActorVL(model, int(getattr(config, "image_token_id", -1) or -1),
-                       int(getattr(config, "video_token_id", -1) or -1))
+        router_loss.check_router_loss(model, self.cfg.algorithm.router_aux_loss_coef, lora)
+        ids = (int(getattr(model.config, f"{kind}_token_id", -1) or -1) for kind in ("image", "video"))
+        return ActorVL(model, *ids, router_aux_loss=self.cfg.algorithm.router_aux_loss_coef > 0)
 
     def _train_mode(self, model: torch.nn.Module) -> None:
         """A trained model (the policy, the critic): gradient checkpointing as configured, no KV cache kept by its

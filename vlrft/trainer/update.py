@@ -9,6 +9,7 @@ gradients are dropped, never applied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from vlrft.algo import Stats, loss_denominators, policy_loss, value_loss, zero_advantage_rows_add_nothing
+from vlrft.algo import LossOutput, Stats, loss_denominators, policy_loss, value_loss, zero_advantage_rows_add_nothing
 from vlrft.config import AlgorithmConfig
 from vlrft.parallel.strategy import Strategy, TrainedModel
 from vlrft.errors import DivergedError
@@ -78,6 +79,7 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
         for start in range(0, n_rows, deps.mini_batch_per_rank):
             mini = list(range(start, min(start + deps.mini_batch_per_rank, n_rows)))
             den = loss_denominators(exp.mask[mini], reduce=lambda t: strategy.all_reduce(t, "sum"))
+            all_rows = _all_ranks_rows(strategy, len(mini)) if deps.algo.router_aux_loss_coef > 0 else 1.0
             # non-finite losses, read once at the optimizer step: a read per micro-batch would make the host wait
             # for each backward before it prepares the next micro-batch
             nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -108,6 +110,7 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
                         ref_logprobs=_slice(exp.ref_logprobs, rows, width, device),
                         kl_coef=deps.kl_coef, num_tokens=den.num_tokens, num_seqs=den.num_seqs,
                         max_tokens=deps.max_new_tokens, world_size=world)
+                    result = _with_router_loss(result, out, deps.algo.router_aux_loss_coef, len(rows), all_rows, world)
                     strategy.backward(result.loss if weight == 1.0 else result.loss * weight, deps.policy)
                 if planned.filler:  # counts nothing, but keeps the metric names every rank reduces
                     stats = stats.merge(result.stats.emptied())
@@ -122,6 +125,23 @@ def update(deps: UpdateDeps, collected, exp: Experience) -> tuple[Stats, int]:
             with explain_out_of_memory(f"step {deps.step}, optimizer step", deps.memory_fixes):
                 skipped += _optimizer_step(deps, bool(nonfinite), stats)
     return stats, skipped
+
+
+def _all_ranks_rows(strategy: Strategy, rows: int) -> float:
+    """The mini-batch's rows on all ranks (what the router loss of each micro-batch is weighted against)."""
+    return float(strategy.all_reduce(torch.tensor([float(rows)], dtype=torch.float64), "sum").item())
+
+
+def _with_router_loss(result: LossOutput, out, coef: float, rows: int, all_rows: float, world: int) -> LossOutput:
+    """The policy loss plus `coef` times the micro-batch's MoE router load-balancing loss (`out.router_aux_loss`),
+    weighted by its share of the mini-batch's rows on all ranks, times `world` as the policy loss (the ranks'
+    gradients are averaged): a row-weighted mean over micro-batches, as gradient accumulation in transformers'
+    Trainer takes one. Logged as actor/router_aux_loss (its mean over rows)."""
+    if out.router_aux_loss is None or coef == 0:
+        return result
+    aux = out.router_aux_loss.float()
+    result.stats.add("actor/router_aux_loss", aux.detach() * rows, float(rows))
+    return dataclasses.replace(result, loss=result.loss + coef * aux * (rows * world / all_rows))
 
 
 def skips_zero_advantage_rows(enabled: bool, algo: AlgorithmConfig, kl_coef: float, has_critic: bool) -> bool:
