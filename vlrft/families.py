@@ -269,8 +269,15 @@ FAMILIES: tuple[Family, ...] = (
         hf_decoder="transformers_layers",
         claims=(_fsdp2("qwen3_vl_moe"),
                 Claim("LoRA on attention, the vision tower and, when named (experts.gate_up_proj, "
-                      "experts.down_proj), every expert; routers by full fine-tuning only; no router auxiliary loss",
+                      "experts.down_proj), every expert; routers by full fine-tuning only, with the router "
+                      "load-balancing loss (algorithm.router_aux_loss_coef, equal to transformers' aux_loss; refused "
+                      "under LoRA)",
                       _ids("test_models.py", "test_qwen3_vl_moe_lora_wraps_attention_and_its_experts_when_named")
+                      + _ids("test_router_loss.py", *(
+                          "test_router_loss_equals_transformers_aux_loss_with_padding_and_reaches_the_routers"
+                          f"[{path}]" for path in ("shared-classes", "shared-one-call", "full-rows")),
+                          "test_router_loss_is_refused_under_lora_and_for_a_dense_model",
+                          "test_vlrft_train_logs_the_router_loss_and_refuses_it_under_lora")
                       + _ids("test_trainer.py", "test_vlrft_train_with_lora_on_qwen3_vl_moe_experts")
                       + _ids("test_families_distributed.py",
                              "test_two_fsdp2_ranks_train_two_grpo_steps[qwen3_vl_moe-lora-experts]"))),
