@@ -885,17 +885,15 @@ def test_a_resumed_engine_samples_with_the_seeds_the_uninterrupted_one_would(eng
     assert run(make_engine(model, processor, SeedBackend(), sleep=False), 1) == uninterrupted[:1]  # without the state
 
 
-def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engines_weight_sync(tiny_vlm_dir,
-                                                                                                   tiny_processor):
-    """Qwen3-VL-MoE: transformers keeps the experts fused as [experts, 2 x intermediate, hidden]; the release and
-    vLLM/SGLang's loaders have [experts, hidden, 2 x intermediate]. Synced as they are, the experts would reach the
-    engines in the wrong layout (a shape error after a step's work, or silently wrong if the dimensions agree):
-    refused when the engine is built, naming the way out. The dense models only rename."""
+def test_fused_moe_experts_are_sent_in_the_released_layout(tiny_vlm_dir, tiny_processor):
+    """Qwen3-VL-MoE: transformers keeps the experts fused as [experts, 2 x intermediate, hidden] and [experts, hidden,
+    intermediate]; the release, and vLLM's loader (`is_fused_checkpoint_transposed`), have them transposed. The sync
+    sends each expert tensor once, under its checkpoint name, swapped to the released layout, and nothing else is
+    swapped; no weight is left that the sync could not send (the dense models only rename)."""
     import json
 
     from transformers import AutoModelForImageTextToText, Qwen3VLMoeConfig
 
-    from vlrft.errors import UserError
     from vlrft.models.loading import load_policy
     from vlrft.models.weights import unsyncable_weights
 
@@ -907,12 +905,23 @@ def test_fused_moe_experts_laid_out_otherwise_in_memory_are_refused_by_the_engin
         part.pop("model_type", None)
     ids = {k: config[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
     moe = AutoModelForImageTextToText.from_config(Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids))
-    gate_up = dict(moe.named_parameters())["model.language_model.layers.0.mlp.experts.gate_up_proj"]
-    assert tuple(gate_up.shape) != (4, text["hidden_size"], 2 * 48)  # not the published [experts, hidden, 2 x 48]
-    assert unsyncable_weights(moe) and all(".experts." in name for name in unsyncable_weights(moe))
-    engine = make_engine(moe, tiny_processor("qwen3_vl"), RecordingBackend())
-    with pytest.raises(UserError, match=r"Qwen3VLMoeForConditionalGeneration: .*experts.*rollout.engine=hf"):
-        engine.update_weights(moe)
+    hidden = text["hidden_size"]
+    assert unsyncable_weights(moe) == []
+
+    class KeepingBackend(RecordingBackend):
+        def load(self, buckets):
+            self.sent = {name: tensor.clone() for bucket in buckets for name, tensor in bucket}
+
+    backend = KeepingBackend()
+    make_engine(moe, tiny_processor("qwen3_vl"), backend).update_weights(moe)
+    memory = dict(moe.named_parameters())
+    layer = "model.language_model.layers.0.mlp.experts."
+    assert tuple(backend.sent[layer + "gate_up_proj"].shape) == (4, hidden, 2 * 48)  # the release's layout
+    assert tuple(backend.sent[layer + "down_proj"].shape) == (4, 48, hidden)
+    for name, tensor in memory.items():
+        expected = tensor.detach().transpose(1, 2) if ".mlp.experts." in name else tensor.detach()
+        assert torch.equal(backend.sent[name], expected), name
+    assert len(backend.sent) == len(memory)
     for arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "internvl"):  # InternViT's 3-D cls_token is as published
         assert unsyncable_weights(load_policy(tiny_vlm_dir(arch))) == []
 
@@ -927,8 +936,7 @@ def test_an_engine_the_family_table_refuses_for_a_family_is_one_line_with_its_re
     """Each engine the family table (vlrft/families.py) marks refused for a family stops before it starts, in one
     line giving the table's reason and the engines that take the family, instead of failing inside the server or
     syncing weights under the wrong names (Gemma 3's placeholders expand to text around the image tokens, which the
-    prompt folding does not invert; Qwen3-VL-MoE's fused experts are kept in memory in another layout than the
-    engines load, `vlrft.models.weights.unsyncable_weights`; the others were never run on that engine)."""
+    prompt folding does not invert; the others were never run on that engine)."""
     from vlrft.errors import UserError
     from vlrft.families import family as family_of
     from vlrft.models.actor import ActorVL
@@ -940,12 +948,8 @@ def test_an_engine_the_family_table_refuses_for_a_family_is_one_line_with_its_re
     cfg.rollout.engine = engine
     deps = EngineDeps(actor=ActorVL(model, model.config.image_token_id, getattr(model.config, "video_token_id", -1)),
                       processor=tiny_processor(family), tokens=None, strategy=None, prompts_per_rank=1)
-    if family == "qwen3_vl_moe":  # the experts' layout: what weight sync could not send as the engines read it
-        from vlrft.models.weights import unsyncable_weights
-
-        assert {n.rsplit(".", 1)[-1] for n in unsyncable_weights(model)} == {"gate_up_proj", "down_proj"}
     fam = family_of(family)
-    takes = {"glm4v": "hf or vllm or vllm_server", "internvl": "hf or vllm or vllm_server",
+    takes = {"qwen3_vl_moe": "hf or vllm", "glm4v": "hf or vllm or vllm_server", "internvl": "hf or vllm or vllm_server",
              "llava_onevision": "hf or vllm or vllm_server"}.get(family, "hf")
     with pytest.raises(UserError) as refused:
         make_engine(cfg, deps)

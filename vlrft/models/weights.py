@@ -153,24 +153,55 @@ def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict
     return mapping
 
 
-def unsyncable_weights(model: nn.Module) -> list[str]:
-    """In-memory names of the weights vLLM's and SGLang's loaders would read wrongly if sent as they are in memory:
-    those transformers converts (not only renames) between a published checkpoint and memory, and fused MoE experts
-    (3-D weights: transformers 5 keeps Qwen3-VL-MoE's `gate_up_proj` as [experts, 2 x intermediate, hidden], the
-    release and the engines [experts, hidden, 2 x intermediate]). `checkpoint_names` maps names, not layouts. Other
-    3-D parameters (InternViT's cls_token [1, 1, C] and position_embeddings [1, N, C]) are as published."""
-    names = [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
+def _checkpoint_converters(model: nn.Module) -> list | None:
+    """transformers' converters from memory back to the published checkpoint (what loading applied, reversed); None
+    before transformers 5, which keeps checkpoint layouts in memory."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, apply_converters
-    except ImportError:  # transformers < 5 keeps checkpoint layouts in memory
-        return names
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return None
     conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
     reverse = [c.reverse_transform() for c in (conversions or [])[::-1]]
-    converters = [c for c in reverse if isinstance(c, WeightConverter)]
-    converted = [name for name, _ in model.named_parameters()
-                 if converters and apply_converters(name, converters)[1] is not None]
-    return sorted(set(names) | set(converted))
+    return [c for c in reverse if isinstance(c, WeightConverter)]
+
+
+def _converter_of(name: str, converters: list):
+    return next((c for c in converters if c.rename_source_key(name)[1] is not None), None)
+
+
+def checkpoint_transposes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """In-memory name -> the two dimensions to swap for the published layout, of the weights transformers loads with
+    one `Transpose` and nothing else: Qwen3-VL-MoE's fused experts, `gate_up_proj` [experts, 2 x intermediate, hidden]
+    and `down_proj` [experts, hidden, intermediate] in memory, the release's [experts, hidden, 2 x intermediate] and
+    [experts, intermediate, hidden], which vLLM's fused-expert loader takes (`is_fused_checkpoint_transposed`).
+
+    Swapped always, not by comparing shapes as transformers' own `Transpose(check_dims=True)` does: the in-memory
+    layout is fixed by the model class, and a square [2 x intermediate, hidden] would make the comparison guess."""
+    from transformers.core_model_loading import Transpose
+
+    converters = _checkpoint_converters(model) or []
+    swaps: dict[str, tuple[int, int]] = {}
+    for name, _ in model.named_parameters():
+        converter = _converter_of(name, converters)
+        operations = getattr(converter, "operations", None) or []
+        if len(operations) == 1 and isinstance(operations[0], Transpose):
+            swaps[name] = (operations[0].dim0, operations[0].dim1)
+    return swaps
+
+
+def unsyncable_weights(model: nn.Module) -> list[str]:
+    """In-memory names of the weights vLLM's and SGLang's loaders would read wrongly if sent: those transformers
+    converts between a published checkpoint and memory otherwise than by renaming or one transpose
+    (`checkpoint_transposes`, which the sync undoes). Before transformers 5 (no conversion map), fused MoE experts
+    (3-D weights under `.experts.`); other 3-D parameters (InternViT's cls_token [1, 1, C] and position_embeddings
+    [1, N, C]) are as published."""
+    converters = _checkpoint_converters(model)
+    if converters is None:
+        return [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in name]
+    swapped = checkpoint_transposes(model)
+    return sorted(name for name, _ in model.named_parameters()
+                  if name not in swapped and _converter_of(name, converters) is not None)
 
 
 def _numel(tensor: torch.Tensor) -> int:
@@ -229,6 +260,7 @@ class _Entry:
     produce: Callable[[], torch.Tensor]
     gathered: tuple[torch.Tensor, ...]  # what `produce` reads: the parameter (or buffer), and a LoRA layer's adapters
     nbytes: int  # at the engine dtype
+    swap: tuple[int, int] | None = None  # dimensions swapped for the published layout (`checkpoint_transposes`)
 
 
 class PolicyWeights:
@@ -263,12 +295,14 @@ class PolicyWeights:
             # ZeRO-3 partitions the adapters too: merging gathers them with the weight
             reads[name] = (tensor, *_adapter_weights(module)) if merged else (tensor,)
         names = checkpoint_names(self.model, plain)
+        swaps = checkpoint_transposes(self.model) if _checkpoint_converters(self.model) else {}
         # Sharded tensors are gathered collectively: every rank must walk the buckets in lock-step.
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [
             _Entry(names[name], producers[name], reads[name],
                    _numel(plain[name]) * (torch.finfo(dtype).bits // 8 if dtype is not None and
-                                          plain[name].is_floating_point() else plain[name].element_size()))
+                                          plain[name].is_floating_point() else plain[name].element_size()),
+                   swaps.get(name))
             for name in plain
         ]
 
@@ -287,6 +321,8 @@ class PolicyWeights:
             if hasattr(tensor, "full_tensor"):  # a DTensor shard (FSDP2): the engine needs the whole tensor
                 # cast the shard, then gather: a bfloat16 engine's sync moves and holds half of float32's bytes
                 tensor = on_mesh_device(tensor.to(dtype)).full_tensor()
+            if entry.swap is not None:
+                tensor = tensor.transpose(*entry.swap)
             return tensor.to(device=device, dtype=dtype).contiguous()
 
     def buckets(self, bucket_bytes: int, device: torch.device | str | None
