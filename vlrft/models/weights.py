@@ -269,10 +269,14 @@ class PolicyWeights:
     The name map is computed once; `buckets()` re-reads the live parameters every call. `dtype`: what
     floating-point tensors are cast to (the engine's); None keeps each tensor's own (a checkpoint). `skip_unread`:
     leave out the weights the forward never reads (`unread_weight_names`), as an engine's weight sync must.
+    `engine_layout`: weights transformers keeps transposed against the release are sent in the released layout,
+    which the engines load (`checkpoint_transposes`); False keeps them as `save_pretrained` writes them (an export,
+    which transformers reloads by comparing shapes, so a square expert tensor must stay as it is in memory).
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None,
-                 gather: Callable[[list[torch.Tensor]], ContextManager] | None = None, skip_unread: bool = False):
+                 gather: Callable[[list[torch.Tensor]], ContextManager] | None = None, skip_unread: bool = False,
+                 engine_layout: bool = True):
         self.model = policy_module(model)
         self.dtype = dtype
         self._gather = gather or (lambda params: contextlib.nullcontext())
@@ -295,7 +299,7 @@ class PolicyWeights:
             # ZeRO-3 partitions the adapters too: merging gathers them with the weight
             reads[name] = (tensor, *_adapter_weights(module)) if merged else (tensor,)
         names = checkpoint_names(self.model, plain)
-        swaps = checkpoint_transposes(self.model) if _checkpoint_converters(self.model) else {}
+        swaps = checkpoint_transposes(self.model) if engine_layout and _checkpoint_converters(self.model) else {}
         # Sharded tensors are gathered collectively: every rank must walk the buckets in lock-step.
         self.sharded = any(hasattr(t, "full_tensor") or hasattr(t, "ds_id") for t in plain.values())
         self._entries = [

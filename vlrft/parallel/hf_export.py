@@ -43,7 +43,8 @@ def save_policy_streamed(hf_model: nn.Module, processor, folder: Path, *, is_mai
     # Only rank 0 writes. The other ranks take part in each gather (one tensor at a time) and drop each gathered
     # tensor at once ("meta" keeps the shape, not the data): they hold one tensor at a time, never a bucket.
     # Not `enumerate`: its cached result tuple would hold the previous bucket while the next one is gathered.
-    for bucket in PolicyWeights(hf_model, dtype, gather).buckets(shard_bytes, "cpu" if is_main else "meta"):
+    weights = PolicyWeights(hf_model, dtype, gather, engine_layout=False)  # as save_pretrained writes them
+    for bucket in weights.buckets(shard_bytes, "cpu" if is_main else "meta"):
         if is_main:  # the other ranks only take part in the gathers
             part = folder / f"part-{len(parts):05d}.safetensors"
             save_file(dict(bucket), str(part), metadata={"format": "pt"})
