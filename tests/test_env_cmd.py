@@ -68,6 +68,6 @@ def test_env_prints_the_family_table_as_the_readme_has_it_and_each_refusal_with_
     main(["env"])
     lines = capsys.readouterr().out.splitlines()
     moe = lines.index(next(line for line in lines if line.startswith("  qwen3_vl_moe ")))
-    assert lines[moe + 1].strip() == ("✘ vllm_server: not yet executed through a real vLLM server (the tests run "
-                                      "Qwen2-VL and Qwen2.5-VL)")
+    assert lines[moe + 1].strip() == ("✘ vllm_server: not yet executed through a real vLLM server "
+                                      "(tests/test_vllm_server_families.py does not build it)")
     assert lines[moe + 2].strip().startswith("✘ sglang: SGLang's own model classes were never checked")
