@@ -105,30 +105,6 @@ def tied_weight_names(model: nn.Module) -> set[str]:
     return set(keys) if ties else set()
 
 
-def unread_weight_names(model: nn.Module) -> set[str]:
-    """State-dict names of weights the model's forward never reads, which vLLM's model classes do not hold: the
-    LLaVA families (LLaVA-OneVision) take image features from a hidden state of the vision encoder
-    (`config.vision_feature_layer`), before the encoder's final norm (`post_layernorm`) and past the layers after
-    that hidden state; vLLM builds its tower without them (`require_post_norm=False`, layers up to the feature
-    layer) and its loaders drop them. Empty for models without a feature layer or without such a tower."""
-    config = getattr(model, "config", None)
-    feature_layer = getattr(config, "vision_feature_layer", None)
-    tower_path = next((name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] == "vision_tower"), None)
-    if feature_layer is None or tower_path is None:
-        return set()
-    tower = model.get_submodule(tower_path)
-    if getattr(tower, "post_layernorm", None) is None:  # its features are the encoder's output (InternVL)
-        return set()
-    layers = getattr(getattr(tower, "encoder", None), "layers", None) or []
-    feature_layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
-    # hidden_states[k]: the embeddings (k = 0), then each layer's output; negative k counts from the last
-    deepest = max(k if k >= 0 else len(layers) + 1 + k for k in feature_layers)
-    prefixes = (f"{tower_path}.post_layernorm.",
-                *(f"{tower_path}.encoder.layers.{i}." for i in range(deepest, len(layers))))
-    return {clean for name, _ in model.named_parameters()
-            if (clean := _clean_name(name)) is not None and clean.startswith(prefixes)}
-
-
 def checkpoint_names(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
     """Memory name -> checkpoint name, as transformers' `save_pretrained` renames them.
 
@@ -267,30 +243,26 @@ class PolicyWeights:
     """Iterates the policy's current weights in checkpoint names, LoRA merged, tied weights once.
 
     The name map is computed once; `buckets()` re-reads the live parameters every call. `dtype`: what
-    floating-point tensors are cast to (the engine's); None keeps each tensor's own (a checkpoint). `skip_unread`:
-    leave out the weights the forward never reads (`unread_weight_names`), as an engine's weight sync must.
+    floating-point tensors are cast to (the engine's); None keeps each tensor's own (a checkpoint).
     `engine_layout`: weights transformers keeps transposed against the release are sent in the released layout,
     which the engines load (`checkpoint_transposes`); False keeps them as `save_pretrained` writes them (an export,
     which transformers reloads by comparing shapes, so a square expert tensor must stay as it is in memory).
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None,
-                 gather: Callable[[list[torch.Tensor]], ContextManager] | None = None, skip_unread: bool = False,
+                 gather: Callable[[list[torch.Tensor]], ContextManager] | None = None,
                  engine_layout: bool = True):
         self.model = policy_module(model)
         self.dtype = dtype
         self._gather = gather or (lambda params: contextlib.nullcontext())
         lora = _lora_modules(self.model)
         tied = tied_weight_names(self.model)
-        unread = unread_weight_names(self.model) if skip_unread else set()
         plain: dict[str, torch.Tensor] = {}
         producers: dict[str, Callable[[], torch.Tensor]] = {}
         reads: dict[str, tuple[torch.Tensor, ...]] = {}
         for key, tensor in self.model.state_dict(keep_vars=True).items():
             name = _clean_name(key)
             if name is None or name in tied:  # a tied weight (lm_head = embed_tokens): engines tie it themselves
-                continue
-            if name in unread:  # an engine has no parameter for it (a checkpoint keeps it: skip_unread=False)
                 continue
             plain[name] = tensor
             module = lora.get(key.rsplit(".base_layer.", 1)[0]) if ".base_layer." in key else None

@@ -354,7 +354,7 @@ class ColocatedEngine:
                                 f"otherwise than in the published checkpoint (e.g. '{unsyncable[0]}', fused MoE "
                                 "experts); vLLM/SGLang weight sync sends weights as they are in memory, which their "
                                 "loaders would read wrongly; use rollout.engine=hf for this model")
-            self._weights = PolicyWeights(model, self.options.dtype, self.options.gather, skip_unread=True)
+            self._weights = PolicyWeights(model, self.options.dtype, self.options.gather)
         return self._weights
 
     def _load_policy(self, model: torch.nn.Module) -> None:

@@ -298,7 +298,7 @@ class ServerEngine:
         sharded policy is gathered collectively; only the sending rank talks to the servers)."""
         from vlrft.models.weights import PolicyWeights
 
-        weights = PolicyWeights(model, self.options.dtype, self.options.gather, skip_unread=True)
+        weights = PolicyWeights(model, self.options.dtype, self.options.gather)
         buckets = weights.buckets(self.options.bucket_bytes, "cpu")
         if self.sync is not None:
             self.sync.sync(buckets, str(self.version + 1))
