@@ -111,6 +111,13 @@ def _hf_engine(arch: str, decoder: str) -> tuple[str, ...]:
                 f"test_min_new_tokens_holds_back_the_stop_tokens[{arch}-{decoder}]")
 
 
+def _one_d_group_decoder(arch: str) -> tuple[str, ...]:
+    """The group decoder at 1-D positions (tests/test_decoding_one_d.py): greedy ids equal `generate`'s, sampled
+    logprobs a float64 forward's."""
+    return _ids("test_decoding_one_d.py", f"test_greedy_groups_equal_generate_on_each_prompt_alone[{arch}-lean]",
+                f"test_sampled_logprobs_equal_a_float64_forward[{arch}]")
+
+
 def _lean(arch: str) -> tuple[str, ...]:
     return _ids("test_rollout_lean_decode.py", f"test_greedy_ids_and_logprobs_equal_transformers_layers[{arch}]",
                 f"test_every_qwen_vl_text_decoder_is_supported[{arch}]")
@@ -257,7 +264,7 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3_vl_moe", "Qwen3-VL-MoE", "Qwen3VLProcessor", "a grid of 16 px patches, 2 x 2 merged",
         hf=Cell(_hf_engine("qwen3_vl_moe", "group-decoder")
                 + _train_steps("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")),
-        vllm=Cell(_ids("test_vllm_executed.py", "test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout")
+        vllm=Cell(_ids("test_vllm_executed_moe.py", "test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout")
                   + _ids("test_rollout_engines.py", "test_fused_moe_experts_are_sent_in_the_released_layout"),
                   note="no videos, as Qwen3-VL; weight sync swaps the fused experts to the released layout, which "
                        "vLLM's loader takes (vlrft.models.weights.checkpoint_transposes)"),
@@ -310,8 +317,7 @@ FAMILIES: tuple[Family, ...] = (
         training_shares_prompt=Cell(refused="1-D positions, sliding-window layers and bidirectional attention over "
                                             "each image, which the shared forward's prompt caches do not follow: "
                                             "each row runs in full"),
-        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[gemma3-lean]",
-                                         "test_sampled_logprobs_equal_a_float64_forward[gemma3]")),
+        sampling_shares_prompt=Cell(_one_d_group_decoder("gemma3")),
         hf_decoder="transformers_layers",
         configs=("gemma3_4b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("gemma3"),),
@@ -328,8 +334,7 @@ FAMILIES: tuple[Family, ...] = (
                            "vlrft's visual layout does not follow yet"),
         training_shares_prompt=Cell(_training_shares("internvl", m_rope=False) + _ids(
             "test_actor.py", "test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward[internvl]")),
-        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[internvl-lean]",
-                                         "test_sampled_logprobs_equal_a_float64_forward[internvl]")),
+        sampling_shares_prompt=Cell(_one_d_group_decoder("internvl")),
         hf_decoder="lean", lean_text_model="Qwen2Model",
         configs=("internvl3_8b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("internvl"),),
@@ -355,8 +360,7 @@ FAMILIES: tuple[Family, ...] = (
         training_shares_prompt=Cell(_training_shares("llava_onevision", m_rope=False) + _ids(
             "test_actor.py", "test_prompt_sharing_under_gradient_checkpointing_equals_the_full_forward"
                              "[llava_onevision]")),
-        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[llava_onevision-lean]",
-                                         "test_sampled_logprobs_equal_a_float64_forward[llava_onevision]")),
+        sampling_shares_prompt=Cell(_one_d_group_decoder("llava_onevision")),
         hf_decoder="lean", lean_text_model="Qwen2Model",
         claims=(_fsdp2("llava_onevision"),),
     ),
@@ -371,8 +375,7 @@ FAMILIES: tuple[Family, ...] = (
         video=Cell(refused="its processor writes a video as timestamped frames of <image> tokens and returns them as "
                            "image pixels, which vlrft's video batches and token types do not follow yet"),
         training_shares_prompt=Cell(_training_shares("smolvlm", m_rope=False)),
-        sampling_shares_prompt=Cell(_ids("test_decoding_one_d.py", "test_greedy_groups_equal_generate_on_each_prompt_alone[smolvlm-lean]",
-                                         "test_sampled_logprobs_equal_a_float64_forward[smolvlm]")),
+        sampling_shares_prompt=Cell(_one_d_group_decoder("smolvlm")),
         hf_decoder="lean", lean_text_model="LlamaModel",
         configs=("smolvlm2_2b_grpo_geometry3k.yaml",),
         claims=(_fsdp2("smolvlm"),),
