@@ -103,12 +103,14 @@ def test_the_table_holds_every_family_vlrft_builds_a_tiny_model_of_and_every_eng
     assert get_args(get_type_hints(RolloutConfig)["engine"]) == ENGINES
 
 
-def test_the_readme_table_is_the_family_tables_rendering():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert readme.count(README_START) == 1 and readme.count(README_END) == 1, "README.md lost its table markers"
-    shown = readme.split(README_START + "\n", 1)[1].split(README_END, 1)[0]
-    assert shown == markdown_table(), ("README.md's model families table is not vlrft/families.py's; regenerate it: "
-                                       "`vlrft env --families-markdown` and paste it between the markers")
+@pytest.mark.parametrize("document", ["README.md", "docs/engines.md"])
+def test_the_documents_show_the_family_tables_rendering(document):
+    """The README's table and docs/engines.md's (where each engine's refusals are looked up, with their reasons)."""
+    text = (REPO / document).read_text(encoding="utf-8")
+    assert text.count(README_START) == 1 and text.count(README_END) == 1, f"{document} lost its table markers"
+    shown = text.split(README_START + "\n", 1)[1].split(README_END, 1)[0]
+    assert shown == markdown_table(), (f"{document}'s model families table is not vlrft/families.py's; regenerate "
+                                       "it: `vlrft env --families-markdown` and paste it between the markers")
 
 
 # ---------------------------------------------------------------------------------------------- shipped configs
