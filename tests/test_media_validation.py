@@ -203,3 +203,37 @@ def test_several_images_are_left_out_with_skip_and_kept_where_the_engine_takes_t
     assert kept("rollout.engine=hf") == ["one", "pair", "other"]  # the hf engine encodes as the processor does
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     assert kept("rollout.engine=vllm") == ["one", "pair", "other"]
+
+
+def test_videos_a_family_is_not_trained_with_are_refused_when_the_data_is_read(tmp_path):
+    """A family whose video cell the family table refuses (SmolVLM, GLM-4.1V, ...): a sample with a video is refused in
+    one line when the data is read, naming the row, the field and the table's reason, or left out and counted with
+    data.on_bad_sample=skip; a family trained with videos keeps it. Only the stand-in model folder's config.json is
+    read, so no model loads."""
+    from vlrft.families import family
+    from vlrft.trainer.training_data import without_videos_the_model_refuses
+
+    model = tmp_path / "model"
+    model.mkdir()
+    Image.fromarray(np.zeros((28, 28, 3), np.uint8)).save(tmp_path / "0.png")
+    rows = [{"id": "still", "prompt": "<image>What colour?", "images": ["0.png"], "answer": "0"},
+            {"id": "clip", "prompt": "<video>What moves?", "videos": ["clip.mp4"], "answer": "a ball"}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = read_samples(path)
+    messages = []
+
+    def kept(model_type, *overrides):
+        (model / "config.json").write_text(json.dumps({"model_type": model_type}))
+        cfg = load_config(None, [f"model.path={model}", *overrides], validate=False)
+        return [s.id for s in without_videos_the_model_refuses(samples, "data.train_files", cfg, messages.append)]
+
+    reason = family("smolvlm").video.refused
+    with pytest.raises(UserError) as refused:
+        kept("smolvlm")
+    assert str(refused.value).startswith("data.train_files: 1 of 2 samples have videos, which SmolVLM is not trained "
+                                         "with, first: train.jsonl line 2 (id 'clip'), field 'videos': SmolVLM "
+                                         f"(smolvlm) takes no videos in vlrft yet: {reason}; use images")
+    assert kept("glm4v", "data.on_bad_sample=skip") == ["still"]
+    assert len(messages) == 1 and "left out 1 of 2 samples with videos GLM-4.1V refuses" in messages[0]
+    assert kept("qwen2_vl") == ["still", "clip"]

@@ -28,7 +28,7 @@ def read_training_data(files: list[str], limit: int | None, key: str, cfg: Confi
                         "(check them with `vlrft data check FILE`)")
     if data.validate_media:
         samples = without_bad_samples(samples, key, data, strategy, message, progress)
-    return without_engine_refusals(samples, key, cfg, message)
+    return without_videos_the_model_refuses(without_engine_refusals(samples, key, cfg, message), key, cfg, message)
 
 
 def without_bad_samples(samples: list, key: str, data: DataConfig, strategy, message: Callable[[str], None],
@@ -68,6 +68,25 @@ def without_engine_refusals(samples: list, key: str, cfg: Config, message: Calla
     return _leave_out(samples, problems, key, cfg.data.on_bad_sample, message,
                       (f"are refused by rollout.engine={engine}", f"samples rollout.engine={engine} cannot take"),
                       "or set data.on_bad_sample=skip to leave them out")
+
+
+def without_videos_the_model_refuses(samples: list, key: str, cfg: Config, message: Callable[[str], None]) -> list:
+    """Samples with videos, for a family vlrft trains on images only (the family table's video cell, with its
+    reason), refused or left out with data.on_bad_sample=skip when the data is read, before any model loads."""
+    from vlrft.families import family
+
+    if not any(s.videos for s in samples):
+        return samples
+    model_type = _model_type(cfg)
+    fam = family(model_type) if model_type else None
+    if fam is None or fam.video.supported:
+        return samples
+    why = f"{fam.name} ({model_type}) takes no videos in vlrft yet: {fam.video.refused}"
+    problems = [MediaProblem(i, f"{s.source} (id {s.id!r})", "videos", why) for i, s in enumerate(samples) if s.videos]
+    return _leave_out(samples, problems, key, cfg.data.on_bad_sample, message,
+                      (f"have videos, which {fam.name} is not trained with", f"samples with videos {fam.name} refuses"),
+                      "use images (e.g. sampled frames as several <image> parts) or a Qwen-VL model; or set "
+                      "data.on_bad_sample=skip to leave them out")
 
 
 def _model_type(cfg: Config) -> str | None:
