@@ -169,7 +169,9 @@ def buckets(model, *extra):
     return [*PolicyWeights(model, torch.float32).buckets(BUCKET_BYTES, "cpu"), *extra]
 
 
-def test_synced_server_computes_with_the_trainers_weights(server, policy, sync, record_property):
+def assert_a_sync_moves_the_server_to_the_policy(server, policy, sync, record_property, label: str):
+    """The control (the server disagrees with the policy), one sync to version "step-1", then the server computes with
+    the policy's weights, reports that version, and no tensor or vLLM parameter was left out; returns the stats."""
     tokens_differ, stale = disagreement(server, policy)
     assert tokens_differ or stale > 100 * TOLERANCE, "the control: the server must disagree before the sync"
 
@@ -183,7 +185,12 @@ def test_synced_server_computes_with_the_trainers_weights(server, policy, sync, 
     record_property("sync", f"{stats.seconds:.3f} s, {stats.bytes} bytes, {stats.bytes_per_second / 1e6:.1f} MB/s, "
                             f"{stats.tensors} tensors in {stats.buckets} buckets; stale error {stale:.3g}, "
                             f"synced error {error:.3g}")
-    print(f"\nsync: {stats}; {stats.bytes_per_second / 1e6:.1f} MB/s; stale {stale:.3g}, synced {error:.3g}")
+    print(f"\n{label}: {stats}; {stats.bytes_per_second / 1e6:.1f} MB/s; stale {stale:.3g}, synced {error:.3g}")
+    return stats
+
+
+def test_synced_server_computes_with_the_trainers_weights(server, policy, sync, record_property):
+    assert_a_sync_moves_the_server_to_the_policy(server, policy, sync, record_property, "sync")
 
 
 @pytest.mark.parametrize("name, tensor, why", [

@@ -24,9 +24,9 @@ from _vllm_server import skip_unless_vllm  # noqa: E402
 skip_unless_vllm()
 
 from _vllm_server import vllm_server  # noqa: E402
-from test_vllm_server import SPEC, TOLERANCE, buckets, disagreement, moved_policy  # noqa: E402
+from test_vllm_server import (SPEC, TOLERANCE, assert_a_sync_moves_the_server_to_the_policy, buckets,  # noqa: E402
+                              disagreement, moved_policy)
 from test_vllm_server_engine import completions, train  # noqa: E402
-from vlrft.models.weights import PolicyWeights  # noqa: E402
 from vlrft.rollout.weight_transfer import ServerWeightSync, WeightSyncError  # noqa: E402
 from vlrft.rollout.weight_transfer_gloo import GlooTransport  # noqa: E402
 
@@ -52,20 +52,8 @@ def sync(server):
 
 
 def test_a_gloo_sync_makes_the_server_compute_with_the_trainers_weights(server, policy, sync, record_property):
-    tokens_differ, stale = disagreement(server, policy)
-    assert tokens_differ or stale > 100 * TOLERANCE, "the control: the server must disagree before the sync"
-
-    stats = sync.sync(buckets(policy), version="step-1")
-
-    tokens_differ, error = disagreement(server, policy)
-    assert not tokens_differ and error <= TOLERANCE, (tokens_differ, error)
-    assert sync.versions() == ["step-1"]
-    assert requests.get(server[0] + "/weight_info", timeout=5).json() == {"weight_version": "step-1"}
-    assert stats.missing == [] and stats.tensors == len(PolicyWeights(policy, None).names) and stats.buckets > 1
-    record_property("sync", f"{stats.seconds:.3f} s, {stats.bytes} bytes, {stats.bytes_per_second / 1e6:.1f} MB/s, "
-                            f"{stats.tensors} tensors in {stats.buckets} buckets; stale error {stale:.3g}, "
-                            f"synced error {error:.3g}")
-    print(f"\ngloo sync: {stats}; {stats.bytes_per_second / 1e6:.1f} MB/s; stale {stale:.3g}, synced {error:.3g}")
+    stats = assert_a_sync_moves_the_server_to_the_policy(server, policy, sync, record_property, "gloo sync")
+    assert stats.buckets > 1
 
 
 def test_an_unconsumed_tensor_fails_a_gloo_sync_naming_it(server, policy, sync):
