@@ -11,7 +11,9 @@ interleaved in each repeat (the order rotates):
   colocated  rollout.engine=vllm: vLLM inside the trainer's process, both cores, for reference
 A mode's figure is the median seconds per step over steps 2..S of one run (step 1 holds warm-ups); printed as
 min / median / max over the repeats. G (generation) and T (everything else of a step) come from the sync runs'
-`time/generate` and `time/step`; "prod. CPU" the async runs' `async/producer_cpu_s`, the CPU the collecting thread
+`time/generate` and `time/step`; S (the weight sync, part of T) their `time/weight_sync`. The servers are paused
+through a sync, so neither side overlaps it: the async step cannot be shorter than max(G, T - S) + S ("floor").
+"prod. CPU" the async runs' `async/producer_cpu_s`, the CPU the collecting thread
 takes from the trainer's core per step. `--ppo-epochs 4` makes T close to G (the setting where overlap approaches 2x).
 """
 
@@ -77,7 +79,7 @@ def main() -> None:
     model = Path(build_tiny_vlm(work / "model", TinySpec(arch="qwen2_vl", **SPEC)))
     modes = args.modes.split(",")
     step_s: dict[str, list[float]] = {m: [] for m in modes}
-    generate_s, train_s, producer_cpu_s = [], [], []
+    generate_s, train_s, sync_s, producer_cpu_s = [], [], [], []
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine on core 0
     with vllm_server(model, taskset="0") as server:
         for repeat in range(args.repeats):
@@ -90,6 +92,7 @@ def main() -> None:
                 if mode == "sync":
                     generate_s.append(per_step(metrics, "time/generate"))
                     train_s.append(step_s[mode][-1] - generate_s[-1])
+                    sync_s.append(per_step(metrics, "time/weight_sync"))
                 print(f"repeat {repeat}: {mode} {step_s[mode][-1]:.2f} s/step", flush=True)
     print(f"\n{args.repeats} repeats, steps 2..{args.steps}, ppo_epochs={args.ppo_epochs}; seconds per step "
           "(min median max)")
@@ -97,7 +100,9 @@ def main() -> None:
         print(f"{mode:10s} {summary(step_s[mode])}")
     if generate_s:
         bound = [1.15 * max(g, t) for g, t in zip(generate_s, train_s)]
-        print(f"{'G':10s} {summary(generate_s)}\n{'T':10s} {summary(train_s)}\n{'1.15max':10s} {summary(bound)}")
+        floor = [max(g, t - w) + w for g, t, w in zip(generate_s, train_s, sync_s)]
+        print(f"{'G':10s} {summary(generate_s)}\n{'T':10s} {summary(train_s)}\n{'S (in T)':10s} {summary(sync_s)}\n"
+              f"{'1.15max':10s} {summary(bound)}\n{'floor':10s} {summary(floor)}  (max(G, T - S) + S)")
     if producer_cpu_s:  # what the collecting thread takes from the trainer's one core
         print(f"{'prod. CPU':10s} {summary(producer_cpu_s)}  (async: CPU s/step of the producer thread)")
     if "async" in step_s and "sync" in step_s:

@@ -246,3 +246,31 @@ def test_the_producers_cpu_time_counts_its_work_not_its_waits(monkeypatch):
     finally:
         producer.close()
     assert 0.2 <= metrics["async/producer_cpu_s"] < 0.35, metrics
+
+
+def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
+    """With collection running ahead in its own thread, `time/generate` of step s is the time spent generating step
+    s's rows: not lost when the trainer starts its next step, not summed with the collection running meanwhile."""
+    from vlrft.trainer import producer as producer_module
+
+    engine = StandInEngine()
+    spent = {1: 0.05, 2: 0.15, 3: 0.10}
+
+    def stand_in_collect(deps, step):
+        with deps.timer("time/generate"):
+            time.sleep(spent.get(step, 0.01))
+        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+
+    monkeypatch.setattr(producer_module, "collect", stand_in_collect)
+    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
+                           rollout=SimpleNamespace(server_timeout_s=5), timer=producer_module.CollectionTimer())
+    producer = producer_module.AsyncProducer(deps, 1, engine, first_step=1)
+    try:
+        for step in (1, 2, 3):
+            produced = producer.next(step)
+            assert spent[step] <= produced.times["time/generate"] < spent[step] + 0.04, (step, produced.times)
+            time.sleep(0.2)  # training, while the next step is collected
+            engine.version += 1
+            producer.weights_synced()
+    finally:
+        producer.close()

@@ -10,7 +10,8 @@ The step is one story either way (`Trainer.train_step`): it asks its producer fo
   producer's first) only once the trainer has synced at least j - k times, so every row it hands
   over was sampled by weights at most k syncs older than the trainer's (`staleness`, checked when
   the step takes it). Rewards are scored in that thread too; with several ranks its collectives
-  run on a process group of their own, so they never interleave with the trainer's.
+  run on a process group of their own, so they never interleave with the trainer's, and its phases
+  (`time/generate`, `time/reward`) are timed apart and reported with the step they collected.
 
 Off-policy correction uses the behaviour logprobs the servers returned (truncated importance
 sampling, `algorithm.tis_cap`): the trainer's "old" logprobs are recomputed under the weights it
@@ -24,12 +25,14 @@ mode means the same prompts and sampling seeds, not the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -49,6 +52,28 @@ class Produced:
     waited_s: float = 0.0  # seconds the trainer waited for it
     trainer_version: int | None = None  # the weight version the trainer held when it took the step
     cpu_s: float = 0.0  # CPU seconds the producer's thread spent collecting it (async; taken from the trainer's cores)
+    times: dict[str, float] = dataclasses.field(default_factory=dict)  # async: "time/generate", ... of its collection
+
+
+class CollectionTimer:
+    """The `Timer` of the producer's thread: seconds per phase of the collection in progress, kept apart from the
+    trainer's own step timer (which the trainer clears at each step while the thread collects ahead)."""
+
+    def __init__(self):
+        self._times: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        """The phases timed since the last `take`, and a fresh start."""
+        out, self._times = dict(self._times), defaultdict(float)
+        return out
 
 
 class SyncProducer:
@@ -122,6 +147,8 @@ class AsyncProducer:
         self._queue: queue.Queue = queue.Queue()
         self._stop = False
         self.waited_s = 0.0  # seconds the producer waited for the trainer's syncs (summed; read per step)
+        timer = getattr(deps, "timer", None)  # its phases are stamped on each step it hands over
+        self.timer = timer if isinstance(timer, CollectionTimer) else None
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="vlrft-producer", daemon=True)
         self._thread.start()
 
@@ -141,7 +168,8 @@ class AsyncProducer:
                 versions = collected.rollouts.weight_versions or [self.engine.version]
                 state = {"sampler": copy.deepcopy(self.deps.sampler.state_dict()),
                          "engine": self.engine.state_dict()}
-                self._queue.put(Produced(collected, min(versions), state, cpu_s=time.thread_time() - cpu))
+                self._queue.put(Produced(collected, min(versions), state, cpu_s=time.thread_time() - cpu,
+                                         times=self.timer.take() if self.timer is not None else {}))
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread, which raises it
                 self._queue.put(exc)
                 return
@@ -182,7 +210,7 @@ def make_producer(cfg, deps: Callable[[], CollectDeps], awake: Callable[[], Cont
     if cfg.rollout.max_staleness == 0:
         return SyncProducer(deps, awake, engine)
     own = deps()
-    own = dataclasses.replace(own, strategy=ThreadCollectives(own.strategy))
+    own = dataclasses.replace(own, strategy=ThreadCollectives(own.strategy), timer=CollectionTimer())
     return AsyncProducer(own, cfg.rollout.max_staleness, engine, first_step)
 
 

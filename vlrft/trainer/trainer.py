@@ -462,7 +462,7 @@ class Trainer:
         # 5. The engine samples the next step from the new weights.
         sync_fixes = [f"lower rollout.weight_sync_bucket_mb (now {self.cfg.rollout.weight_sync_bucket_mb})",
                       *self.sampling_memory_fixes]
-        with explain_out_of_memory(f"step {step}, weight sync to the engine", sync_fixes):
+        with self.timer("time/weight_sync"), explain_out_of_memory(f"step {step}, weight sync to the engine", sync_fixes):
             self.engine.update_weights(self.actor)
         self.rollout_producer().weights_synced()
         # 6. Metrics reduced over ranks; an adaptive KL coefficient follows the measured KL.
@@ -470,8 +470,8 @@ class Trainer:
         self.kl_controller.update(metrics.get("kl", 0.0), len(collected.rollouts) * self.strategy.world_size)
         metrics["time/step"] = time.perf_counter() - start
         metrics.update(staleness_metrics(produced, self.producer))
-        for name, seconds in self._times.items():
-            metrics[name] = seconds
+        metrics.update(produced.times)  # async: the producer's own phases of this step's collection
+        metrics.update(self._times)
         self.step_count = step
         if self.strategy.is_main and self.logger is not None and self.cfg.logging.completions_every and \
                 step % self.cfg.logging.completions_every == 0:
