@@ -22,7 +22,7 @@ from PIL import Image
 
 from vlrft.rollout.outputs import PromptMismatchError
 from vlrft.rollout.requests import EngineInputError, PromptRequest
-from vlrft.rollout.server import ServerError, ServerPool, generate_payload, response_samples
+from vlrft.rollout.server import ServerError, ServerPool, VideoReading, generate_payload, response_samples
 
 
 def noise(width: int, height: int, seed: int) -> Image.Image:
@@ -45,10 +45,50 @@ def test_the_payload_carries_our_ids_lossless_images_a_seed_and_json_safe_option
         assert np.array_equal(np.asarray(decoded), np.asarray(image))  # the pixels our processor saw, exactly
 
 
-def test_a_video_is_refused_in_one_line_naming_the_sample():
-    request = PromptRequest({"prompt_token_ids": [1], "multi_modal_data": {"video": [object()]}}, [1], "clips (id 'v')")
-    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): rollout.engine=vllm_server does not send videos"):
-        generate_payload(request, {}, seed=0)
+def video_request(frames: np.ndarray, fps: float, total: int, timed: bool) -> PromptRequest:
+    """A prompt with one video as `vllm_requests` builds it: frames sampled from a `total`-frame clip at `fps`."""
+    metadata = {"total_num_frames": total, "fps": fps, "frames_indices": list(range(0, total, total // len(frames)))}
+    return PromptRequest({"prompt_token_ids": [1, 8, 2], "multi_modal_data": {"video": [(frames, metadata)]}},
+                         [1, 8, 8, 2], "clips (id 'v')", timed_videos=timed)
+
+
+def test_a_video_goes_as_its_sampled_frames_losslessly_in_vllms_frame_sequence_url():
+    """vLLM's "video/jpeg" data URL: base64 frames joined by commas (vLLM splits on them and PIL reads each); PNG
+    frames decode to exactly the pixels our processor sampled, in order."""
+    frames = np.random.default_rng(0).integers(0, 256, (4, 28, 42, 3), dtype=np.uint8)
+    body = generate_payload(video_request(frames, 2.0, 4, timed=True), {}, seed=0, videos=VideoReading(2.0, -1))
+    (part,) = body["content_parts"]
+    assert part["type"] == "video_url" and part["url"].startswith("data:video/jpeg;base64,")
+    encoded = part["url"].split(",", 1)[1].split(",")  # as vLLM's VideoMediaIO.load_base64 splits it
+    decoded = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(f))).convert("RGB")) for f in encoded])
+    assert np.array_equal(decoded, frames)
+
+
+def test_a_video_the_server_would_read_otherwise_is_refused_in_one_line():
+    """The servers give a frame-sequence video their own frame rate: where the model's positions follow it
+    (`timed_videos`, Qwen2.5-VL) another sampled rate is refused, naming the sample and the fix; where they do not
+    (Qwen2-VL) the video goes. More frames than the servers keep is refused either way."""
+    frames = np.zeros((4, 28, 28, 3), dtype=np.uint8)
+    sampled_at_one = video_request(frames, fps=2.0, total=8, timed=True)  # 4 of 8 frames of a 2 fps clip: 1 frame/s
+    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): video 1 is sampled at 1 frames/s and the rollout "
+                                               r"servers read videos at 2 .* --video-fps 1") as caught:
+        generate_payload(sampled_at_one, {}, seed=0, videos=VideoReading(2.0, -1))
+    assert "\n" not in str(caught.value)
+    generate_payload(sampled_at_one, {}, seed=0, videos=VideoReading(1.0, -1))  # the servers' rate: it goes
+    untimed = video_request(frames, fps=2.0, total=8, timed=False)
+    generate_payload(untimed, {}, seed=0, videos=VideoReading(2.0, -1))
+    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): video 1 has 4 frames and the rollout servers "
+                                               r"keep 3"):
+        generate_payload(untimed, {}, seed=0, videos=VideoReading(2.0, 3))
+
+
+def test_the_servers_video_reading_comes_from_their_server_info():
+    """`/server_info?config_format=json` as vLLM 0.32 shapes it; without --media-io-kwargs, vLLM's defaults."""
+    info = {"vllm_config": {"model_config": {"multimodal_config": {
+        "media_io_kwargs": {"video": {"num_frames": -1, "fps": 2.0}}}}}}
+    assert VideoReading.from_server_info(info) == VideoReading(2.0, -1)
+    bare = {"vllm_config": {"model_config": {"multimodal_config": {"media_io_kwargs": {}}}}}
+    assert VideoReading.from_server_info(bare) == VideoReading(1.0, 32)
 
 
 def reply(prompt_ids, completions):
@@ -274,3 +314,16 @@ def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
             producer.weights_synced()
     finally:
         producer.close()
+
+
+def test_serve_command_tells_the_server_to_read_videos_as_the_trainer_sampled_them(capsys):
+    """Every frame sent kept, and the frame rate data.video_fps samples at (`--video-fps`)."""
+    import shlex
+
+    from vlrft.cli import main
+
+    assert main(["serve-command", "/models/m", "--video-fps", "1.5"]) == 0
+    words = shlex.split(capsys.readouterr().out)
+    reading = json.loads(words[words.index("--media-io-kwargs") + 1])
+    assert VideoReading.from_server_info({"vllm_config": {"model_config": {"multimodal_config": {
+        "media_io_kwargs": reading}}}}) == VideoReading(1.5, -1)

@@ -101,6 +101,23 @@ def test_the_server_samples_our_prompts_and_after_a_sync_the_new_weights(server,
     assert again_a.completion_ids == again_b.completion_ids
 
 
+def test_a_video_through_the_server_runs_our_frames_with_the_policys_logprobs(server, model_dir):
+    """A video goes as the frames our processor sampled (vLLM's frame-sequence data URL): the server expands it to
+    our prompt ids (reported and checked) and samples with the policy's logprobs (float64 reference), in a batch with
+    text and image prompts."""
+    stack = build(model_dir, [server.url])
+    batch = stack.encoder.encode(mixed_samples(ARCH)).batch
+    assert any(batch.videos[i] for i in range(len(batch))) and any(batch.images[i] for i in range(len(batch)))
+    seen = []
+    post = stack.engine.pool.post
+    stack.engine.pool.post = lambda route, body: seen.append(post(route, body)) or seen[-1]
+    rollouts = stack.engine.generate(batch, SamplingParams(n=2, temperature=1.0, max_new_tokens=8))
+    assert sorted(reply["prompt_token_ids"] for reply in seen) == sorted(list(ids) for ids in batch.prompt_ids)
+    error = largest_difference(rollouts.logprobs, reference_logprobs(stack, batch, rollouts))
+    print(f"\nqwen2_vl with a video: largest logprob error {error:.3g}")
+    assert error < TOLERANCE
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_three_steps_of_vlrft_train_through_the_server(tmp_path, server, model_dir, staleness):
     """`vlrft train configs/demo.yaml rollout.engine=vllm_server`: at max_staleness=0 the server samples the policy of

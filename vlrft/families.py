@@ -167,11 +167,15 @@ NO_SGLANG = ("SGLang's own model classes were never checked against this family'
              "(the tests check the Qwen-VL families)")
 EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image tokens, which vlrft's prompt folding "
                          "does not invert")
-SERVER_VIDEOS = ("no videos: vLLM's server takes a video as a URL, not the frames our processor sampled "
-                 "(rollout.engine=vllm or hf take them)")
-SERVER_VIDEO_TEST = _ids("test_rollout_server.py", "test_a_video_is_refused_in_one_line_naming_the_sample")
+SERVER_VIDEO_RATE = ("videos sampled at the frame rate the servers read them at (`vlrft serve-command --video-fps`, "
+                     "data.video_fps): its positions follow the rate, and vLLM's server takes one rate for all")
+SERVER_VIDEO_TEST = _ids("test_rollout_server.py",
+                         "test_a_video_goes_as_its_sampled_frames_losslessly_in_vllms_frame_sequence_url",
+                         "test_a_video_the_server_would_read_otherwise_is_refused_in_one_line")
 QWEN3_VIDEOS = ("no videos: timestamp text between a video's frame groups, which vLLM expands itself, cannot keep one "
                 "tokenization (rollout.engine=sglang or hf take them)")
+MOE_SYNC = ("no videos, as Qwen3-VL; weight sync swaps the fused experts to the released layout, which vLLM's loader "
+            "takes (vlrft.models.weights.checkpoint_transposes)")
 LLAVA_ONE_IMAGE = ("one image a prompt: its processor gives each image of several one crop, vLLM's crops every image "
                    "as if alone (rollout.engine=hf takes several)")
 
@@ -193,8 +197,9 @@ FAMILIES: tuple[Family, ...] = (
         vllm_server=Cell(_ids("test_vllm_server_engine.py",
                               "test_the_server_samples_our_prompts_and_after_a_sync_the_new_weights",
                               "test_three_steps_of_vlrft_train_through_the_server[0]",
-                              "test_multi_turn_with_an_image_tool_through_the_server") + SERVER_VIDEO_TEST,
-                         note=SERVER_VIDEOS),
+                              "test_multi_turn_with_an_image_tool_through_the_server",
+                              "test_a_video_through_the_server_runs_our_frames_with_the_policys_logprobs")
+                         + SERVER_VIDEO_TEST),
         sglang=Cell(_sglang("qwen2_vl") + _ids("test_rollout_engines_gpu.py",
                                                "test_generate_samples_groups_from_our_prompts[sglang]")),
         video=Cell(_ids("test_data_model_inputs.py", "test_batched_forward_matches_each_prompt_alone[qwen2_vl]")
@@ -221,7 +226,7 @@ FAMILIES: tuple[Family, ...] = (
         vllm=Cell(_vllm("qwen2_5_vl")),
         vllm_server=Cell(_ids("test_vllm_server.py", "test_synced_server_computes_with_the_trainers_weights",
                               "test_a_sync_reaches_the_vision_tower_past_the_servers_encoder_cache")
-                         + SERVER_VIDEO_TEST, note=SERVER_VIDEOS),
+                         + _server("qwen2_5_vl"), note=SERVER_VIDEO_RATE),
         sglang=Cell(_sglang("qwen2_5_vl")),
         video=Cell(_ids("test_data_model_inputs.py", "test_batched_forward_matches_each_prompt_alone[qwen2_5_vl]")
                    + _ids("test_positions.py", "test_text_after_a_long_video_starts_past_the_videos_largest_position"
@@ -266,9 +271,8 @@ FAMILIES: tuple[Family, ...] = (
                 + _train_steps("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration")),
         vllm=Cell(_ids("test_vllm_executed_moe.py", "test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout")
                   + _ids("test_rollout_engines.py", "test_fused_moe_experts_are_sent_in_the_released_layout"),
-                  note="no videos, as Qwen3-VL; weight sync swaps the fused experts to the released layout, which "
-                       "vLLM's loader takes (vlrft.models.weights.checkpoint_transposes)"),
-        vllm_server=Cell(refused=NO_SERVER),
+                  note=MOE_SYNC),
+        vllm_server=Cell(_server("qwen3_vl_moe"), note=MOE_SYNC),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(_ids("test_actor.py", "test_qwen3_vl_video_rows_equal_a_plain_per_row_forward[qwen3_vl_moe]")),
         training_shares_prompt=Cell(_training_shares("qwen3_vl_moe", m_rope=True)),
@@ -350,7 +354,7 @@ FAMILIES: tuple[Family, ...] = (
         vllm_server=Cell(_server("llava_onevision") + _ids(
             "test_rollout_engines.py",
             "test_vllm_requests_of_llava_onevision_fold_images_alone_and_refuse_images_encoded_together"),
-            note=f"{LLAVA_ONE_IMAGE}; {SERVER_VIDEOS}"),
+            note=LLAVA_ONE_IMAGE),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(_ids("test_actor.py", "test_llava_onevision_video_rows_equal_a_plain_per_row_forward")
                    + _ids("test_rollout_hf.py", "test_llava_onevision_samples_after_a_video_with_the_trainers_logprobs")

