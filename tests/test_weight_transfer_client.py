@@ -49,8 +49,8 @@ def test_a_server_that_loads_nothing_fails_the_sync(stub, tmp_path):
         sync.sync([[("model.norm.weight", torch.ones(4))]], version="new")
     posts = [c for c in AcknowledgeAll.calls if c.startswith("POST")]
     # the four phases ran, between a pause and no resume: the failed sync sets no version and leaves it paused
-    assert posts == ["POST /init_weight_transfer_engine", "POST /pause?mode=wait", "POST /start_weight_update",
-                     "POST /update_weights", "POST /finish_weight_update"]
+    assert posts == ["POST /init_weight_transfer_engine", "POST /pause?mode=wait&clear_cache=false",
+                     "POST /start_weight_update", "POST /update_weights", "POST /finish_weight_update"]
     assert os.listdir(sync.folder) == []  # the bucket file was removed once the server had answered
     sync.close()
     assert not os.path.exists(sync.folder)

@@ -85,8 +85,10 @@ class ServerWeightSync:
 
     Per sync, on every server: `/pause?mode=wait`, `/start_weight_update`, `/update_weights` per bucket (shm: one
     safetensors file in `folder`, written once and read by all servers; gloo: one broadcast), `/finish_weight_update`,
-    `/update_weight_version` (read back from `/weight_info`), `/reset_prefix_cache`, `/reset_mm_cache`,
-    `/reset_encoder_cache`, `/resume`.
+    `/update_weight_version` (read back from `/weight_info`), `/reset_prefix_cache` and `/reset_encoder_cache` (the KV
+    and vision outputs computed by the old weights), `/resume`. vLLM's multimodal processor cache is kept: it holds
+    inputs processed for the model (pixels, grids), which no weight changes, so images seen before are not processed
+    again.
 
     Pause mode "wait": in-flight requests finish on the weights they started with, so every sample's tokens come
     from one policy version (vlrft syncs between rollouts, so there are normally none). "abort" would discard work
@@ -138,6 +140,9 @@ class ServerWeightSync:
 
     def _all(self, method: str, path: str, body=None, params: dict | None = None) -> list[Any]:
         """The same call on every server at once; fails (after all have answered) if any failed."""
+        if len(self.urls) == 1:
+            return [self._call(self.urls[0], method, path,
+                               body(0) if callable(body) else body, params)]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             futures = [pool.submit(self._call, url, method, path, body(i) if callable(body) else body, params)
                        for i, url in enumerate(self.urls)]
@@ -149,8 +154,8 @@ class ServerWeightSync:
 
     # ------------------------------------------------------------------------------------------- phases
     def pause(self) -> None:
-        # vLLM 0.32's pause also clears the caches by default (a deprecated flag); sync resets them after the load
-        self._all("POST", "/pause", params={"mode": self.pause_mode})
+        # not vLLM 0.32's deprecated clearing of every cache at the pause: `sync` resets what the weights computed
+        self._all("POST", "/pause", params={"mode": self.pause_mode, "clear_cache": "false"})
 
     def resume(self) -> None:
         self._all("POST", "/resume")
@@ -179,7 +184,6 @@ class ServerWeightSync:
         for url, result in zip(self.urls, self._all("POST", "/reset_prefix_cache")):
             if not result.get("success"):
                 raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
-        self._all("POST", "/reset_mm_cache")
         self._all("POST", "/reset_encoder_cache")
         self.resume()
         return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
