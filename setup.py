@@ -55,6 +55,6 @@ setup(
         "console_scripts": ["vlrft=vlrft.cli:main"],
         # vLLM loads these in every one of its processes: our weight-transfer backends "vlrft_shm" and "vlrft_gloo"
         # for `--weight-transfer-config '{"backend": "vlrft_shm"}'` (vlrft/rollout/weight_transfer.py)
-        "vllm.general_plugins": ["vlrft_weight_transfer=vlrft.rollout.weight_transfer:register"],
+        "vllm.general_plugins": ["vlrft=vlrft.rollout.vllm_plugin:register"],
     },
 )

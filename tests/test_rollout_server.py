@@ -22,7 +22,8 @@ from PIL import Image
 
 from vlrft.rollout.outputs import PromptMismatchError
 from vlrft.rollout.requests import EngineInputError, PromptRequest
-from vlrft.rollout.server import ServerError, ServerPool, VideoReading, generate_payload, response_samples
+from vlrft.rollout.server import ServerError, ServerPool, generate_payload, response_samples
+from vlrft.rollout.video_frames import MEDIA_TYPE, VIDEO_BACKEND, NotFramesPayload, decode_frames
 
 
 def noise(width: int, height: int, seed: int) -> Image.Image:
@@ -45,50 +46,46 @@ def test_the_payload_carries_our_ids_lossless_images_a_seed_and_json_safe_option
         assert np.array_equal(np.asarray(decoded), np.asarray(image))  # the pixels our processor saw, exactly
 
 
-def video_request(frames: np.ndarray, fps: float, total: int, timed: bool) -> PromptRequest:
-    """A prompt with one video as `vllm_requests` builds it: frames sampled from a `total`-frame clip at `fps`."""
-    metadata = {"total_num_frames": total, "fps": fps, "frames_indices": list(range(0, total, total // len(frames)))}
-    return PromptRequest({"prompt_token_ids": [1, 8, 2], "multi_modal_data": {"video": [(frames, metadata)]}},
-                         [1, 8, 8, 2], "clips (id 'v')", timed_videos=timed)
-
-
-def test_a_video_goes_as_its_sampled_frames_losslessly_in_vllms_frame_sequence_url():
-    """vLLM's "video/jpeg" data URL: base64 frames joined by commas (vLLM splits on them and PIL reads each); PNG
-    frames decode to exactly the pixels our processor sampled, in order."""
+def test_a_video_goes_as_its_sampled_frames_and_metadata_losslessly():
+    """The frames our processor sampled and the metadata it used (source frame count and rate, indices taken: what
+    Qwen2.5-VL's positions follow), read back as vlrft's vLLM video loader reads them: unchanged, marked as sampled
+    already."""
     frames = np.random.default_rng(0).integers(0, 256, (4, 28, 42, 3), dtype=np.uint8)
-    body = generate_payload(video_request(frames, 2.0, 4, timed=True), {}, seed=0, videos=VideoReading(2.0, -1))
-    (part,) = body["content_parts"]
-    assert part["type"] == "video_url" and part["url"].startswith("data:video/jpeg;base64,")
-    encoded = part["url"].split(",", 1)[1].split(",")  # as vLLM's VideoMediaIO.load_base64 splits it
-    decoded = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(f))).convert("RGB")) for f in encoded])
-    assert np.array_equal(decoded, frames)
+    metadata = {"total_num_frames": 40, "fps": 25.0, "frames_indices": [0, 12, 25, 37], "width": 42, "height": 28}
+    request = PromptRequest({"prompt_token_ids": [1, 8, 2], "multi_modal_data": {"video": [(frames, metadata)]}},
+                            [1, 8, 8, 2], "clips (id 'v')")
+    (part,) = generate_payload(request, {}, seed=0)["content_parts"]
+    assert part["type"] == "video_url" and part["url"].startswith(f"data:{MEDIA_TYPE};base64,")
+    got_frames, got_metadata = decode_frames(base64.b64decode(part["url"].split(",", 1)[1]))
+    assert np.array_equal(got_frames, frames) and got_frames.dtype == np.uint8
+    assert got_metadata == {**metadata, "video_backend": VIDEO_BACKEND, "do_sample_frames": False}
 
 
-def test_a_video_the_server_would_read_otherwise_is_refused_in_one_line():
-    """The servers give a frame-sequence video their own frame rate: where the model's positions follow it
-    (`timed_videos`, Qwen2.5-VL) another sampled rate is refused, naming the sample and the fix; where they do not
-    (Qwen2-VL) the video goes. More frames than the servers keep is refused either way."""
-    frames = np.zeros((4, 28, 28, 3), dtype=np.uint8)
-    sampled_at_one = video_request(frames, fps=2.0, total=8, timed=True)  # 4 of 8 frames of a 2 fps clip: 1 frame/s
-    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): video 1 is sampled at 1 frames/s and the rollout "
-                                               r"servers read videos at 2 .* --video-fps 1") as caught:
-        generate_payload(sampled_at_one, {}, seed=0, videos=VideoReading(2.0, -1))
-    assert "\n" not in str(caught.value)
-    generate_payload(sampled_at_one, {}, seed=0, videos=VideoReading(1.0, -1))  # the servers' rate: it goes
-    untimed = video_request(frames, fps=2.0, total=8, timed=False)
-    generate_payload(untimed, {}, seed=0, videos=VideoReading(2.0, -1))
-    with pytest.raises(EngineInputError, match=r"^clips \(id 'v'\): video 1 has 4 frames and the rollout servers "
-                                               r"keep 3"):
-        generate_payload(untimed, {}, seed=0, videos=VideoReading(2.0, 3))
+def test_other_video_bytes_are_not_taken_for_a_frames_payload():
+    """The server's loader hands any other video (another client's mp4) to vLLM's default loader."""
+    for data in (b"\x00\x00\x00\x18ftypmp42", b"PK\x03\x04 not a zip", b""):
+        with pytest.raises(NotFramesPayload):
+            decode_frames(data)
 
 
-def test_the_servers_video_reading_comes_from_their_server_info():
-    """`/server_info?config_format=json` as vLLM 0.32 shapes it; without --media-io-kwargs, vLLM's defaults."""
-    info = {"vllm_config": {"model_config": {"multimodal_config": {
-        "media_io_kwargs": {"video": {"num_frames": -1, "fps": 2.0}}}}}}
-    assert VideoReading.from_server_info(info) == VideoReading(2.0, -1)
-    bare = {"vllm_config": {"model_config": {"multimodal_config": {"media_io_kwargs": {}}}}}
-    assert VideoReading.from_server_info(bare) == VideoReading(1.0, 32)
+def test_a_server_reading_videos_with_its_own_loader_is_named_before_any_video_is_sent():
+    """A server started without vlrft's video loader would sample frames of its own: one line naming it and the
+    fix, from its /server_info (vLLM 0.32's shape); one started as `vlrft serve-command` prints passes."""
+    def info(media_io_kwargs):
+        return {"vllm_config": {"model_config": {"multimodal_config": {"media_io_kwargs": media_io_kwargs}}},
+                "vllm_env": {}}
+
+    good = StandInServer(server_info=info({"video": {"video_backend": VIDEO_BACKEND}}))
+    plain = StandInServer(server_info=info({}))
+    try:
+        ServerPool([good.url], timeout_s=5).check_video_loader()
+        with pytest.raises(ServerError, match=rf"^rollout server {plain.url} reads videos with vLLM's 'opencv' "
+                                              r"loader, .* --media-io-kwargs") as caught:
+            ServerPool([good.url, plain.url], timeout_s=5).check_video_loader()
+        assert "\n" not in str(caught.value)
+    finally:
+        good.stop()
+        plain.stop()
 
 
 def reply(prompt_ids, completions):
@@ -111,7 +108,7 @@ def test_answers_are_read_in_index_order_and_a_prompt_the_server_changed_is_refu
 class StandInServer:
     """A stand-in for a vLLM server: answers /health and the generate route after `delay_s`, counting requests."""
 
-    def __init__(self, delay_s: float = 0.0):
+    def __init__(self, delay_s: float = 0.0, server_info: dict | None = None):
         owner = self
         self.delay_s, self.requests = delay_s, 0
 
@@ -120,8 +117,11 @@ class StandInServer:
                 pass
 
             def do_GET(self):
-                self.send_response(200)
+                data = json.dumps(server_info).encode() if self.path.startswith("/server_info") else b""
+                self.send_response(200 if server_info is not None or not data else 404)
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                self.wfile.write(data)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -316,14 +316,15 @@ def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
         producer.close()
 
 
-def test_serve_command_tells_the_server_to_read_videos_as_the_trainer_sampled_them(capsys):
-    """Every frame sent kept, and the frame rate data.video_fps samples at (`--video-fps`)."""
+def test_serve_command_starts_the_server_with_vlrfts_video_loader(capsys):
+    """The printed command's --media-io-kwargs is what the trainer checks for at the first video."""
     import shlex
 
     from vlrft.cli import main
+    from vlrft.rollout.server import video_loader
 
-    assert main(["serve-command", "/models/m", "--video-fps", "1.5"]) == 0
+    assert main(["serve-command", "/models/m"]) == 0
     words = shlex.split(capsys.readouterr().out)
-    reading = json.loads(words[words.index("--media-io-kwargs") + 1])
-    assert VideoReading.from_server_info({"vllm_config": {"model_config": {"multimodal_config": {
-        "media_io_kwargs": reading}}}}) == VideoReading(1.5, -1)
+    media_io_kwargs = json.loads(words[words.index("--media-io-kwargs") + 1])
+    assert video_loader({"vllm_config": {"model_config": {"multimodal_config": {
+        "media_io_kwargs": media_io_kwargs}}}}) == VIDEO_BACKEND

@@ -69,7 +69,7 @@ def server(tiny_vlm_dir, tmp_path_factory):
     from importlib.metadata import entry_points
 
     plugins = entry_points(group="vllm.general_plugins")
-    if not any(e.value.startswith("vlrft.rollout.weight_transfer:") for e in plugins):
+    if not any(e.value == "vlrft.rollout.vllm_plugin:register" for e in plugins):
         pytest.fail("vlrft's vllm.general_plugins entry point is not installed in this environment, so vLLM cannot "
                     "find the vlrft_shm backend: `pip install -e . --no-deps` here")
     folder = tiny_vlm_dir("qwen2_5_vl", **SPEC)

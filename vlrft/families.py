@@ -167,11 +167,8 @@ NO_SGLANG = ("SGLang's own model classes were never checked against this family'
              "(the tests check the Qwen-VL families)")
 EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image tokens, which vlrft's prompt folding "
                          "does not invert")
-SERVER_VIDEO_RATE = ("videos sampled at the frame rate the servers read them at (`vlrft serve-command --video-fps`, "
-                     "data.video_fps): its positions follow the rate, and vLLM's server takes one rate for all")
-SERVER_VIDEO_TEST = _ids("test_rollout_server.py",
-                         "test_a_video_goes_as_its_sampled_frames_losslessly_in_vllms_frame_sequence_url",
-                         "test_a_video_the_server_would_read_otherwise_is_refused_in_one_line")
+SERVER_VIDEO_TEST = _ids("test_rollout_server.py", "test_a_video_goes_as_its_sampled_frames_and_metadata_losslessly",
+                         "test_a_server_reading_videos_with_its_own_loader_is_named_before_any_video_is_sent")
 QWEN3_VIDEOS = ("no videos: timestamp text between a video's frame groups, which vLLM expands itself, cannot keep one "
                 "tokenization (rollout.engine=sglang or hf take them)")
 MOE_SYNC = ("no videos, as Qwen3-VL; weight sync swaps the fused experts to the released layout, which vLLM's loader "
@@ -226,7 +223,7 @@ FAMILIES: tuple[Family, ...] = (
         vllm=Cell(_vllm("qwen2_5_vl")),
         vllm_server=Cell(_ids("test_vllm_server.py", "test_synced_server_computes_with_the_trainers_weights",
                               "test_a_sync_reaches_the_vision_tower_past_the_servers_encoder_cache")
-                         + _server("qwen2_5_vl"), note=SERVER_VIDEO_RATE),
+                         + _server("qwen2_5_vl")),
         sglang=Cell(_sglang("qwen2_5_vl")),
         video=Cell(_ids("test_data_model_inputs.py", "test_batched_forward_matches_each_prompt_alone[qwen2_5_vl]")
                    + _ids("test_positions.py", "test_text_after_a_long_video_starts_past_the_videos_largest_position"

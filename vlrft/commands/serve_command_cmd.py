@@ -23,9 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-transfer", choices=["shm", "gloo"], default="shm",
                         help="rollout.weight_transfer: 'shm' (the trainer on this host) or 'gloo' (the trainer on any "
                         "node; add --host 0.0.0.0)")
-    parser.add_argument("--video-fps", type=float, default=2.0,
-                        help="data.video_fps: the frame rate the server gives the videos it is sent (Qwen2.5-VL's "
-                        "positions follow it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,6 +31,6 @@ def run(args: argparse.Namespace) -> int:
     command = serve_command(args.model, host=args.host, port=args.port, dtype=args.dtype,
                             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                             tensor_parallel_size=args.tensor_parallel_size, cpu=args.cpu,
-                            weight_transfer=args.weight_transfer, video_fps=args.video_fps)
+                            weight_transfer=args.weight_transfer)
     print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
     return 0

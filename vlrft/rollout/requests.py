@@ -74,7 +74,6 @@ class PromptRequest:
     prompt_ids: list[int]  # our prompt ids; the engine's final prompt must equal them
     name: str  # "source (id ...)" for error messages
     seed: int | None = None  # the request's sampling seed (`vlrft.sampling.request_seed`); None: the engine's stream
-    timed_videos: bool = False  # the model's positions follow each video's sampled frame rate (second_per_grid_ts)
 
 
 def sample_name(batch: "PromptBatch", index: int) -> str:
@@ -269,8 +268,7 @@ def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec",
             payload["mm_processor_kwargs"] = {"do_sample_frames": False}
         if media:
             payload["multi_modal_data"] = media
-        requests.append(PromptRequest(payload, list(batch.prompt_ids[i]), name,
-                                      timed_videos="second_per_grid_ts" in visual.extra))
+        requests.append(PromptRequest(payload, list(batch.prompt_ids[i]), name))
     return requests
 
 

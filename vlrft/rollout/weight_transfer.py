@@ -3,8 +3,9 @@
 Two halves, one protocol:
 
 * The engines of `vlrft.rollout.weight_transfer_worker` run inside every vLLM worker. vLLM creates one when the
-  server is started with `--weight-transfer-config '{"backend": "vlrft_shm"}'` (or "vlrft_gloo"); `register()` (our
-  `vllm.general_plugins` entry point, see setup.py) puts them in vLLM's engine registry in every vLLM process. Each
+  server is started with `--weight-transfer-config '{"backend": "vlrft_shm"}'` (or "vlrft_gloo"); `register()`
+  (called by our `vllm.general_plugins` entry point, `vlrft.rollout.vllm_plugin`) puts them in vLLM's engine registry
+  in every vLLM process. Each
   `/update_weights` brings one bucket of checkpoint-named tensors, which the engine loads through the model's own
   `load_weights` inside vLLM's checkpoint-format layerwise reload (opened at `/start_weight_update`, closed at
   `/finish_weight_update`), so each layer's post-load processing (the CPU backend's oneDNN packing, quantisation)
@@ -50,7 +51,7 @@ BACKENDS = {"vlrft_shm": "ShmWeightTransferEngine", "vlrft_gloo": "GlooWeightTra
 
 
 def register() -> None:
-    """`vllm.general_plugins` entry point: add our engines to vLLM's registry (vLLM loads plugins in every process,
+    """Add our engines to vLLM's registry (called by `vlrft.rollout.vllm_plugin`; vLLM loads plugins in every process,
     possibly more than once in one, and the registry refuses a second registration)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
