@@ -193,6 +193,23 @@ def test_synced_server_computes_with_the_trainers_weights(server, policy, sync, 
     assert_a_sync_moves_the_server_to_the_policy(server, policy, sync, record_property, "sync")
 
 
+def test_each_tensor_is_checked_alone_once_per_trainer_then_loaded_with_its_bucket(server, policy, sync):
+    """A new trainer's first sync offers every tensor to vLLM's loader alone (each one accounted); later syncs of
+    the same tensors load each bucket in one call, and the server still computes with the trainer's weights."""
+    sync.transport.close()
+    sync.transport.open(sync)  # /init_weight_transfer_engine, as a new trainer: the engine forgets what it checked
+    first = sync.sync(buckets(policy), version="alone")
+    moved = moved_policy(server[1])
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.mul_(1.01)
+    again = sync.sync(buckets(moved), version="bucketed")
+    tokens_differ, error = disagreement(server, moved)
+    assert first.checked_alone == first.tensors and again.checked_alone == 0, (first, again)
+    assert again.missing == [] and not tokens_differ and error <= TOLERANCE, (tokens_differ, error)
+    sync.sync(buckets(policy), version="step-1")  # back to the policy the other tests expect
+
+
 @pytest.mark.parametrize("name, tensor, why", [
     ("model.language_model.layers.0.mlp.bogus.weight", torch.zeros(4), "There is no module or parameter named"),
     # the checkpoint has a bias the model's config has none of: vLLM's loaders skip it silently

