@@ -269,7 +269,7 @@ FAMILIES: tuple[Family, ...] = (
         vllm=Cell(_ids("test_vllm_executed_moe.py", "test_qwen3_vl_moe_sync_sends_every_expert_in_the_released_layout")
                   + _ids("test_rollout_engines.py", "test_fused_moe_experts_are_sent_in_the_released_layout"),
                   note=MOE_SYNC),
-        vllm_server=Cell(_server("qwen3_vl_moe"), note=MOE_SYNC),
+        vllm_server=Cell(_server("qwen3_vl_moe"), note="no videos, as Qwen3-VL; the experts synced as on vllm"),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(_ids("test_actor.py", "test_qwen3_vl_video_rows_equal_a_plain_per_row_forward[qwen3_vl_moe]")),
         training_shares_prompt=Cell(_training_shares("qwen3_vl_moe", m_rope=True)),
