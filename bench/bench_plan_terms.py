@@ -13,7 +13,9 @@ plan's `parameters` and `gradients`.
   backward of a loss on its states, under bf16 autocast over float32 weights (the GPUs' mixed precision, with the
   trainer's `forward_autocast`: no cast cache under checkpointing) or in float32. At the peak of forward + backward
   the live storages are split into the prompt pass's key/value records and their gradients (`prompt_kv`, taken as
-  the most of them alive at once), bf16 copies of parameters (`weight_casts`) and the rest (`activations`).
+  the most of them alive at once), the first gradient each parameter's accumulator receives (`pending_grads`: the
+  completion pass's, waiting for the prompt pass's), bf16 copies of parameters (`weight_casts`) and the rest
+  (`activations`).
 - `logits`: `vlrft.models.logprobs.token_logprobs` and its backward on [tokens, hidden] states: the peak less the
   head's float32 gradient buffer and its bf16 copy (`head_backward`, measured beside it).
 
@@ -180,11 +182,45 @@ def _batch(case: Case, model, tokenizer):
                            tokenizer.pad_token_id)
 
 
+def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torch.Tensor]) -> None:
+    """Tag, as the backward makes them, the gradients that wait in autograd's buffers: the first sent to each
+    parameter's accumulator (`pending_grads`: the completion pass's, which wait there for the prompt pass's) and every
+    one sent to a key/value record, and their sum (`prompt_kv`), by hooks on the graph's nodes."""
+    record_nodes = {record.grad_fn for record in records if record.grad_fn is not None}
+    arrived: set = set()
+
+    def tagging(slots: list[tuple[int, object]]):
+        def hook(grad_inputs, grad_outputs):
+            for index, target in slots:
+                if not isinstance(grad_inputs[index], torch.Tensor):
+                    continue
+                if target in record_nodes:
+                    meter.tag(grad_inputs[index], "prompt_kv")
+                elif target not in arrived:  # a later one is added to it at once
+                    arrived.add(target)
+                    meter.tag(grad_inputs[index], "pending_grads")
+        return hook
+
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in record_nodes:  # the sum of the contributions
+            node.register_prehook(lambda grads: tagging([(0, next(iter(record_nodes)))])(grads, None))
+        slots = [(i, n) for i, (n, _) in enumerate(node.next_functions)
+                 if n is not None and (type(n).__name__ == "AccumulateGrad" or n in record_nodes)]
+        if slots:
+            node.register_hook(tagging(slots))
+        stack += [n for n, _ in node.next_functions]
+
+
 def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
     """(measured, planned) bytes of `activations`, `prompt_kv` and `weight_casts` for one micro-batch."""
     import vlrft.models.actor as actor_module
     from vlrft.plan import shape_from_config
-    from vlrft.plan.activations import MicroBatchSize, micro_batch_terms
+    from vlrft.plan.activations import MicroBatchSize, micro_batch_terms, shared_gradients
 
     model, actor, tokenizer = _model(case)
     params = list(model.parameters())
@@ -205,27 +241,26 @@ def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
         with meter:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.mixed, cache_enabled=not case.checkpointing):
                 states = actor.predicting_states(seqs)
-            for cache in recorded:
-                for layer in cache.layers:
-                    for record in (layer.keys, layer.values):
-                        meter.tag(record, "prompt_kv")
-                        if record.requires_grad:
-                            record.register_hook(lambda grad: meter.tag(grad, "prompt_kv"))
-            del recorded[:]
+            records = [record for cache in recorded for layer in cache.layers for record in (layer.keys, layer.values)]
+            for record in records:
+                meter.tag(record, "prompt_kv")
+            _tag_gradients(meter, states, records)
+            del recorded[:], records
             states.float().square().mean().backward()
             del states
     finally:
         actor_module.recording_cache = making
     _, split = meter.peak_breakdown()
     measured = {"activations": split.get("activations", 0), "prompt_kv": meter.most_alive({"prompt_kv"}),
-                "weight_casts": split.get("weight_casts", 0)}
+                "weight_casts": split.get("weight_casts", 0), "pending_grads": split.get("pending_grads", 0)}
     shape = shape_from_config(model.config.to_dict())
     rows = case.prompts * case.rows_per_prompt
     batch = MicroBatchSize(case.prompts * case.prompt_len + rows * case.completion_len,
                            case.prompts * case.image_grid ** 2, rows, case.prompts * case.prompt_len,
                            rows * case.completion_len, "")
     planned = micro_batch_terms(shape, batch, case.prompt_len, case.completion_len, case.checkpointing,
-                                2 if case.mixed else 4, float32_weights=case.mixed)
+                                2 if case.mixed else 4, float32_weights=case.mixed,
+                                shared=shared_gradients(shape, 4, 2 if case.mixed else 4))  # float32 weights, all trained
     return measured, planned
 
 

@@ -8,15 +8,16 @@ import pytest
 
 from bench.bench_plan_terms import Case, measure_logits, measure_micro_batch
 
-# measured / planned, as docs/memory_plan.md states them
-STATED = {"logits": (0.65, 1.02), "head_backward": (0.99, 1.01), "prompt_kv": (0.98, 1.02),
-          "weight_casts": (0.85, 1.02), "activations": (0.55, 1.10)}
+# measured / planned, as docs/memory_plan.md states them (activations: with and without gradient checkpointing)
+STATED = {"logits": (0.65, 1.02), "head_backward": (0.99, 1.01), "prompt_kv": (0.98, 1.08),
+          "weight_casts": (0.85, 1.02), "pending_grads": (0.79, 1.02), ("activations", True): (0.89, 1.16),
+          ("activations", False): (0.75, 0.92)}
 
 
-def _within(measured: dict, planned: dict) -> None:
+def _within(measured: dict, planned: dict, checkpointing: bool | None = None) -> None:
     for term, value in measured.items():
         if planned.get(term):
-            low, high = STATED[term]
+            low, high = STATED[(term, checkpointing) if term == "activations" else term]
             assert low <= value / planned[term] <= high, (term, value, planned[term])
 
 
@@ -35,7 +36,12 @@ def test_the_logits_and_head_backward_terms_are_within_their_stated_error(vocab,
 @pytest.mark.parametrize("checkpointing", [True, False])
 @pytest.mark.parametrize("mixed", [True, False])
 def test_the_micro_batch_terms_are_within_their_stated_error(checkpointing, mixed):
-    """activations, prompt_kv and weight_casts of a shared-prompt micro-batch (4 rows of a 256-token prompt, a GQA
-    model). Before: prompt_kv counted every layer's gradients (0.62 of it live under checkpointing) or none of the
-    records (1.25 without)."""
-    _within(*measure_micro_batch(Case(checkpointing=checkpointing, mixed=mixed)))
+    """activations, prompt_kv, pending_grads and weight_casts of a shared-prompt micro-batch (4 rows of a 256-token
+    prompt, a GQA model), the gradients waiting in autograd's buffers counted as such. Before: the completion pass's
+    parameter gradients, which wait for the prompt pass's backward, were not planned (0.58-0.71 of activations were
+    live under checkpointing, those gradients among them), nor its gradients of the prompt's keys and values (prompt_kv
+    counted one layer's)."""
+    measured, planned = measure_micro_batch(Case(checkpointing=checkpointing, mixed=mixed))
+    if checkpointing:  # the peak is in the backward, with the waiting gradients
+        assert planned.get("pending_grads") and measured["pending_grads"]
+    _within(measured, planned, checkpointing)

@@ -66,17 +66,25 @@ def completion_pass_bytes(shape: ModelShape, rows: int, prompt_len: int, complet
     return copies + mask
 
 
-def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, key_bytes: int, value_bytes: int) -> int:
-    """The shared-prompt forward's record of every layer's prompt keys and values, and one layer's gradients of them.
+def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, key_bytes: int, value_bytes: int,
+                    keys_kept: bool = True) -> int:
+    """The shared-prompt forward's record of every layer's prompt keys and values, and every layer's gradients of them.
 
-    The completion pass reads every layer's prompt keys/values; its backward runs from the last layer down, each
-    layer handing back its records' gradients and freeing its hold on them, so all layers' records and one layer's
-    gradients are alive at once (with and without checkpointing; measured: 1.25x the records for 4 layers, 1.12x for
-    8, bench/bench_plan_terms.py). Keys follow the residual stream's dtype (float32 under autocast over float32
-    weights), values the compute dtype.
+    autograd runs the nodes that are ready in the reverse of the order the forward made them, so the whole completion
+    pass's backward runs before the prompt pass's: each layer's gradients of its records, handed back by the
+    completion pass, wait for the prompt pass's layer to add its own. At the top prompt layer's backward all layers'
+    records and gradients are alive, with that layer's own gradients (measured: 0.95-1.06x, 4 and 8 layers,
+    bench/bench_plan_terms.py). Keys follow the residual stream's dtype (float32 under autocast over float32 weights),
+    values the compute dtype. Not `keys_kept` (no checkpointing, keys wider than the compute dtype): once the forward
+    is done nothing holds the float32 key records (the attention keeps its low-precision copies, `activations`).
     """
-    per_layer = prompt_tokens * shape.text.kv_dim * (key_bytes + value_bytes)
-    return per_layer * (shape.text.num_layers + 1)
+    layers = shape.text.num_layers
+    records = layers * _kv_layer_bytes(shape, prompt_tokens, key_bytes if keys_kept else 0, value_bytes)
+    return records + (layers + 1) * _kv_layer_bytes(shape, prompt_tokens, key_bytes, value_bytes)
+
+
+def _kv_layer_bytes(shape: ModelShape, prompt_tokens: int, key_bytes: int, value_bytes: int) -> int:
+    return prompt_tokens * shape.text.kv_dim * (key_bytes + value_bytes)
 
 
 def head_backward_bytes(shape: ModelShape, trained: bool, float32_weights: bool, completion_tokens: int) -> int:
@@ -113,22 +121,90 @@ def weight_cast_bytes(shape: ModelShape, frozen_tower: bool) -> int:
     return 2 * (shape.num_parameters - head_and_embeddings - (shape.tower_count() if frozen_tower else 0))
 
 
+@dataclass(frozen=True)
+class SharedGradients:
+    """Bytes of the gradients of the trained parameters both passes of the shared-prompt forward run through: a
+    decoder layer's (`per_layer`) and the embeddings' and final norm's (`root`, when they train)."""
+
+    per_layer: int = 0
+    root: int = 0
+    in_flight: int = 0  # a layer's largest weight's gradient as its backward makes it: compute dtype, then cast
+
+    def total(self, layers: int) -> int:
+        return self.per_layer * layers + self.root
+
+
+def shared_gradients(shape: ModelShape, grad_bytes: int, compute_bytes: int, lora_rank: int = 0,
+                     lora_targets: tuple[str, ...] = ()) -> SharedGradients:
+    """The language model's trained parameters (both passes run through them; the vision tower and LM head run once)
+    as `SharedGradients` of `grad_bytes` each: LoRA's adapters in its layers, or all of it."""
+    layers = shape.text.num_layers
+    if lora_rank > 0:
+        return SharedGradients(grad_bytes * shape.lora_parameters(lora_rank, list(lora_targets), part="text") // layers)
+    text = [t for t in shape.tensors() if t.part == "text" and ".layers." in t.name]
+    in_layers, largest = sum(t.numel for t in text), max(t.numel for t in text)
+    return SharedGradients(grad_bytes * in_layers // layers, grad_bytes * (shape.count("text") - in_layers),
+                           largest * (compute_bytes + (grad_bytes if grad_bytes != compute_bytes else 0)))
+
+
+def _pixel_bytes(shape: ModelShape, patches: int, compute_bytes: int) -> int:
+    """The patches' pixels (float32) and, under autocast, the patch embedding's low-precision copy it keeps."""
+    v = shape.vision
+    return patches * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * (4 + (compute_bytes if compute_bytes < 4 else 0))
+
+
+def _moments(shape: ModelShape, batch: "MicroBatchSize", copies: int, checkpointing: bool, compute_bytes: int,
+             shared: SharedGradients, kv_layer: int):
+    """(activations, waiting parameter gradients, waiting record gradients) at each moment of forward + backward
+    that can be the peak. autograd runs the whole completion pass's backward before the prompt pass's (its nodes are
+    newer), so each parameter's gradient from the completion pass waits for the prompt pass's: at the top prompt
+    layer's backward all of them are alive (`shared`), beside the prompt pass's layer inputs and one replayed layer.
+    A token budget's split between prompt and completion tokens is unknown: both extremes are tried."""
+    t, v = shape.text, shape.vision
+    layer, vision_layer = per_token_layer_bytes(shape, compute_bytes)
+    stream, depth, layers = 4 * t.hidden_size, v.depth, t.num_layers
+    patches, pixels = batch.vision_patches, _pixel_bytes(shape, batch.vision_patches, compute_bytes)
+    completions = min(batch.completion_tokens, batch.tokens)
+    splits = {(batch.prompt_tokens, min(completions, batch.tokens - batch.prompt_tokens)),
+              (batch.tokens - completions, completions)}
+    waiting = shared.total(layers)
+    if not checkpointing:
+        yield activation_bytes(shape, batch.tokens, patches, False, compute_bytes) + copies + pixels, 0, 0  # forward
+        for prompt, _ in splits:  # the completion pass's backward done
+            yield activation_bytes(shape, prompt, patches, False, compute_bytes) + pixels, waiting, layers * kv_layer
+        return
+    vision = patches * 4 * v.hidden_size * depth + pixels  # the tower's block inputs, until its backward (the last)
+    yield vision + 2 * patches * vision_layer, 0, 0
+    for prompt, completion in splits:
+        kept = prompt * stream * (layers + 1) + vision  # the prompt pass's layer inputs and last output
+        yield kept + prompt * layer + shared.in_flight, waiting, layers * kv_layer  # the top prompt layer replayed
+        for below in range(1, layers + 1):  # completion layer `below` replayed, the inputs of those under it kept
+            done = layers - below + 1
+            yield (kept + completion * (stream * below + layer) + copies, shared.per_layer * done, kv_layer * done)
+
+
 def micro_batch_terms(shape: ModelShape, batch: "MicroBatchSize", prompt_len: int, completion_len: int,
-                      checkpointing: bool, compute_bytes: int, float32_weights: bool, frozen_tower: bool = False
-                      ) -> dict[str, int]:
-    """`activations`, `prompt_kv` and (float32 weights under bf16 autocast, no checkpointing) `weight_casts` of one
-    training micro-batch (`micro_batch_size`) whose prompts are `prompt_len` tokens and rows `completion_len` after
-    them. Measured against the live tensors by bench/bench_plan_terms.py."""
+                      checkpointing: bool, compute_bytes: int, float32_weights: bool, frozen_tower: bool = False,
+                      shared: SharedGradients = SharedGradients()) -> dict[str, int]:
+    """`activations`, `prompt_kv`, `pending_grads` (`shared`: the parameter gradients of the completion pass waiting
+    for the prompt pass's, at the peak) and (float32 weights under bf16 autocast, no checkpointing) `weight_casts` of
+    one training micro-batch (`micro_batch_size`) whose prompts are `prompt_len` tokens and rows `completion_len`
+    after them. `activations` and `pending_grads` are read at the moment of the largest sum (`_moments`). Measured
+    against the live tensors by bench/bench_plan_terms.py."""
+    key_bytes = 4 if float32_weights else compute_bytes
     copies = completion_pass_bytes(shape, batch.rows, prompt_len, batch.completion_tokens, completion_len,
                                    checkpointing, compute_bytes)
-    terms = {"activations": activation_bytes(shape, batch.tokens, batch.vision_patches, checkpointing, compute_bytes)
-             + copies,
-             "prompt_kv": prompt_kv_bytes(shape, batch.prompt_tokens, 4 if float32_weights else compute_bytes,
-                                          compute_bytes)}
+    kv_layer = _kv_layer_bytes(shape, batch.prompt_tokens, key_bytes, compute_bytes)
+    activations, pending, _ = max(_moments(shape, batch, copies, checkpointing, compute_bytes, shared, kv_layer),
+                                  key=sum)
+    keys_kept = checkpointing or key_bytes == compute_bytes
+    terms = {"activations": activations,
+             "prompt_kv": prompt_kv_bytes(shape, batch.prompt_tokens, key_bytes, compute_bytes, keys_kept)}
+    if pending:
+        terms["pending_grads"] = pending
     if float32_weights and not checkpointing:
         terms["weight_casts"] = weight_cast_bytes(shape, frozen_tower)
     return terms
-
 
 
 def prompt_patches(cfg, shape: ModelShape, images_per_prompt: int, videos_per_prompt: int) -> int:

@@ -86,12 +86,14 @@ class ModelShape:
              and ("all-linear" in target_modules or t.name.rsplit(".", 2)[-2] in linear))
             or (len(t.shape) == 3 and any(t.name == x or t.name.endswith("." + x) for x in linear)))]
 
-    def lora_parameters(self, rank: int, target_modules: list[str], exclude_vision: bool = False) -> int:
-        """LoRA adapter parameters: rank * (in + out) per targeted linear layer (`lora_targets`); for an experts'
-        [E, out, in] weight rank * E * (in + out) (PEFT's adapter on a parameter: rank x E in each factor)."""
+    def lora_parameters(self, rank: int, target_modules: list[str], exclude_vision: bool = False,
+                        part: str | None = None) -> int:
+        """LoRA adapter parameters: rank * (in + out) per targeted linear layer (`lora_targets`, of `part` only when
+        given); for an experts' [E, out, in] weight rank * E * (in + out) (PEFT's adapter on a parameter: rank x E in
+        each factor)."""
         return sum(rank * (t.shape[0] + t.shape[1]) if len(t.shape) == 2
                    else rank * t.shape[0] * (t.shape[1] + t.shape[2])
-                   for t in self.lora_targets(target_modules, exclude_vision))
+                   for t in self.lora_targets(target_modules, exclude_vision) if part is None or t.part == part)
 
 
 # ------------------------------------------------------------------ reading config.json

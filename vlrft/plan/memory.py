@@ -31,8 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vlrft.plan.activations import (chunk_tokens, head_backward_bytes, logits_bytes, micro_batch_size, micro_batch_terms,
-                                    prompt_patches)
+from vlrft.families import family
+from vlrft.plan.activations import (SharedGradients, chunk_tokens, head_backward_bytes, logits_bytes, micro_batch_size,
+                                    micro_batch_terms, prompt_patches, shared_gradients)
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.engine import engine_components
 from vlrft.plan.memory_plan import CUDA_RESERVE, Component, Hardware, MemoryPlan, StrategyChoice
@@ -119,6 +120,24 @@ def _trained_model_components(cfg, shape: ModelShape, strategy: StrategyChoice, 
     return comps
 
 
+def _shared_gradients(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, grad_bytes: int,
+                      compute_bytes: int) -> SharedGradients:
+    """The gradients the shared-prompt forward's completion pass makes and autograd holds until the prompt pass adds
+    its own (`vlrft.plan.activations.SharedGradients`), where they come beside the `gradients` term: under `single`
+    and `ddp` from a step's second micro-batch on (the first one's become `.grad`, which each step frees). None for a
+    family whose training forward runs every row in full (`vlrft.families`). Under `fsdp2` and DeepSpeed the same
+    wait happens for the gathered (unsharded) parameters' gradients by the same autograd order, but is not measured
+    and not counted yet (docs/memory_plan.md)."""
+    m, t = cfg.model, cfg.train
+    shares = family(shape.model_type)
+    rank_rows = max(1, cfg.prompts_per_step // world) * cfg.rollout.n
+    one_micro_batch = t.max_tokens_per_micro_batch <= 0 and rank_rows <= t.micro_batch_completions_per_rank
+    if (shares is None or not shares.training_shares_prompt.supported or strategy.name not in ("single", "ddp")
+            or one_micro_batch):
+        return SharedGradients()
+    return shared_gradients(shape, grad_bytes, compute_bytes, m.lora.rank, tuple(m.lora.target_modules))
+
+
 def _micro_batch_components(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, params: int, hi: int,
                             patches: int, seq_len: int, media: str) -> list[Component]:
     """What one training micro-batch adds on each GPU: its activations, the prompt's keys and values, the LM head's
@@ -130,13 +149,17 @@ def _micro_batch_components(cfg, shape: ModelShape, strategy: StrategyChoice, wo
     vision, what, completion_tokens = batch.vision_patches, batch.what, batch.completion_tokens
     float32_weights = strategy.mixed_precision and strategy.name != "fsdp2"  # bf16 matmuls over float32 weights
     terms = micro_batch_terms(shape, batch, d.max_prompt_length, r.tokens_after_prompt, m.gradient_checkpointing, hi,
-                              float32_weights, frozen_tower=m.freeze_vision_tower)
+                              float32_weights, frozen_tower=m.freeze_vision_tower,
+                              shared=_shared_gradients(cfg, shape, strategy, world, 4 if float32_weights else hi, hi))
     comps = [Component("activations", terms["activations"], train,
                        f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
                        f"{'on' if m.gradient_checkpointing else 'off'}")]
     comps.append(Component("prompt_kv", terms["prompt_kv"], train,
-                           "the micro-batch's prompt tokens' keys and values, every layer's, and one layer's "
-                           "gradients of them"))
+                           "the micro-batch's prompt tokens' keys and values, every layer's, and their gradients"))
+    if terms.get("pending_grads"):
+        comps.append(Component("pending_grads", terms["pending_grads"], train,
+                               "the completion pass's gradients of the language model's trained parameters, waiting "
+                               "in autograd's buffers for the prompt pass's backward"))
     head_bytes = head_backward_bytes(shape, trained=m.lora.rank == 0, float32_weights=float32_weights,
                                      completion_tokens=completion_tokens)
     if head_bytes:  # under FSDP2 too: beside the gathered root's weight and gradient (gathered_layers)
