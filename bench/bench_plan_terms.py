@@ -260,7 +260,7 @@ def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
                            rows * case.completion_len, "")
     planned = micro_batch_terms(shape, batch, case.prompt_len, case.completion_len, case.checkpointing,
                                 2 if case.mixed else 4, float32_weights=case.mixed,
-                                shared=shared_gradients(shape, 4, 2 if case.mixed else 4))  # float32 weights, all trained
+                                shared=shared_gradients(shape, 4, 2 if case.mixed else 4))  # float32, all trained
     return measured, planned
 
 

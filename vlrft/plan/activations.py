@@ -150,7 +150,8 @@ def shared_gradients(shape: ModelShape, grad_bytes: int, compute_bytes: int, lor
 def _pixel_bytes(shape: ModelShape, patches: int, compute_bytes: int) -> int:
     """The patches' pixels (float32) and, under autocast, the patch embedding's low-precision copy it keeps."""
     v = shape.vision
-    return patches * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * (4 + (compute_bytes if compute_bytes < 4 else 0))
+    per_patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+    return patches * per_patch * (4 + (compute_bytes if compute_bytes < 4 else 0))
 
 
 def _moments(shape: ModelShape, batch: "MicroBatchSize", copies: int, checkpointing: bool, compute_bytes: int,
