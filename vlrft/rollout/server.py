@@ -58,10 +58,9 @@ def serve_command(model: str, host: str = "127.0.0.1", port: int = 8000, python:
     (those of the distribution sampled from, as TIS needs), our weight-transfer backend for `weight_transfer`
     (rollout.weight_transfer: "shm" -> vlrft_shm, "gloo" -> vlrft_gloo; `vlrft.rollout.weight_transfer`, loaded by
     vLLM through vlrft's plugin, `vlrft.rollout.vllm_plugin`), prefix caching (a group's n completions share one
-    prefill), vlrft's video loader (the frames and metadata our processor sampled, `vlrft.rollout.video_frames`). On
-    CPUs:
-    eager mode (compiling costs minutes and buys nothing) and whole prefills (vLLM-CPU cannot rewind a seeded
-    request's generator after a chunked prefill step)."""
+    prefill), vlrft's video loader (the frames and metadata our processor sampled, `vlrft.rollout.video_frames`).
+    On CPUs: eager mode (compiling costs minutes and buys nothing) and whole prefills (vLLM-CPU cannot rewind a
+    seeded request's generator after a chunked prefill step)."""
     import json
 
     if weight_transfer not in ("shm", "gloo"):
