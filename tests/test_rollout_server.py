@@ -292,6 +292,7 @@ def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
     """With collection running ahead in its own thread, `time/generate` of step s is the time spent generating step
     s's rows: not lost when the trainer starts its next step, not summed with the collection running meanwhile."""
     from vlrft.trainer import producer as producer_module
+    from vlrft.trainer.experience import PhaseTimer
 
     engine = StandInEngine()
     spent = {1: 0.05, 2: 0.15, 3: 0.10}
@@ -303,7 +304,7 @@ def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
 
     monkeypatch.setattr(producer_module, "collect", stand_in_collect)
     deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
-                           rollout=SimpleNamespace(server_timeout_s=5), timer=producer_module.CollectionTimer())
+                           rollout=SimpleNamespace(server_timeout_s=5), timer=PhaseTimer())
     producer = producer_module.AsyncProducer(deps, 1, engine, first_step=1)
     try:
         for step in (1, 2, 3):

@@ -142,9 +142,6 @@ class ServerWeightSync:
 
     def _all(self, method: str, path: str, body=None, params: dict | None = None) -> list[Any]:
         """The same call on every server at once; fails (after all have answered) if any failed."""
-        if len(self.urls) == 1:
-            return [self._call(self.urls[0], method, path,
-                               body(0) if callable(body) else body, params)]
         with ThreadPoolExecutor(len(self.urls)) as pool:
             futures = [pool.submit(self._call, url, method, path, body(i) if callable(body) else body, params)
                        for i, url in enumerate(self.urls)]

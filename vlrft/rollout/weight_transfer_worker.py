@@ -131,7 +131,7 @@ class LayerwiseLoad:
                   "checked_alone": len(self.offered)}
         if not account.unconsumed:  # a sync that failed teaches nothing
             self.verified.update(self.offered[name] for name in account.consumed)
-        if account.unconsumed:
+        else:
             from vllm.logger import init_logger
 
             init_logger(__name__).error("%s: %d tensor(s) not consumed: %s", self.backend, len(account.unconsumed),

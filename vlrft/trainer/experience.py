@@ -8,7 +8,9 @@ ratio is 1 by construction), no critic unless GAE is used.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,28 @@ Timer = Callable[[str], contextlib.AbstractContextManager]
 def no_timer(_name: str) -> contextlib.AbstractContextManager:
     """A `Timer` that measures nothing (tests, tools that call a phase alone)."""
     return contextlib.nullcontext()
+
+
+class PhaseTimer:
+    """A `Timer` that sums the seconds of each named phase until `take` hands them over and starts afresh: the
+    trainer's per step, and the async producer's per collection (kept apart: the trainer starts a step while the
+    producer's thread collects the next)."""
+
+    def __init__(self):
+        self._times: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        """The phases timed since the last `take`, and a fresh start."""
+        out, self._times = dict(self._times), defaultdict(float)
+        return out
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,12 @@ mode means the same prompts and sampling seeds, not the same tokens.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import queue
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -40,6 +38,7 @@ import torch
 
 from vlrft.errors import UserError
 from vlrft.trainer.collect import CollectDeps, Collected, collect
+from vlrft.trainer.experience import PhaseTimer
 
 
 @dataclass(frozen=True)
@@ -53,27 +52,6 @@ class Produced:
     trainer_version: int | None = None  # the weight version the trainer held when it took the step
     cpu_s: float = 0.0  # CPU seconds the producer's thread spent collecting it (async; taken from the trainer's cores)
     times: dict[str, float] = dataclasses.field(default_factory=dict)  # async: "time/generate", ... of its collection
-
-
-class CollectionTimer:
-    """The `Timer` of the producer's thread: seconds per phase of the collection in progress, kept apart from the
-    trainer's own step timer (which the trainer clears at each step while the thread collects ahead)."""
-
-    def __init__(self):
-        self._times: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._times[name] += time.perf_counter() - start
-
-    def take(self) -> dict[str, float]:
-        """The phases timed since the last `take`, and a fresh start."""
-        out, self._times = dict(self._times), defaultdict(float)
-        return out
 
 
 class SyncProducer:
@@ -148,7 +126,7 @@ class AsyncProducer:
         self._stop = False
         self.waited_s = 0.0  # seconds the producer waited for the trainer's syncs (summed; read per step)
         timer = getattr(deps, "timer", None)  # its phases are stamped on each step it hands over
-        self.timer = timer if isinstance(timer, CollectionTimer) else None
+        self.timer = timer if isinstance(timer, PhaseTimer) else None
         self._thread = threading.Thread(target=self._run, args=(first_step,), name="vlrft-producer", daemon=True)
         self._thread.start()
 
@@ -210,7 +188,7 @@ def make_producer(cfg, deps: Callable[[], CollectDeps], awake: Callable[[], Cont
     if cfg.rollout.max_staleness == 0:
         return SyncProducer(deps, awake, engine)
     own = deps()
-    own = dataclasses.replace(own, strategy=ThreadCollectives(own.strategy), timer=CollectionTimer())
+    own = dataclasses.replace(own, strategy=ThreadCollectives(own.strategy), timer=PhaseTimer())
     return AsyncProducer(own, cfg.rollout.max_staleness, engine, first_step)
 
 

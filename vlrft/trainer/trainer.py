@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,7 @@ from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
 from vlrft.trainer.collect import Collected, CollectDeps
 from vlrft.trainer.evaluate import EvalDeps, accuracy_reward_key, evaluate
-from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, make_experience
+from vlrft.trainer.experience import Batching, Experience, ExperienceDeps, PhaseTimer, make_experience
 from vlrft.trainer.interrupt import InterruptGuard, TrainingInterrupted
 from vlrft.trainer.micro_batches import share_every_forward
 from vlrft.trainer.out_of_memory import explain_out_of_memory, sampling_fixes, training_fixes
@@ -171,7 +170,7 @@ class Trainer:
         cfg, world, rank = self.cfg, self.strategy.world_size, self.strategy.rank
         resumed = self._decide_run_folder(evaluate_only)
         self.step_count = 0
-        self._times: dict[str, float] = defaultdict(float)
+        self.phase_times = PhaseTimer()  # this step's seconds per phase (`timer`)
         if cfg.rollout.engine == "vllm_server":  # an unreachable server is named before anything loads
             from vlrft.rollout.server import ServerPool
 
@@ -355,13 +354,8 @@ class Trainer:
         """The scoring and training forwards' mixed precision (`precision.forward_autocast`)."""
         return precision.forward_autocast(self.device, self.cfg.model.dtype, self.cfg.model.gradient_checkpointing)
 
-    @contextlib.contextmanager
     def timer(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._times[name] += time.perf_counter() - start
+        return self.phase_times(name)
 
     def message(self, text: str) -> None:
         if self.strategy.is_main:
@@ -440,7 +434,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One step, top-down; returns this step's metrics (reduced over ranks)."""
         step = self.step_count + 1
-        self._times.clear()
+        self.phase_times.take()  # a fresh start
         start = time.perf_counter()
         waking = explain_out_of_memory(f"step {step}, handing the GPU between the trainer's state and the engine "
                                        f"(rollout.engine={self.cfg.rollout.engine})",
@@ -471,7 +465,7 @@ class Trainer:
         metrics["time/step"] = time.perf_counter() - start
         metrics.update(staleness_metrics(produced, self.producer))
         metrics.update(produced.times)  # async: the producer's own phases of this step's collection
-        metrics.update(self._times)
+        metrics.update(self.phase_times.take())
         self.step_count = step
         if self.strategy.is_main and self.logger is not None and self.cfg.logging.completions_every and \
                 step % self.cfg.logging.completions_every == 0:
