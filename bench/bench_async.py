@@ -11,8 +11,9 @@ interleaved in each repeat (the order rotates):
   colocated  rollout.engine=vllm: vLLM inside the trainer's process, both cores, for reference
 A mode's figure is the median seconds per step over steps 2..S of one run (step 1 holds warm-ups); printed as
 min / median / max over the repeats. G (generation) and T (everything else of a step) come from the sync runs'
-`time/generate` and `time/step`; S (the weight sync, part of T) their `time/weight_sync`. The servers are paused
-through a sync, so neither side overlaps it: the async step cannot be shorter than max(G, T - S) + S ("floor").
+`time/generate` and `time/step`; S (the weight sync, part of T) their `time/weight_sync`, P (the part of S the
+servers are paused for) their `time/weight_sync_paused`. Neither side overlaps P: the async step cannot be shorter
+than max(G, T - P) + P ("floor").
 "prod. CPU" the async runs' `async/producer_cpu_s`, the CPU the collecting thread
 takes from the trainer's core per step. `--ppo-epochs 4` makes T close to G (the setting where overlap approaches 2x).
 """
@@ -37,7 +38,7 @@ SPEC = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256,
             min_pixels=3136, max_pixels=3136)
 
 
-def run(mode: str, model: Path, url: str, steps: int, ppo_epochs: int, out: Path) -> list[dict]:
+def run(mode: str, model: Path, url: str, steps: int, ppo_epochs: int, max_new_tokens: int, out: Path) -> list[dict]:
     engine = {"sync": ["rollout.engine=vllm_server", "rollout.max_staleness=0"],
               "async": ["rollout.engine=vllm_server", "rollout.max_staleness=1"],
               "colocated": ["rollout.engine=vllm", "rollout.engine_kwargs={enforce_eager: true, max_model_len: 1024}"]}
@@ -45,8 +46,8 @@ def run(mode: str, model: Path, url: str, steps: int, ppo_epochs: int, out: Path
                "model.build_recipe=null", f"rollout.server_urls=[{url}]", "rollout.n=4",
                "rollout.global_batch_completions=32", "train.micro_batch_completions_per_rank=32",
                "algorithm.tis_cap=100", "algorithm.dynamic_sampling=false", f"train.total_steps={steps}",
-               f"train.ppo_epochs={ppo_epochs}", "train.eval_every=0", "train.save_every=0",
-               f"train.output_dir={out}", *engine[mode]]
+               f"train.ppo_epochs={ppo_epochs}", f"rollout.max_new_tokens={max_new_tokens}", "train.eval_every=0",
+               "train.save_every=0", f"train.output_dir={out}", *engine[mode]]
     env = dict(os.environ, OMP_NUM_THREADS="1" if mode != "colocated" else "2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_KVCACHE_SPACE="1")
     if mode != "colocated":
@@ -72,20 +73,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--ppo-epochs", type=int, default=1)
     parser.add_argument("--modes", default="sync,async,colocated")
+    parser.add_argument("--hidden", type=int, default=128, help="the model's width (heads of 64)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=3, help="the demo's 3; more makes G longer")
     args = parser.parse_args()
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
 
     work = Path(tempfile.mkdtemp(prefix="bench-async-"))
-    model = Path(build_tiny_vlm(work / "model", TinySpec(arch="qwen2_vl", **SPEC)))
+    spec = dict(SPEC, hidden_size=args.hidden, num_heads=args.hidden // 64, intermediate_size=2 * args.hidden,
+                num_layers=args.layers)
+    model = Path(build_tiny_vlm(work / "model", TinySpec(arch="qwen2_vl", **spec)))
     modes = args.modes.split(",")
     step_s: dict[str, list[float]] = {m: [] for m in modes}
-    generate_s, train_s, sync_s, producer_cpu_s = [], [], [], []
+    generate_s, train_s, sync_s, paused_s, producer_cpu_s = [], [], [], [], []
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"  # the server's engine on core 0
     with vllm_server(model, taskset="0") as server:
         for repeat in range(args.repeats):
             order = modes[repeat % len(modes):] + modes[:repeat % len(modes)]
             for mode in order:
-                metrics = run(mode, model, server.url, args.steps, args.ppo_epochs, work / f"{mode}-{repeat}")
+                metrics = run(mode, model, server.url, args.steps, args.ppo_epochs, args.max_new_tokens,
+                              work / f"{mode}-{repeat}")
                 step_s[mode].append(per_step(metrics, "time/step"))
                 if mode == "async":
                     producer_cpu_s.append(per_step(metrics, "async/producer_cpu_s"))
@@ -93,6 +100,7 @@ def main() -> None:
                     generate_s.append(per_step(metrics, "time/generate"))
                     train_s.append(step_s[mode][-1] - generate_s[-1])
                     sync_s.append(per_step(metrics, "time/weight_sync"))
+                    paused_s.append(per_step(metrics, "time/weight_sync_paused"))
                 print(f"repeat {repeat}: {mode} {step_s[mode][-1]:.2f} s/step", flush=True)
     print(f"\n{args.repeats} repeats, steps 2..{args.steps}, ppo_epochs={args.ppo_epochs}; seconds per step "
           "(min median max)")
@@ -100,9 +108,10 @@ def main() -> None:
         print(f"{mode:10s} {summary(step_s[mode])}")
     if generate_s:
         bound = [1.15 * max(g, t) for g, t in zip(generate_s, train_s)]
-        floor = [max(g, t - w) + w for g, t, w in zip(generate_s, train_s, sync_s)]
+        floor = [max(g, t - w) + w for g, t, w in zip(generate_s, train_s, paused_s)]
         print(f"{'G':10s} {summary(generate_s)}\n{'T':10s} {summary(train_s)}\n{'S (in T)':10s} {summary(sync_s)}\n"
-              f"{'1.15max':10s} {summary(bound)}\n{'floor':10s} {summary(floor)}  (max(G, T - S) + S)")
+              f"{'P (in S)':10s} {summary(paused_s)}  (the servers paused)\n"
+              f"{'1.15max':10s} {summary(bound)}\n{'floor':10s} {summary(floor)}  (max(G, T - P) + P)")
     if producer_cpu_s:  # what the collecting thread takes from the trainer's one core
         print(f"{'prod. CPU':10s} {summary(producer_cpu_s)}  (async: CPU s/step of the producer thread)")
     if "async" in step_s and "sync" in step_s:

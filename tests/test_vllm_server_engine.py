@@ -128,6 +128,8 @@ def test_three_steps_of_vlrft_train_through_the_server(tmp_path, server, model_d
     steps = [s for s in steps if "async/staleness_max" in s]
     assert len(steps) == 3, steps
     assert max(s["async/staleness_max"] for s in steps) <= staleness
+    # the servers are paused for part of each sync only: the trainer reads the weights before the pause
+    assert all(0 < s["time/weight_sync_paused"] < s["time/weight_sync"] for s in steps), steps
     tis = [s["actor/tis_weight_mean"] for s in steps]
     if staleness == 0:
         assert all(abs(w - 1.0) < 1e-6 for w in tis), tis

@@ -6,9 +6,11 @@ acknowledges every call and loads nothing; tests/test_vllm_server.py runs the sa
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -60,5 +62,83 @@ def test_a_bucket_naming_a_tensor_twice_is_refused(stub, tmp_path):
     sync = ServerWeightSync(stub, folder=str(tmp_path))
     with pytest.raises(WeightSyncError, match="names a tensor twice"):
         sync.sync([[("a", torch.ones(1)), ("a", torch.ones(1))]], version="new")
-    assert AcknowledgeAll.calls[-1] == "POST /finish_weight_update"  # the update it opened is closed
+    assert AcknowledgeAll.calls == ["GET /get_world_size", "POST /init_weight_transfer_engine"]  # never paused
     sync.close()
+
+
+def test_a_bucket_failing_mid_sync_closes_the_update_and_leaves_no_file(stub, tmp_path):
+    def buckets():
+        yield [("a", torch.ones(1))]
+        raise RuntimeError("gathering the second bucket failed")
+
+    sync = ServerWeightSync(stub, folder=str(tmp_path))
+    with pytest.raises(RuntimeError, match="second bucket"):
+        sync.sync(buckets(), version="new")
+    assert AcknowledgeAll.calls[-1] == "POST /finish_weight_update"  # the update it opened is closed
+    assert os.listdir(sync.folder) == []
+    sync.close()
+
+
+class Loads(AcknowledgeAll):
+    """Stand-in for a vLLM server running vlrft_shm that takes `delay` seconds to load a bucket and then reports every
+    tensor consumed; logs the moments each load starts and ends in `events`."""
+
+    events: list[str] = []
+    delay = 0.3
+    folder = ""
+    received = 0
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        self.calls.append("POST " + self.path)
+        if self.path == "/init_weight_transfer_engine":
+            type(self).folder = body["init_info"]["folder"]
+        if self.path == "/update_weights":
+            info = body["update_info"]
+            self.events.append(f"load {info['bucket'] if 'bucket' in info else info['file'].split('-')[1]} starts")
+            assert os.path.exists(os.path.join(self.folder, info["file"]))  # staged before it was asked for
+            time.sleep(self.delay)
+            type(self).received += len(info["names"])
+            self.events.append("load ends")
+        if self.path == "/finish_weight_update":
+            report = {"unconsumed": {}, "received": self.received, "missing": [], "checked_alone": 0}
+            with open(os.path.join(self.folder, f"report-s0-1-{os.getpid()}.json"), "w") as f:
+                json.dump(report, f)
+        self.events.append("POST " + self.path.split("?")[0])
+        self._answer({"success": True})
+
+    def do_GET(self):
+        self.calls.append("GET " + self.path)
+        self._answer({"world_size": 1} if self.path.startswith("/get_world_size") else {"weight_version": "new"})
+
+
+def test_buckets_are_staged_before_the_pause_and_while_the_previous_one_loads(tmp_path):
+    Loads.calls, Loads.events, Loads.received = [], [], 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Loads)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    read = 0.3  # seconds the trainer takes to read each bucket (a gather, a device copy)
+
+    def buckets():
+        for i in range(3):
+            time.sleep(read)
+            Loads.events.append(f"read {i}")
+            yield [(f"layer{i}.weight", torch.full((4,), float(i)))]
+
+    try:
+        sync = ServerWeightSync(f"http://127.0.0.1:{server.server_address[1]}", folder=str(tmp_path))
+        Loads.events = []
+        stats = sync.sync(buckets(), version="new")
+        left = os.listdir(sync.folder)
+        sync.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    events = [e for e in Loads.events if not e.startswith("POST /update_weights")]
+    assert events[:4] == ["read 0", "POST /pause", "POST /start_weight_update", "load 0 starts"]
+    # each later bucket is read while the one before it loads
+    assert events[4:10] == ["read 1", "load ends", "load 1 starts", "read 2", "load ends", "load 2 starts"]
+    assert (stats.tensors, stats.buckets, stats.bytes) == (3, 3, 48)
+    # the servers were not paused while the first bucket was read, nor for the later reads (hidden by the loads)
+    assert stats.paused_seconds < stats.seconds - read + 0.05
+    assert stats.paused_seconds < 3 * Loads.delay + read
+    assert left == []

@@ -210,6 +210,13 @@ def engine_state(engine) -> dict:
     return state_dict() if callable(state_dict) else {}
 
 
+def sync_metrics(engine) -> dict[str, float]:
+    """What the engine's last weight sync measured beyond its time: a rollout server's `time/weight_sync_paused`, the
+    seconds the servers were paused (generation overlaps the rest; set on the rank that sends)."""
+    stats = getattr(engine, "last_sync", None)
+    return {} if stats is None else {"time/weight_sync_paused": stats.paused_seconds}
+
+
 def load_engine_state(engine, state: dict) -> None:
     load = getattr(engine, "load_state_dict", None)
     if callable(load) and state:

@@ -251,7 +251,7 @@ class ServerEngineOptions:
 
 class ServerEngine:
     """A `RolloutEngine` over vLLM servers (see the module docstring). The weights live on the servers: a sync
-    pushes them through `sync` (`vlrft.rollout.weight_sync`), and every completion records its weight version."""
+    pushes them through `sync` (`vlrft.rollout.weight_transfer`), and every completion records its weight version."""
 
     def __init__(self, pool: ServerPool, tokens: "TokenSpec", tokenizer, options: ServerEngineOptions,
                  build_requests: Callable[["PromptBatch"], list[PromptRequest]], sync=None):
@@ -265,6 +265,7 @@ class ServerEngine:
         self._generate_calls = 0
         self._lock = threading.Lock()
         self._videos_checked = False  # the servers read videos with vlrft's loader (checked at the first video)
+        self.last_sync = None  # the `SyncStats` of the last sync this rank sent
 
     @classmethod
     def from_deps(cls, cfg, deps) -> "ServerEngine":
@@ -333,7 +334,7 @@ class ServerEngine:
         weights = PolicyWeights(model, self.options.dtype, self.options.gather)
         buckets = weights.buckets(self.options.bucket_bytes, "cpu")
         if self.sync is not None:
-            self.sync.sync(buckets, str(self.version + 1))
+            self.last_sync = self.sync.sync(buckets, str(self.version + 1))
         elif weights.sharded:  # gathering shards is collective: every rank walks the buckets
             for bucket in buckets:
                 del bucket

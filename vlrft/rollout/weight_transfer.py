@@ -12,9 +12,9 @@ Two halves, one protocol:
   runs on the new weights.
 * `ServerWeightSync` runs in the trainer: it drives the four phases (start / update per bucket / finish / version)
   on one or more servers, between `/pause` and `/resume`, and checks every worker's report. How a bucket and a
-  report travel is its transport's business: `ShmTransport` ("vlrft_shm": safetensors files in /dev/shm, servers on
-  the trainer's host) or `weight_transfer_gloo.GlooTransport` ("vlrft_gloo": a broadcast over a gloo group, servers
-  on any node).
+  report travel is its transport's business (`stage` a bucket, `send` it, `discard` one never sent, `finish`):
+  `ShmTransport` ("vlrft_shm": safetensors files in /dev/shm, servers on the trainer's host) or
+  `weight_transfer_gloo.GlooTransport` ("vlrft_gloo": a broadcast over a gloo group, servers on any node).
 
 Accounting (`vlrft.rollout.load_accounting`, the rule the colocated vLLM engine follows too): a tensor counts as
 consumed when the model's `load_weights` returns a parameter for it; names vLLM's loaders drop silently (a bias the
@@ -25,13 +25,16 @@ transport), after vLLM has finalised the reload, and the trainer fails naming th
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import itertools
 import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +67,16 @@ def register() -> None:
 
 
 @dataclass
+class Staged:
+    """One bucket the trainer's side made ready to send (a transport's `stage`); `payload`: the transport's own."""
+
+    names: list[str]
+    info: dict
+    nbytes: int
+    payload: Any = None
+
+
+@dataclass
 class SyncStats:
     seconds: float
     bytes: int
@@ -71,6 +84,7 @@ class SyncStats:
     buckets: int
     missing: list[str] = field(default_factory=list)  # vLLM parameters no tensor of this sync loaded
     checked_alone: int = 0  # tensors the busiest worker offered its model one at a time (new to its engine)
+    paused_seconds: float = 0.0  # from /pause to /resume: the part of `seconds` no generation overlaps
 
     @property
     def bytes_per_second(self) -> float:
@@ -86,7 +100,8 @@ class ServerWeightSync:
         sync.close()
 
     Per sync, on every server: `/pause?mode=wait`, `/start_weight_update`, `/update_weights` per bucket (shm: one
-    safetensors file in `folder`, written once and read by all servers; gloo: one broadcast), `/finish_weight_update`,
+    safetensors file in `folder`, written once and read by all servers; gloo: one broadcast of a packed buffer; either
+    staged by the trainer before it is asked for, the first bucket before the pause), `/finish_weight_update`,
     `/update_weight_version` (read back from `/weight_info`), `/reset_prefix_cache` and `/reset_encoder_cache` (the KV
     and vision outputs computed by the old weights), `/resume`. vLLM's multimodal processor cache is kept: it holds
     inputs processed for the model (pixels, grids), which no weight changes, so images seen before are not processed
@@ -163,19 +178,44 @@ class ServerWeightSync:
         return [r["weight_version"] for r in self._all("GET", "/weight_info")]
 
     def sync(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str) -> SyncStats:
-        """One full sync of `buckets` (lists of (checkpoint name, tensor)); `version` is set on every server."""
+        """One full sync of `buckets` (lists of (checkpoint name, tensor)); `version` is set on every server.
+
+        The trainer's side of a bucket (reading it, a CPU copy, its shm file or packed buffer: the transport's
+        `stage`) runs while the servers still generate for the first bucket, and while they load the previous one
+        for the others; the servers pause only for the loads (`SyncStats.paused_seconds`). At most two buckets are
+        staged at once."""
         start = time.perf_counter()
         self.count += 1
-        self.pause()
+        staged = self._staged(buckets)
+        first = next(staged, None)  # before the pause: generation goes on meanwhile
+        if first is None:
+            raise WeightSyncError("a sync with no buckets")
+        paused = time.perf_counter()
         try:
-            self._all("POST", "/start_weight_update")
-            nbytes, tensors, files = self._send(buckets)
+            self.pause()
         except BaseException:
-            try:  # close the update where it was opened: vLLM finalises the reload (layers that got nothing keep
-                self.transport.finish(self)  # their weights), so a retry can start a new one
-            except WeightSyncError:
-                pass
+            staged.close()
             raise
+        nbytes = tensors = count = 0
+        with ThreadPoolExecutor(1, thread_name_prefix="vlrft-sync") as loader:
+            loading = None
+            try:
+                self._all("POST", "/start_weight_update")
+                for item in itertools.chain([first], staged):  # the next bucket is staged while this one loads
+                    if loading is not None:
+                        loading.result()
+                    loading = loader.submit(self.transport.send, self, item)
+                    nbytes, tensors, count = nbytes + item.nbytes, tensors + len(item.names), count + 1
+                loading.result()
+            except BaseException:
+                if loading is not None:
+                    concurrent.futures.wait([loading])
+                staged.close()
+                try:  # close the update where it was opened: vLLM finalises the reload (layers that got nothing
+                    self.transport.finish(self)  # keep their weights), so a retry can start a new one
+                except WeightSyncError:
+                    pass
+                raise
         reports = self.transport.finish(self)
         missing = self._check_reports(reports, tensors)
         self._all("POST", "/update_weight_version", {"new_version": version})
@@ -186,14 +226,14 @@ class ServerWeightSync:
                 raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
         self._all("POST", "/reset_encoder_cache")
         self.resume()
+        end = time.perf_counter()
         checked_alone = max(r.get("checked_alone", 0) for workers in reports for r in workers)
-        return SyncStats(time.perf_counter() - start, nbytes, tensors, files, missing, checked_alone)
+        return SyncStats(end - start, nbytes, tensors, count, missing, checked_alone, paused_seconds=end - paused)
 
-    def _send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> tuple[int, int, int]:
-        """Each bucket to every server (by the transport), loaded by all before the next is read;
-        (bytes, tensors, buckets)."""
-        nbytes = tensors = count = 0
-        for bucket in buckets:
+    def _staged(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[Staged]:
+        """Each bucket checked, copied to the CPU and staged by the transport (in the caller's thread: reading a
+        sharded policy's bucket is collective); a staged bucket never sent is discarded."""
+        for count, bucket in enumerate(buckets):
             names = [n for n, _ in bucket]
             if len(set(names)) != len(names):
                 raise WeightSyncError(f"bucket {count} names a tensor twice")
@@ -201,13 +241,14 @@ class ServerWeightSync:
             info = {"sync": self.count, "bucket": count, "names": names,
                     "dtype_names": [str(t.dtype).removeprefix("torch.") for t in contiguous],
                     "shapes": [list(t.shape) for t in contiguous]}
-            self.transport.send(self, names, contiguous, info)
-            nbytes += sum(t.numel() * t.element_size() for t in contiguous)
-            tensors, count = tensors + len(names), count + 1
-            del bucket, contiguous
-        if not count:
-            raise WeightSyncError("a sync with no buckets")
-        return nbytes, tensors, count
+            del bucket
+            item = self.transport.stage(self, names, contiguous, info)
+            del contiguous
+            try:
+                yield item
+            except GeneratorExit:
+                self.transport.discard(item)
+                raise
 
     def _check_reports(self, reports: list[list[dict]], sent: int) -> list[str]:
         """Every worker of every server reported this sync (`reports`: per server), with every tensor consumed."""
@@ -259,17 +300,25 @@ class ShmTransport:
             self.close()
             raise
 
-    def send(self, sync: ServerWeightSync, names: list[str], tensors: list[torch.Tensor], info: dict) -> None:
+    def stage(self, sync: ServerWeightSync, names: list[str], tensors: list[torch.Tensor], info: dict) -> Staged:
+        """The bucket's safetensors file, written before the servers are asked to read it."""
         from safetensors.torch import save_file
 
         assert self.folder is not None
         info["file"] = f"b{sync.count}-{info.pop('bucket')}-{uuid.uuid4().hex[:8]}.safetensors"
-        path = os.path.join(self.folder, info["file"])
-        save_file(dict(zip(names, tensors)), path)
+        save_file(dict(zip(names, tensors)), os.path.join(self.folder, info["file"]))
+        return Staged(names, info, sum(t.numel() * t.element_size() for t in tensors))
+
+    def send(self, sync: ServerWeightSync, staged: Staged) -> None:
         try:
-            sync._all("POST", "/update_weights", {"update_info": info})
+            sync._all("POST", "/update_weights", {"update_info": staged.info})
         finally:
-            os.unlink(path)
+            self.discard(staged)
+
+    def discard(self, staged: Staged) -> None:
+        assert self.folder is not None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.folder, staged.info["file"]))
 
     def finish(self, sync: ServerWeightSync) -> list[list[dict]]:
         """`/finish_weight_update` on every server, then each server's reports of this sync (read and removed)."""

@@ -30,6 +30,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from vlrft.rollout.weight_transfer import Staged
+
 BACKEND = "vlrft_gloo"
 ALIGN = 64  # bytes: every tensor of a packed bucket starts at a multiple (any dtype's view of the buffer is aligned)
 STORE_PREFIX = "vlrft_gloo"
@@ -243,12 +245,19 @@ class GlooTransport:
             raise WeightSyncError(f"the {BACKEND} group is unusable ({self.broken or 'closed'}); create a new "
                                   "ServerWeightSync (the servers join a new group)")
 
-    def send(self, sync, names: list[str], tensors: list[torch.Tensor], info: dict) -> None:
-        self._usable()
+    def stage(self, sync, names: list[str], tensors: list[torch.Tensor], info: dict) -> Staged:
+        """The bucket packed into one buffer (broadcast at `send`)."""
         buffer = pack(tensors)
         info["nbytes"] = buffer.numel()
-        self._settle([self._post(sync, i, "/update_weights", {"update_info": info}) for i in range(len(sync.urls))],
-                     in_thread(lambda: broadcast(self.group, buffer)))
+        return Staged(names, info, sum(t.numel() * t.element_size() for t in tensors), buffer)
+
+    def send(self, sync, staged: Staged) -> None:
+        self._usable()
+        self._settle([self._post(sync, i, "/update_weights", {"update_info": staged.info})
+                      for i in range(len(sync.urls))], in_thread(lambda: broadcast(self.group, staged.payload)))
+
+    def discard(self, staged: Staged) -> None:
+        staged.payload = None
 
     def finish(self, sync) -> list[list[dict]]:
         """`/finish_weight_update` on every server, receiving every worker's report meanwhile."""

@@ -29,7 +29,7 @@ from vlrft.models.loading import DTYPES, load_processor, model_fingerprint
 from vlrft.models.recipes import ensure_model
 from vlrft.plan import check_fits_at_load, host_memory_warning, node_memory_bytes
 from vlrft.rollout import make_engine
-from vlrft.rollout.base import EngineDeps, SamplingParams, engine_state, load_engine_state
+from vlrft.rollout.base import EngineDeps, SamplingParams, engine_state, load_engine_state, sync_metrics
 from vlrft.tokens import TokenSpec
 from vlrft.trainer import checkpoint as ckpt
 from vlrft.trainer import run_folder
@@ -466,6 +466,7 @@ class Trainer:
         metrics.update(staleness_metrics(produced, self.producer))
         metrics.update(produced.times)  # async: the producer's own phases of this step's collection
         metrics.update(self.phase_times.take())
+        metrics.update(sync_metrics(self.engine))
         self.step_count = step
         if self.strategy.is_main and self.logger is not None and self.cfg.logging.completions_every and \
                 step % self.cfg.logging.completions_every == 0:
