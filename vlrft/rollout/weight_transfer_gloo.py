@@ -253,8 +253,9 @@ class GlooTransport:
 
     def send(self, sync, staged: Staged) -> None:
         self._usable()
+        buffer, staged.payload = staged.payload, None  # freed once sent (`sync` keeps the first bucket's `Staged`)
         self._settle([self._post(sync, i, "/update_weights", {"update_info": staged.info})
-                      for i in range(len(sync.urls))], in_thread(lambda: broadcast(self.group, staged.payload)))
+                      for i in range(len(sync.urls))], in_thread(lambda: broadcast(self.group, buffer)))
 
     def discard(self, staged: Staged) -> None:
         staged.payload = None
