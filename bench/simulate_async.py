@@ -4,12 +4,14 @@
     python bench/simulate_async.py scale --request-times times.json --train-gpu-s 40 --requests 128 \\
         --server-gpus 2 --server-concurrency 64 [--gpus 8,16,64,256] [--sync 2]
 
-The protocol simulated is vlrft's (`vlrft/trainer/producer.py`): the producer starts step j once the trainer has
-synced j - k times (k = rollout.max_staleness); the trainer trains step j once it is generated and step j - 1 is
-trained and synced; a sync pauses generation for `--sync` seconds. k = 0 is the synchronous step (G + T + sync).
+The protocol simulated is vlrft's (`vlrft/trainer/producer.py`, `vlrft/rollout/weight_transfer.py`): the producer
+starts step j once the trainer has synced j - k times (k = rollout.max_staleness); the trainer trains step j once it
+is generated and step j - 1 is trained and synced; a sync waits for the generation in flight (vLLM's pause mode
+"wait") and then pauses the servers for `--sync` seconds (bench_async's P). k = 0 is the synchronous step
+(G + T + sync). `--train` is the trainer's time per step without P (bench_async's T - P).
 
-`check` takes the per-step generation time G and training time T of one setting (e.g. bench/bench_async.py's G and
-T medians) and prints the predicted step time at k = 0, 1, 2 next to max(G, T), to hold against the measured async
+`check` takes the per-step generation time G, training time and sync of one setting (bench/bench_async.py's G,
+T - P and P medians) and prints the predicted step time at k = 0, 1, 2 next to max(G, T), to hold against the measured async
 step. `scale` splits N GPUs between servers (groups of --server-gpus, each a tensor-parallel server) and trainers:
 a step's requests (a group each) go to the least-loaded server; a server runs up to --server-concurrency requests at
 once, each taking its measured time (drawn with replacement from --request-times, seconds, their long tail kept)
@@ -30,31 +32,34 @@ from collections.abc import Callable, Sequence
 
 def simulate(generate: Callable[[int], float], train: Callable[[int], float], k: int, sync_s: float,
              steps: int = 60) -> tuple[float, float]:
-    """(seconds per step in the steady state, mean staleness in syncs) of the producer/trainer protocol."""
-    gen_end: list[float] = []
-    gen_start: list[float] = []
-    synced: list[float] = []  # time sync j (after step j) completed
-    train_end = 0.0
-    producer_free = 0.0
+    """(seconds per step in the steady state, mean staleness in syncs) of the producer/trainer protocol.
+
+    One producer collects steps in order, one at a time: step j starts once step j - 1 is generated and j - k syncs
+    are done (k = 0: after sync j - 1). The trainer trains step j (`train(j)` seconds, the trainer's side of its sync
+    included) once it is generated and step j - 1 is synced, then syncs: the pause (vLLM's mode "wait") lets a
+    generation in flight finish first, and the servers then load for `sync_s` seconds, generating nothing; a
+    generation that would start meanwhile starts at the resume."""
+    gen_start, gen_end, sync_start, sync_end = [0.0], [generate(0)], [], []
     for j in range(steps):
-        # the producer may start step j once j - k syncs are done (and after its previous step)
-        need = j - k
-        start = max(producer_free, synced[need - 1] if need >= 1 else 0.0)
-        if k == 0 and j >= 1:
-            start = max(start, synced[j - 1])
-        # a sync pauses generation: a step generating across a sync is delayed by it
-        duration = generate(j)
-        end = start + duration + sum(sync_s for t in synced if start < t - sync_s < start + duration)
+        train_done = max(gen_end[j], sync_end[j - 1] if j else 0.0) + train(j)
+        if k >= 1:  # the producer's next step may already run: it needs step j generated and j + 1 - k syncs
+            start = max(gen_end[j], sync_end[j - k] if j - k >= 0 else 0.0)
+            if j and sync_start[j - 1] <= start < sync_end[j - 1]:
+                start = sync_end[j - 1]
+            in_flight = start <= train_done
+            sync_start.append(max(train_done, start + generate(j + 1)) if in_flight else train_done)
+            sync_end.append(sync_start[j] + sync_s)
+            if not in_flight:
+                start = max(start, sync_end[j]) if start < sync_end[j] else start
+        else:
+            sync_start.append(train_done)
+            sync_end.append(train_done + sync_s)
+            start = sync_end[j]
         gen_start.append(start)
-        gen_end.append(end)
-        producer_free = end
-        begin = max(train_end, end)
-        train_end = begin + train(j)
-        synced.append(train_end + sync_s)
-        train_end += sync_s
+        gen_end.append(start + generate(j + 1))
     tail = steps // 3
-    step_s = (synced[-1] - synced[tail]) / (steps - 1 - tail)
-    staleness = [sum(1 for t in synced[:j] if t > gen_start[j]) for j in range(tail, steps)]
+    step_s = (sync_end[-1] - sync_end[tail]) / (steps - 1 - tail)
+    staleness = [sum(1 for t in sync_end[:j] if t > gen_start[j]) for j in range(tail, steps)]
     return step_s, statistics.fmean(staleness)
 
 
@@ -72,8 +77,8 @@ def generation_time(request_times: Sequence[float], requests: int, servers: int,
 
 
 def check(args) -> None:
-    print(f"G = {args.generate:.2f} s, T = {args.train:.2f} s, sync = {args.sync:.2f} s; "
-          f"max(G, T) = {max(args.generate, args.train):.2f} s, G + T = {args.generate + args.train:.2f} s")
+    print(f"G = {args.generate:.2f} s, train = {args.train:.2f} s, sync = {args.sync:.2f} s; "
+          f"max(G, train + sync) = {max(args.generate, args.train + args.sync):.2f} s")
     for k in (0, 1, 2):
         step, stale = simulate(lambda j: args.generate, lambda j: args.train, k, args.sync)
         print(f"max_staleness={k}: {step:.2f} s/step, staleness {stale:.2f}")
