@@ -36,7 +36,7 @@ from vlrft.rollout.outputs import (EngineError, EngineSample, PromptMismatchErro
                                    vllm_samples)
 from vlrft.rollout.requests import (EngineInputError, PromptRequest, ProcessorOutput, expand_vision_placeholders,
                                     fold_vision_placeholders, image_wrappers, placeholder_runs, sglang_requests,
-                                    tokens_per_item, unwrap_image_runs,
+                                    tokens_per_item, unwrap_image_runs, ImageText, fold_tiled_images,
                                     vllm_requests)
 from vlrft.rollout.sglang import sglang_engine_kwargs, sglang_sampling_params
 from vlrft.rollout.vllm import vllm_engine_kwargs, vllm_sampling_kwargs
@@ -225,11 +225,11 @@ def test_vllm_requests_of_internvl_are_one_context_token_an_image_without_its_wr
     back to exactly our ids; every tile count is vLLM's to recompute, checked by the exact-ids check."""
     batch, tokens, processor = encoded("internvl")
     wrappers = image_wrappers(processor)
-    assert wrappers == (processor.start_image_token_id, processor.end_image_token_id)
+    assert wrappers == ImageText(processor.start_image_token_id, processor.end_image_token_id, tiled=False)
     assert image_wrappers(object()) is None  # other processors: no wrappers to drop
     requests = vllm_requests(batch, tokens, wrappers)
     assert [r.prompt_ids for r in requests] == batch.prompt_ids
-    start, end = wrappers
+    start, end = wrappers.start, wrappers.end
     for i, request in enumerate(requests[1:], start=1):
         folded = request.payload["prompt_token_ids"]
         assert folded.count(tokens.image_token_id) == len(batch.images[i]) and start not in folded and end not in folded
@@ -238,6 +238,37 @@ def test_vllm_requests_of_internvl_are_one_context_token_an_image_without_its_wr
         for tok in folded:
             expanded.extend([start] + [tok] * runs.pop(0) + [end] if tok == tokens.image_token_id else [tok])
         assert expanded == batch.prompt_ids[i]
+
+
+def test_fold_tiled_images_folds_each_images_text_to_one_placeholder_and_refuses_any_other_layout():
+    """SmolVLM: `<fake_token_around_image>` (4), `<global-img>` (6), `<image>` (5), a tile's `<row_1_col_1>` (7)."""
+    tiles = [4, 7, 5, 5, 4, 8, 5, 5, 10, 10, 4, 6, 5, 5, 4]
+    alone = [4, 6, 5, 5, 4]
+    assert fold_tiled_images([1, *tiles, 3, *alone, *alone, 2], 5, 4, 6, "s") == [1, 5, 3, 5, 5, 2]
+    assert fold_tiled_images([1, 2], 5, 4, 6, "s") == [1, 2]
+    for bad in ([1, 4, 7, 5, 5, 2], [1, 4, 6, 4], [1, 4, 6, 5, 5], [1, 4, 6, 5, 5, 2]):
+        with pytest.raises(EngineInputError, match=r"^s: "):
+            fold_tiled_images(bad, 5, 4, 6, "s")
+
+
+def test_vllm_requests_of_smolvlm_are_one_image_token_an_image_without_its_tiles(encoded):
+    """vLLM's Idefics3 processor writes each image's tiles and whole-image text from the chat template's one `<image>`;
+    the processor's own expansion of the folded prompt is our prompt again (what vLLM runs; a real vLLM engine
+    checks it in tests/test_vllm_executed.py)."""
+    batch, tokens, processor = encoded("smolvlm")
+    text = image_wrappers(processor)
+    convert = processor.tokenizer.convert_tokens_to_ids
+    assert text == ImageText(convert("<fake_token_around_image>"), convert("<global-img>"), tiled=True)
+    requests = vllm_requests(batch, tokens, text)
+    assert [r.prompt_ids for r in requests] == batch.prompt_ids
+    assert requests[0].payload == {"prompt_token_ids": batch.prompt_ids[0]}
+    for i, request in enumerate(requests[1:], start=1):
+        folded = request.payload["prompt_token_ids"]
+        assert folded.count(tokens.image_token_id) == len(batch.images[i])
+        assert text.start not in folded and text.end not in folded
+        again = processor(text=[processor.tokenizer.decode(folded, skip_special_tokens=False)],
+                          images=[list(batch.images[i])])["input_ids"][0]
+        assert list(again) == batch.prompt_ids[i]
 
 
 @pytest.mark.parametrize("arch", ARCHES)

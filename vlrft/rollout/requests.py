@@ -32,7 +32,10 @@ vLLM path refuses them (SGLang and the transformers engine take them).
 InternVL 3's processor writes `<img>` + N `<IMG_CONTEXT>` + `</img>` for an image whose prompt had one
 `<IMG_CONTEXT>`, and vLLM's replacement (vllm/model_executor/models/interns1.py, which vLLM runs for
 transformers' `InternVLForConditionalGeneration`) writes the `<img>` / `</img>` around the run itself,
-so they are dropped with the fold (`unwrap_image_runs`).
+so they are dropped with the fold (`unwrap_image_runs`). SmolVLM's processor writes an image as text: its tiles, each
+`<fake_token_around_image><row_r_col_c>` and its placeholders, then `<fake_token_around_image><global-img>`, the
+whole image's placeholders and `<fake_token_around_image>`; vLLM's Idefics3 processor writes the same from the one
+`<image>` of the chat template, so each image's text folds to that token (`fold_tiled_images`).
 
 LLaVA-OneVision has no grids: each image (video) must be one run, folded whatever its length, and
 vLLM's `<image>` / `<video>` replacement is checked by the exact-ids check. A prompt whose images its
@@ -164,12 +167,64 @@ def unwrap_image_runs(ids: Sequence[int], token_id: int, start_id: int, end_id: 
     return out
 
 
-def image_wrappers(processor: Any) -> tuple[int, int] | None:
-    """(start, end) token ids the processor writes around each image's placeholders and vLLM writes itself
-    (InternVL's `<img>`, `</img>`); None for processors without them."""
-    if not any(cls.__name__ == "InternVLProcessor" for cls in type(processor).__mro__):  # its image-only one too
-        return None
-    return int(processor.start_image_token_id), int(processor.end_image_token_id)
+def fold_tiled_images(ids: Sequence[int], token_id: int, fake_id: int, global_id: int, name: str) -> list[int]:
+    """Our ids with each image's text folded to one `token_id` (SmolVLM / Idefics3).
+
+    The processor writes an image as its tiles, `<fake_token_around_image><row_r_col_c>` + N placeholders each (with
+    newlines between rows), then the whole image, `<fake_token_around_image><global-img>` + N placeholders +
+    `<fake_token_around_image>` (an image not split: the whole image alone); vLLM writes all of it from the one
+    `<image>` of the chat template. A span from a `<fake_token_around_image>` to the one closing its `<global-img>`
+    run is folded; one that does not close is refused rather than guessed.
+    """
+    out: list[int] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] != fake_id:
+            out.append(ids[i])
+            i += 1
+            continue
+        try:
+            j = ids.index(global_id, i) + 1
+        except ValueError:
+            raise EngineInputError(f"{name}: an image's text at position {i} (id {fake_id}) has no whole-image "
+                                   f"token (id {global_id}) after it") from None
+        start = j
+        while j < len(ids) and ids[j] == token_id:
+            j += 1
+        if j == start or j == len(ids) or ids[j] != fake_id:
+            raise EngineInputError(f"{name}: the whole-image token at position {start - 1} is not followed by its "
+                                   f"placeholders (id {token_id}) and an image boundary token (id {fake_id})")
+        out.append(token_id)
+        i = j + 1
+    return out
+
+
+@dataclass(frozen=True)
+class ImageText:
+    """Tokens a processor writes around each image's placeholders that vLLM writes itself from the one placeholder
+    of the chat template, undone before vLLM sees our ids."""
+
+    start: int  # InternVL's `<img>`; SmolVLM's `<fake_token_around_image>`
+    end: int  # InternVL's `</img>`; SmolVLM's `<global-img>`
+    tiled: bool  # False: `start` + run + `end` (`unwrap_image_runs`); True: SmolVLM's tiles (`fold_tiled_images`)
+
+    def fold(self, ids: Sequence[int], token_id: int, name: str) -> list[int]:
+        if self.tiled:
+            return fold_tiled_images(ids, token_id, self.start, self.end, name)
+        return unwrap_image_runs(ids, token_id, self.start, self.end, name)
+
+
+def image_wrappers(processor: Any) -> ImageText | None:
+    """The text around each image the processor writes and vLLM writes itself (InternVL's `<img>` / `</img>`,
+    SmolVLM's tiles); None for processors that write placeholders only."""
+    names = {cls.__name__ for cls in type(processor).__mro__}
+    if "InternVLProcessor" in names:  # its image-only one too
+        return ImageText(int(processor.start_image_token_id), int(processor.end_image_token_id), tiled=False)
+    if names & {"SmolVLMProcessor", "Idefics3Processor"}:
+        convert = processor.tokenizer.convert_tokens_to_ids
+        return ImageText(int(convert(processor.fake_image_token)), int(convert(processor.global_image_token)),
+                         tiled=True)
+    return None
 
 
 def expand_vision_placeholders(ids: Sequence[int], image_token_id: int, video_token_id: int,
@@ -239,9 +294,9 @@ def check_images_encoded_alone(visual: Any, name: str) -> None:
 
 
 def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec",
-                  wrappers: tuple[int, int] | None = None) -> list[PromptRequest]:
+                  wrappers: ImageText | None = None) -> list[PromptRequest]:
     """One vLLM prompt dict per prompt: folded ids + the PIL images / video frames our processor saw;
-    `wrappers`: `image_wrappers(processor)`, the tokens around each image that vLLM writes itself."""
+    `wrappers`: `image_wrappers(processor)`, the text around each image that vLLM writes itself."""
     requests = []
     for i in range(len(batch)):
         visual = batch.visual.select([i])
@@ -250,11 +305,13 @@ def vllm_requests(batch: "PromptBatch", tokens: "TokenSpec",
         # Grid families own prod(grid) / merge**2 placeholders an item; others (LLaVA-OneVision) one run each.
         image_tokens = tokens_per_item(visual.image_grid_thw, visual.merge_size) \
             if visual.image_grid_thw is not None else visual.num_images
+        if wrappers is not None and wrappers.tiled:  # its pixel values are tiles: one folded placeholder an image
+            image_tokens = len(batch.images[i])
         video_tokens = tokens_per_item(visual.video_grid_thw, visual.merge_size) \
             if visual.video_grid_thw is not None else visual.num_videos
         ids = list(batch.prompt_ids[i])
         if wrappers is not None:
-            ids = unwrap_image_runs(ids, tokens.image_token_id, *wrappers, name)
+            ids = wrappers.fold(ids, tokens.image_token_id, name)
         folded = fold_vision_placeholders(ids, tokens.image_token_id, tokens.video_token_id,
                                           image_tokens, video_tokens, name)
         payload: dict[str, Any] = {"prompt_token_ids": folded}
