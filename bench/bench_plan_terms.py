@@ -40,6 +40,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def _has_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has a storage of its own (not a wrapper subclass such as DTensor, whose local tensor does)."""
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 class LiveStorages(TorchDispatchMode):
     """Every storage made by an op inside the mode, from its creation to its release, as a timeline; tensors can be
     tagged (after they are made) and the timeline replayed for the tagged bytes alive at the overall peak, or the
@@ -54,6 +63,27 @@ class LiveStorages(TorchDispatchMode):
         self._casts_of = {t.untyped_storage().data_ptr() for t in casts_of}
         for t in ignored:
             self._live.setdefault(t.untyped_storage().data_ptr(), (-1, 0))
+        self.context: str | None = None  # the tag of every storage made while it is set (`_track`)
+        self._excluded: set[int] = set()  # storages (`_cdata`) counted by `made` / `released` instead
+        self._resized: dict[int, tuple[int, int]] = {}  # key -> (id, bytes) of storages counted by `made`
+
+    def exclude(self, storage) -> None:
+        """Never count `storage` as an op's output: a storage that is resized in place (FSDP2's gathered parameters,
+        whose bytes come and go without a new storage) is counted by `made` and `released`."""
+        self._excluded.add(storage._cdata)
+
+    def made(self, key: int, size: int, tag: str) -> None:
+        """`size` bytes under `key` (not an op's output storage) allocated now, tagged `tag`."""
+        if key not in self._resized and size:
+            ident = next(self._ids)
+            self._resized[key] = (ident, size)
+            self.tags[ident] = tag
+            self.events.append((ident, size))
+
+    def released(self, key: int) -> None:
+        ident, size = self._resized.pop(key, (-1, 0))
+        if ident >= 0:
+            self.events.append((ident, -size))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -61,13 +91,13 @@ class LiveStorages(TorchDispatchMode):
         cast = (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
                 and args[0].untyped_storage().data_ptr() in self._casts_of)
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-                self._track(tensor.untyped_storage(), "weight_casts" if cast else None)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta and _has_storage(tensor):
+                self._track(tensor.untyped_storage(), "weight_casts" if cast else self.context)
         return out
 
     def _track(self, storage, tag: str | None) -> None:
         key, size = storage.data_ptr(), storage.nbytes()
-        if key in self._live or size == 0:
+        if key in self._live or size == 0 or storage._cdata in self._excluded:
             return
         ident = next(self._ids)
         self._live[key] = (ident, size)
@@ -182,12 +212,16 @@ def _batch(case: Case, model, tokenizer):
                            tokenizer.pad_token_id)
 
 
-def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torch.Tensor]) -> None:
+def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torch.Tensor],
+                   others: str | None = None) -> None:
     """Tag, as the backward makes them, the gradients that wait in autograd's buffers: the first sent to each
     parameter's accumulator (`pending_grads`: the completion pass's, which wait there for the prompt pass's) and every
-    one sent to a key/value record, and their sum (`prompt_kv`), by hooks on the graph's nodes."""
+    one sent to a key/value record, and their sum (`prompt_kv`), by hooks on the graph's nodes. With `others`, only
+    the first sent to an accumulator that receives two or more (a parameter both passes use) is `pending_grads`, and
+    every other gradient sent to an accumulator is tagged `others` (under FSDP2 they become the unsharded `.grad`)."""
     record_nodes = {record.grad_fn for record in records if record.grad_fn is not None}
     arrived: set = set()
+    senders: dict = {}  # accumulator -> edges into it
 
     def tagging(slots: list[tuple[int, object]]):
         def hook(grad_inputs, grad_outputs):
@@ -196,9 +230,11 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
                     continue
                 if target in record_nodes:
                     meter.tag(grad_inputs[index], "prompt_kv")
-                elif target not in arrived:  # a later one is added to it at once
-                    arrived.add(target)
+                elif target not in arrived and (others is None or senders[target] > 1):
+                    arrived.add(target)  # a later one is added to it at once
                     meter.tag(grad_inputs[index], "pending_grads")
+                elif others is not None:
+                    meter.tag(grad_inputs[index], others)
         return hook
 
     seen, stack = set(), [output.grad_fn]
@@ -211,6 +247,8 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
             node.register_prehook(lambda grads: tagging([(0, next(iter(record_nodes)))])(grads, None))
         slots = [(i, n) for i, (n, _) in enumerate(node.next_functions)
                  if n is not None and (type(n).__name__ == "AccumulateGrad" or n in record_nodes)]
+        for _, target in slots:
+            senders[target] = senders.get(target, 0) + 1
         if slots:
             node.register_hook(tagging(slots))
         stack += [n for n, _ in node.next_functions]
