@@ -179,8 +179,9 @@ def planned_fsdp2(case: Case, model) -> dict[str, int]:
     shared = shared_gradients(shape, hi, hi)  # unsharded gradients in FSDP2's param_dtype
     terms = micro_batch_terms(shape, batch, case.prompt_len, case.completion_len, case.checkpointing, hi,
                               float32_weights=False, shared=shared)
-    return {"gathered_layers": gathered, "gathered_layers_most": gathered, "pending_grads": terms.get("pending_grads", 0),
-            "pending_most": shared.total(shape.text.num_layers), "prompt_kv": terms["prompt_kv"],
+    return {"gathered_layers": gathered, "gathered_layers_most": gathered,
+            "pending_grads": terms.get("pending_grads", 0), "pending_most": shared.total(shape.text.num_layers),
+            "prompt_kv": terms["prompt_kv"],
             "activations": terms["activations"] + logits_bytes(shape, batch.completion_tokens)}
 
 

@@ -542,8 +542,10 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     """autograd runs the shared-prompt forward's whole completion pass backward before the prompt pass's, so every
     trained language-model parameter's gradient from the completion pass waits for the prompt pass's (measured:
     tests/test_plan_terms.py). Under ddp it comes beside `.grad` from a step's second micro-batch on: float32, the
-    whole language model's, or its LoRA adapters', at the moment of the peak; none with one micro-batch a step; not
-    counted under fsdp2 yet."""
+    whole language model's, or its LoRA adapters', at the moment of the peak; none with one micro-batch a step. Under
+    fsdp2 they are the unsharded gradients in the compute dtype (bf16), in every micro-batch (measured on 2 ranks:
+    tests/test_plan_terms.py); none where no forward shares a prompt (one row a micro-batch, and no forward forced onto
+    the shared path). Before: not counted under fsdp2."""
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     cfg = load_config(CONFIG_7B, validate=False)
     hw, ddp = Hardware(), StrategyChoice("ddp")
@@ -553,7 +555,14 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     assert plan.component("pending_grads") == 4 * shape.count("text")
     one = replace(cfg, train=replace(cfg.train, micro_batch_completions_per_rank=rank_rows))
     assert plan_memory(one, shape, hw, ddp).component("pending_grads") == 0
-    assert plan_memory(cfg, shape, hw, StrategyChoice("fsdp2")).component("pending_grads") == 0
+    fsdp2 = StrategyChoice("fsdp2")
+    assert plan_memory(cfg, shape, hw, fsdp2).component("pending_grads") == 2 * shape.count("text")
+    assert plan_memory(one, shape, hw, fsdp2).component("pending_grads") > 0  # with one micro-batch too
+    alone = replace(cfg, train=replace(cfg.train, micro_batch_completions_per_rank=1))
+    assert plan_memory(alone, shape, hw, fsdp2).component("pending_grads") == 2 * shape.count("text")  # rows skipped
+    unforced = replace(alone, train=replace(alone.train, skip_zero_advantage_rows=False))
+    assert plan_memory(unforced, shape, hw, fsdp2).component("pending_grads") == 0
+    assert plan_memory(unforced, shape, hw, ddp).component("pending_grads") == 0
     lora = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=16, target_modules=["q_proj"])))
     t = shape.text
     per_layer = 16 * (t.hidden_size + t.num_heads * t.head_dim)

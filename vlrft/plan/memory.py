@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vlrft.families import family
-from vlrft.plan.activations import (SharedGradients, chunk_tokens, head_backward_bytes, logits_bytes, micro_batch_size,
-                                    micro_batch_terms, prompt_patches, shared_gradients)
+from vlrft.plan.activations import (MicroBatchSize, SharedGradients, chunk_tokens, head_backward_bytes, logits_bytes,
+                                    micro_batch_size, micro_batch_terms, prompt_patches, shared_gradients)
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.engine import engine_components
 from vlrft.plan.memory_plan import CUDA_RESERVE, Component, Hardware, MemoryPlan, StrategyChoice
@@ -120,22 +120,35 @@ def _trained_model_components(cfg, shape: ModelShape, strategy: StrategyChoice, 
     return comps
 
 
-def _shared_gradients(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, grad_bytes: int,
-                      compute_bytes: int) -> SharedGradients:
+def _shared_gradients(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, batch: MicroBatchSize,
+                      grad_bytes: int, compute_bytes: int) -> SharedGradients:
     """The gradients the shared-prompt forward's completion pass makes and autograd holds until the prompt pass adds
     its own (`vlrft.plan.activations.SharedGradients`), where they come beside the `gradients` term: under `single`
-    and `ddp` from a step's second micro-batch on (the first one's become `.grad`, which each step frees). None for a
-    family whose training forward runs every row in full (`vlrft.families`). Under `fsdp2` and DeepSpeed the same
-    wait happens for the gathered (unsharded) parameters' gradients by the same autograd order, but is not measured
-    and not counted yet (docs/memory_plan.md)."""
+    and `ddp` from a step's second micro-batch on (the first one's become `.grad`, which each step frees); under
+    `fsdp2` in every micro-batch, as the gathered parameters' unsharded gradients in the compute dtype (FSDP2 reduces
+    each layer's `.grad` after its backward and frees it, so nothing stands in for them; measured on 2 CPU ranks:
+    bench/bench_plan_fsdp2.py). None for a family whose training forward runs every row in full
+    (`vlrft.families`), or where no forward shares a prompt (`_shares_prompts`). DeepSpeed's ZeRO hooks wait the same
+    way (float32 there), not measured and not counted yet (docs/memory_plan.md)."""
     m, t = cfg.model, cfg.train
     shares = family(shape.model_type)
     rank_rows = max(1, cfg.prompts_per_step // world) * cfg.rollout.n
     one_micro_batch = t.max_tokens_per_micro_batch <= 0 and rank_rows <= t.micro_batch_completions_per_rank
-    if (shares is None or not shares.training_shares_prompt.supported or strategy.name not in ("single", "ddp")
-            or one_micro_batch):
+    if (shares is None or not shares.training_shares_prompt.supported or strategy.name == "deepspeed"
+            or (one_micro_batch and strategy.name in ("single", "ddp")) or not _shares_prompts(cfg, strategy, batch)):
         return SharedGradients()
     return shared_gradients(shape, grad_bytes, compute_bytes, m.lora.rank, tuple(m.lora.target_modules))
+
+
+def _shares_prompts(cfg, strategy: StrategyChoice, batch: MicroBatchSize) -> bool:
+    """Whether a training forward can take the shared-prompt path (`ActorVL.predicting_states`): a micro-batch of
+    more than one row (two may continue one prompt), or, under the sharding strategies, every forward when the ranks'
+    micro-batches differ (a token budget, or zero-advantage rows left out: `vlrft.trainer.Trainer`; taken as on
+    whenever `train.skip_zero_advantage_rows` is and no critic trains, though some losses turn it off)."""
+    t = cfg.train
+    skips_rows = t.skip_zero_advantage_rows and cfg.algorithm.advantage != "gae"
+    every_forward = strategy.name in ("fsdp2", "deepspeed") and (t.max_tokens_per_micro_batch > 0 or skips_rows)
+    return batch.rows > 1 or t.max_tokens_per_micro_batch > 0 or every_forward
 
 
 def _micro_batch_components(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, params: int, hi: int,
@@ -150,7 +163,8 @@ def _micro_batch_components(cfg, shape: ModelShape, strategy: StrategyChoice, wo
     float32_weights = strategy.mixed_precision and strategy.name != "fsdp2"  # bf16 matmuls over float32 weights
     terms = micro_batch_terms(shape, batch, d.max_prompt_length, r.tokens_after_prompt, m.gradient_checkpointing, hi,
                               float32_weights, frozen_tower=m.freeze_vision_tower,
-                              shared=_shared_gradients(cfg, shape, strategy, world, 4 if float32_weights else hi, hi))
+                              shared=_shared_gradients(cfg, shape, strategy, world, batch,
+                                                       4 if float32_weights else hi, hi))
     comps = [Component("activations", terms["activations"], train,
                        f"{what}; {media} per prompt: {vision} vision patches; gradient checkpointing "
                        f"{'on' if m.gradient_checkpointing else 'off'}")]

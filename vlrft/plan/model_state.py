@@ -25,6 +25,18 @@ class ModelState:
     resident_buffers: bool = True  # False: allocated for each backward and freed after it (ZeRO-2's bucket)
 
 
+def fsdp2_gathered_bytes(shape: ModelShape, compute_bytes: int, head_trains: bool = True) -> int:
+    """What FSDP2 holds unsharded in the backward beside a micro-batch's activations, in `compute_bytes` (its
+    `param_dtype`): the root unit (embeddings, LM head, norms, merger), gathered through forward and backward; two
+    decoder layers (the one computing and the last all-gather's output, which FSDP2 keeps until the next one); the
+    float32 copy of a layer's gradient its reduce-scatter reads (kept until the next layer's); and the LM head's
+    unsharded gradient, made first in the backward and reduced with the root's at its end (tied to the embeddings, it
+    is the embeddings' gradient, which waits with `pending_grads`). The root's other gradients come at the end of the
+    backward, when the activations are gone. Measured on 2 CPU ranks by bench/bench_plan_fsdp2.py."""
+    head = 0 if shape.tie_word_embeddings or not head_trains else shape.text.vocab_size * shape.text.hidden_size
+    return compute_bytes * (shape.blocks()["root"] + head) + (2 * compute_bytes + 4) * shape.largest_layer()
+
+
 def model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> ModelState:
     hi = 2 if s.mixed_precision else 4  # low-precision compute bytes
     if s.name in ("single", "ddp"):
@@ -36,15 +48,14 @@ def model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoic
     if s.name == "fsdp2":
         offload = s.offload_optimizer or s.offload_params  # FSDP2's CPUOffloadPolicy moves all three
         shard = 0 if offload else 1
-        # the root unit (embeddings, LM head) stays gathered through forward and backward, with its unsharded
-        # gradient; decoder layers are gathered one at a time (current + prefetched) with one layer's gradient
-        gathered = (hi + 4) * shape.blocks()["root"] + (2 * hi + 4) * shape.largest_layer()
+        gathered = fsdp2_gathered_bytes(shape, hi, head_trains=trainable >= params - shape.tower_count())
         return ModelState(shard * 4 * params // world, shard * 4 * trainable // world,
                            shard * 8 * trainable // world, 0, gathered, {
             "parameters": f"float32 shards (1/{world})" + (" on the CPU" if offload else ""),
             "gradients": f"float32 shards (1/{world})" + (" on the CPU" if offload else ""),
             "optimizer": f"AdamW moments, sharded (1/{world})" + (" on the CPU" if offload else ""),
-            "gathered": "gathered for compute: the root (embeddings, LM head) and two decoder layers, with gradients"})
+            "gathered": "gathered for compute: the root (embeddings, LM head) and two decoder layers, the LM head's "
+                        "gradient and a layer's float32 gradient for its reduce-scatter"})
     if s.name == "deepspeed":
         # vlrft runs DeepSpeed with float32 weights and gradients (its bf16 mode off; on GPUs the forward runs under
         # bf16 autocast, as with DDP). ZeRO's optimizer keeps its own float32 partition of the weights, also when
