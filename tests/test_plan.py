@@ -545,7 +545,8 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     whole language model's, or its LoRA adapters', at the moment of the peak; none with one micro-batch a step. Under
     fsdp2 they are the unsharded gradients in the compute dtype (bf16), in every micro-batch (measured on 2 ranks:
     tests/test_plan_terms.py); none where no forward shares a prompt (one row a micro-batch, and no forward forced onto
-    the shared path). Before: not counted under fsdp2."""
+    the shared path). Under DeepSpeed the whole float32 gradients, in every micro-batch. Before: not counted under fsdp2
+    and DeepSpeed."""
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     cfg = load_config(CONFIG_7B, validate=False)
     hw, ddp = Hardware(), StrategyChoice("ddp")
@@ -563,6 +564,11 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     unforced = replace(alone, train=replace(alone.train, skip_zero_advantage_rows=False))
     assert plan_memory(unforced, shape, hw, fsdp2).component("pending_grads") == 0
     assert plan_memory(unforced, shape, hw, ddp).component("pending_grads") == 0
+    # DeepSpeed (ZeRO-2 and 3): whole float32 gradients, in every micro-batch (measured: tests/test_plan_terms.py)
+    for stage in (2, 3):
+        zero = StrategyChoice("deepspeed", zero_stage=stage)
+        assert plan_memory(one, shape, hw, zero).component("pending_grads") > 0
+        assert plan_memory(alone, shape, hw, zero).component("pending_grads") == 4 * shape.count("text")
     lora = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=16, target_modules=["q_proj"])))
     t = shape.text
     per_layer = 16 * (t.hidden_size + t.num_heads * t.head_dim)

@@ -66,3 +66,16 @@ def test_the_fsdp2_terms_are_within_their_stated_error_on_2_ranks():
         assert planned["pending_grads"] and measured["pending_grads"]
         for term, (low, high) in STATED_FSDP2.items():
             assert low <= measured[term] / planned[term] <= high, (term, measured[term], planned[term])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_waiting_gradients_under_zero3_are_the_whole_float32_ones():
+    """Under DeepSpeed ZeRO-3 the completion pass's gradients wait for the prompt pass's as whole float32 gradients
+    (ZeRO reduces and frees each `.grad` after its backward), every layer's at once: `pending_grads` at 4 B per
+    language-model parameter. Before: not counted under DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    from bench.bench_plan_zero3 import run_cases
+
+    (measured,) = run_cases([Case(mixed=False)])
+    assert 0.99 <= measured["pending_most"] / measured["planned_pending_most"] <= 1.01
