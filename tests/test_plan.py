@@ -564,6 +564,13 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     unforced = replace(alone, train=replace(alone.train, skip_zero_advantage_rows=False))
     assert plan_memory(unforced, shape, hw, fsdp2).component("pending_grads") == 0
     assert plan_memory(unforced, shape, hw, ddp).component("pending_grads") == 0
+    # too much with them: the suggestion keeps every forward off the shared-prompt path
+    big = load_config(CONFIG_32B, ["train.skip_zero_advantage_rows=true"], validate=False)
+    hw32 = Hardware(gpus_per_node=8, nodes=2, gpu_memory=80 * 10 ** 9)
+    plan32 = plan_memory(big, load_model_shape("Qwen/Qwen2.5-VL-32B-Instruct"), hw32, fsdp2)
+    assert not plan32.fits and plan32.component("pending_grads") > 50 * 2 ** 30
+    assert any(line.startswith("set train.skip_zero_advantage_rows: false") and line.endswith(", fits)")
+               for line in plan32.suggestions), plan32.suggestions
     # DeepSpeed (ZeRO-2 and 3): whole float32 gradients, in every micro-batch (measured: tests/test_plan_terms.py)
     for stage in (2, 3):
         zero = StrategyChoice("deepspeed", zero_stage=stage)

@@ -59,6 +59,13 @@ def suggestions(cfg, hardware: Hardware, strategy: StrategyChoice, plan: MemoryP
         if p.fits or mb == 1:
             add(f"lower train.micro_batch_completions_per_rank to {mb}", p)
             break
+    t = cfg.train
+    if plan.component("pending_grads") and strategy.name in ("fsdp2", "deepspeed") and not t.max_tokens_per_micro_batch:
+        # one row a micro-batch, no rows left out: no forward shares a prompt, so no gradient waits for a prompt pass
+        lower = ("lower train.micro_batch_completions_per_rank to 1 and "
+                 if t.micro_batch_completions_per_rank > 1 else "")
+        add(f"{lower}set train.skip_zero_advantage_rows: false (no forward shares a prompt: no pending_grads)",
+            trial(c=_with(cfg, "train", micro_batch_completions_per_rank=1, skip_zero_advantage_rows=False)))
     r = cfg.rollout
     if r.engine not in ("hf", "vllm_server"):
         rollout_free = plan.capacity - (plan.phase_total("rollout") - plan.component("engine_weights")
