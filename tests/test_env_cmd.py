@@ -25,7 +25,8 @@ def test_env_reports_this_stack_and_finds_it_coherent(capsys):
     assert "; engines hf, vllm (no videos, as Qwen3-VL; weight sync swaps the fused experts" in \
         report["families"]["qwen3_vl_moe"]
     assert "vllm_server (no videos, as Qwen3-VL; the experts synced as on vllm)" in report["families"]["qwen3_vl_moe"]
-    assert "; refused vllm_server: not yet executed through a real vLLM server" in report["families"]["smolvlm"]
+    assert "; engines hf, vllm, vllm_server; no videos;" in report["families"]["smolvlm"]
+    assert "; refused vllm, vllm_server, sglang: its image placeholders expand" in report["families"]["gemma3"]
     assert "; engines hf, vllm, vllm_server; no videos;" in report["families"]["glm4v"]
     assert "each row in full in training" in report["families"]["gemma3"]
     assert "hf engine: lean group decoder" in report["families"]["internvl"]
@@ -68,7 +69,7 @@ def test_env_prints_the_family_table_as_the_readme_has_it_and_each_refusal_with_
     assert capsys.readouterr().out == markdown_table()
     main(["env"])
     lines = capsys.readouterr().out.splitlines()
-    smol = lines.index(next(line for line in lines if line.startswith("  smolvlm ")))
-    assert lines[smol + 2].strip() == ("✘ vllm_server: not yet executed through a real vLLM server "
-                                       "(tests/test_vllm_server_families.py does not build it)")
-    assert lines[smol + 3].strip().startswith("✘ sglang: SGLang's own model classes were never checked")
+    gemma = lines.index(next(line for line in lines if line.startswith("  gemma3 ")))
+    assert lines[gemma + 1].strip() == ("✘ vllm, vllm_server, sglang: its image placeholders expand to text around "
+                                        "the image tokens, which vlrft's prompt folding does not invert")
+    assert lines[gemma + 2].strip() == "✘ videos: its processor takes no videos"

@@ -943,7 +943,8 @@ def test_an_engine_the_family_table_refuses_for_a_family_is_one_line_with_its_re
                       processor=tiny_processor(family), tokens=None, strategy=None, prompts_per_rank=1)
     fam = family_of(family)
     takes = {"qwen3_vl_moe": "hf or vllm or vllm_server", "glm4v": "hf or vllm or vllm_server",
-             "internvl": "hf or vllm or vllm_server", "llava_onevision": "hf or vllm or vllm_server"}.get(family, "hf")
+             "internvl": "hf or vllm or vllm_server", "llava_onevision": "hf or vllm or vllm_server",
+             "smolvlm": "hf or vllm or vllm_server"}.get(family, "hf")
     with pytest.raises(UserError) as refused:
         make_engine(cfg, deps)
     assert str(refused.value) == (f"rollout.engine={engine} does not take {fam.name} ({family}): "

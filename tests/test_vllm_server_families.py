@@ -1,5 +1,6 @@
 """`rollout.engine=vllm_server` executed for every family beyond Qwen2-VL that colocated vLLM takes: Qwen2.5-VL,
-Qwen3-VL, Qwen3-VL-MoE (its experts synced in the released layout), GLM-4.1V, InternVL 3 and LLaVA-OneVision, each
+Qwen3-VL, Qwen3-VL-MoE (its experts synced in the released layout), GLM-4.1V, InternVL 3, LLaVA-OneVision and
+SmolVLM, each
 through a real vLLM server (vLLM's own command line, its CPU build) started from a tiny random model of the family
 with heads vLLM's CPU kernels take (those of tests/test_vllm_executed.py), on the prompts of
 tests/test_vllm_executed.py (text, images and, where the family takes them, a video).
@@ -39,7 +40,7 @@ from vlrft.data import Sample  # noqa: E402
 from vlrft.rollout.base import SamplingParams  # noqa: E402
 from vlrft.rollout.requests import EngineInputError  # noqa: E402
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl", "llava_onevision"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "internvl", "llava_onevision", "smolvlm"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

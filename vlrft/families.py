@@ -162,7 +162,6 @@ def _fsdp2(arch: str) -> Claim:
                                             f"test_two_fsdp2_ranks_train_two_grpo_steps[{arch}]"))
 
 
-NO_SERVER = "not yet executed through a real vLLM server (tests/test_vllm_server_families.py does not build it)"
 NO_SGLANG = ("SGLang's own model classes were never checked against this family's weight names and requests "
              "(the tests check the Qwen-VL families)")
 EXPANDED_PLACEHOLDERS = ("its image placeholders expand to text around the image tokens, which vlrft's prompt folding "
@@ -370,8 +369,9 @@ FAMILIES: tuple[Family, ...] = (
         hf=Cell(_hf_engine("smolvlm", "group-decoder")
                 + _train_steps("smolvlm", "SmolVLMForConditionalGeneration")
                 + _image_tools("smolvlm")),
-        vllm=Cell(refused="not yet executed on vLLM (tests/test_vllm_executed.py does not build it)"),
-        vllm_server=Cell(refused=NO_SERVER),
+        vllm=Cell(_vllm("smolvlm") + _ids("test_rollout_engines.py",
+                                          "test_vllm_requests_of_smolvlm_are_one_image_token_an_image_without_its_tiles")),
+        vllm_server=Cell(_server("smolvlm")),
         sglang=Cell(refused=NO_SGLANG),
         video=Cell(refused="its processor writes a video as timestamped frames of <image> tokens and returns them as "
                            "image pixels, which vlrft's video batches and token types do not follow yet"),
