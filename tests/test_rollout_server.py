@@ -242,6 +242,118 @@ def test_request_seeds_leave_every_completion_its_own_random_stream():
     assert all(0 <= s < 2**31 for s in seeds)
 
 
+def test_a_sync_waits_for_the_requests_out_and_holds_new_ones_until_it_ends(tiny_vlm_dir):
+    """vLLM's pause ("wait") drains the requests its scheduler runs but keeps queued ones for after the resume, on the
+    new weights. So the engine itself starts a sync only once its generate calls in flight are answered, and a call
+    made during the sync waits for it: every completion is sampled by the version it records."""
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.server import ServerEngine, ServerEngineOptions
+    from vlrft.sampling import SamplingParams
+
+    server = StandInServer(delay_s=0.3)
+    events = []
+
+    class StandInSync:  # what the servers saw: when the sync (its pause) started and ended
+        def sync(self, buckets, version):
+            events.append(("sync starts", time.monotonic()))
+            list(buckets)
+            time.sleep(0.3)
+            events.append(("sync ends", time.monotonic()))
+
+    try:
+        requests = [PromptRequest({"prompt_token_ids": [1, 2]}, [1, 2], "a")]
+        engine = ServerEngine(ServerPool([server.url], timeout_s=5), SimpleNamespace(eos_ids=[0], suppressed_ids=[]),
+                              SimpleNamespace(batch_decode=lambda ids, **kw: [str(i) for i in ids]),
+                              ServerEngineOptions(seed=1, rank=0), build_requests=lambda batch: requests,
+                              sync=StandInSync())
+        sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
+        results = {}
+
+        def generate(name):
+            events.append((f"{name} asks", time.monotonic()))
+            results[name] = engine.generate(None, sampling)
+            events.append((f"{name} answered", time.monotonic()))
+
+        before = threading.Thread(target=generate, args=("before",))
+        before.start()
+        time.sleep(0.1)  # its request is out when the sync is asked for
+        during = threading.Thread(target=generate, args=("during",))
+        syncing = threading.Thread(target=engine.update_weights, args=(load_policy(tiny_vlm_dir("qwen2_vl")),))
+        syncing.start()
+        time.sleep(0.05)
+        during.start()
+        for thread in (before, syncing, during):
+            thread.join(timeout=10)
+    finally:
+        server.stop()
+    at = dict(events)
+    assert at["before answered"] <= at["sync starts"]  # the sync waited for the request out
+    assert at["sync ends"] <= at["during answered"] and at["during asks"] < at["sync ends"]
+    assert server.requests == 2
+    assert results["before"].weight_versions == [0, 0] and results["during"].weight_versions == [1, 1]
+
+
+def _rank_syncing_while_another_rank_generates(rank: int, port: int, url: str, model_dir: str, out) -> None:
+    """Rank 1 has a request out when both ranks sync; rank 0 (the one that talks to the servers) records when its
+    sync starts, rank 1 when its request was answered."""
+    import torch.distributed as dist
+
+    from vlrft.models.loading import load_policy
+    from vlrft.rollout.server import ServerEngine, ServerEngineOptions
+    from vlrft.sampling import SamplingParams
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = load_policy(model_dir)
+
+    class StandInSync:
+        def sync(self, buckets, version):
+            out.put(("sync starts", time.time()))
+            list(buckets)
+
+    requests = [PromptRequest({"prompt_token_ids": [1, 2]}, [1, 2], "a")]
+    engine = ServerEngine(ServerPool([url], timeout_s=5), SimpleNamespace(eos_ids=[0], suppressed_ids=[]),
+                          SimpleNamespace(batch_decode=lambda ids, **kw: [str(i) for i in ids]),
+                          ServerEngineOptions(seed=1, rank=rank, barrier=dist.barrier),
+                          build_requests=lambda batch: requests, sync=StandInSync() if rank == 0 else None)
+    if rank == 1:
+        def generate():
+            engine.generate(None, SamplingParams(n=1, temperature=1.0, max_new_tokens=4))
+            out.put(("rank 1 answered", time.time()))
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.1)
+    engine.update_weights(model)
+    if rank == 1:
+        thread.join()
+    dist.destroy_process_group()
+
+
+def test_no_rank_has_requests_out_when_the_servers_pause(tiny_vlm_dir):
+    """With several trainer ranks, rank 0 pauses the servers only once every rank's requests are answered (the
+    ranks meet at the strategy's barrier): rank 1's slow request is answered before rank 0's sync starts."""
+    import torch.multiprocessing as mp
+
+    from _vllm_server import free_port
+
+    server = StandInServer(delay_s=0.5)
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    port, model_dir = free_port(), str(tiny_vlm_dir("qwen2_vl"))
+    try:
+        workers = [context.Process(target=_rank_syncing_while_another_rank_generates,
+                                   args=(rank, port, server.url, model_dir, out)) for rank in range(2)]
+        for worker in workers:
+            worker.start()
+        events = dict(out.get(timeout=120) for _ in range(2))
+        for worker in workers:
+            worker.join(60)
+            assert worker.exitcode == 0
+    finally:
+        server.stop()
+    assert events["rank 1 answered"] <= events["sync starts"], events
+
+
 def test_greedy_groups_are_one_request_each_repeated_n_times():
     """vLLM refuses n > 1 when greedy: each prompt is asked once (n=1) and its completion repeated n times, in one
     generate call (one call count, so the seeds of the next call do not shift)."""

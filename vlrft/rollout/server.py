@@ -20,8 +20,9 @@ prompts over HTTP; nothing of vLLM is imported in the training processes.
   that stops answering is dropped and its requests go to the others; with none left, the step stops
   within `rollout.server_timeout_s`, naming the server.
 * Weight versions: every completion carries the version of the weights that sampled it (the
-  engine's `version` when it was sent; a sync pauses the servers so no request spans two
-  versions, see `WeightSync`).
+  engine's `version` when it was sent): a sync starts only once the requests out are answered and
+  holds new ones back until it ends (`update_weights`), then pauses the servers
+  (`vlrft.rollout.weight_transfer.ServerWeightSync`).
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ class ServerEngineOptions:
     bucket_bytes: int = 512 << 20
     gather: Callable | None = None  # the strategy's context for reading sharded parameters whole (ZeRO-3)
     max_concurrency: int = 64  # requests in flight from this rank
+    barrier: Callable[[], None] | None = None  # the trainer's ranks meet here before a sync pauses the servers
 
 
 class ServerEngine:
@@ -266,6 +268,11 @@ class ServerEngine:
         self._lock = threading.Lock()
         self._videos_checked = False  # the servers read videos with vlrft's loader (checked at the first video)
         self.last_sync = None  # the `SyncStats` of the last sync this rank sent
+        # A sync waits for the generate calls in flight and holds new ones back: vLLM's pause ("wait") drains the
+        # requests its scheduler runs, but keeps the ones still queued for after the resume, on the new weights.
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._syncing = False
 
     @classmethod
     def from_deps(cls, cfg, deps) -> "ServerEngine":
@@ -277,7 +284,8 @@ class ServerEngine:
         from vlrft.rollout.colocate import DTYPES
 
         options = ServerEngineOptions(seed=cfg.train.seed, rank=deps.strategy.rank, dtype=DTYPES[cfg.model.dtype],
-                                      bucket_bytes=r.weight_sync_bucket_mb << 20, gather=deps.strategy.gathered)
+                                      bucket_bytes=r.weight_sync_bucket_mb << 20, gather=deps.strategy.gathered,
+                                      barrier=deps.strategy.barrier if deps.strategy.world_size > 1 else None)
         engine = cls(pool, tokens, deps.processor.tokenizer, options,
                      build_requests=lambda batch: vllm_requests(batch, tokens, wrappers))
         if deps.strategy.rank == 0:  # the sending rank drives vLLM's weight-transfer protocol on every server
@@ -301,19 +309,27 @@ class ServerEngine:
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
         from vlrft.rollout.vllm import vllm_sampling_kwargs
 
-        with self._lock:
-            self._generate_calls += 1
-            call, version = self._generate_calls, self.version
         requests = self.build_requests(batch)
         asked = 1 if sampling.greedy else sampling.n  # vLLM refuses n > 1 when greedy; the n are all the same
         kwargs = vllm_sampling_kwargs(dataclasses.replace(sampling, n=asked), self.tokens)
         if not self._videos_checked and any(r.payload.get("multi_modal_data", {}).get("video") for r in requests):
             self.pool.check_video_loader()
             self._videos_checked = True
-        bodies = [generate_payload(req, kwargs, self.request_seed(call, p)) for p, req in enumerate(requests)]
-        workers = max(1, min(self.options.max_concurrency, len(bodies)))
-        with ThreadPoolExecutor(workers, thread_name_prefix="vlrft-rollout") as pool:
-            replies = list(pool.map(lambda body: self.pool.post(GENERATE_ROUTE, body), bodies))
+        with self._idle:  # no sync starts while this call's requests are out, so they all run on `version`
+            while self._syncing:
+                self._idle.wait()
+            self._generate_calls += 1
+            call, version = self._generate_calls, self.version
+            self._in_flight += 1
+        try:
+            bodies = [generate_payload(req, kwargs, self.request_seed(call, p)) for p, req in enumerate(requests)]
+            workers = max(1, min(self.options.max_concurrency, len(bodies)))
+            with ThreadPoolExecutor(workers, thread_name_prefix="vlrft-rollout") as pool:
+                replies = list(pool.map(lambda body: self.pool.post(GENERATE_ROUTE, body), bodies))
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
         samples = [s for reply, req in zip(replies, requests)
                    for s in response_samples(reply, req, asked, f"rollout server {reply['_server']}")
                    for _ in range(sampling.n // asked)]
@@ -328,18 +344,31 @@ class ServerEngine:
 
     def update_weights(self, model) -> None:
         """Push the policy's weights to every server as version `version + 1` (every rank walks the weights: a
-        sharded policy is gathered collectively; only the sending rank talks to the servers)."""
+        sharded policy is gathered collectively; only the sending rank talks to the servers). Every rank first
+        waits for its generate calls in flight and holds back new ones (`barrier`: no rank's requests are out when
+        the servers pause), so each completion is sampled by the version it records."""
         from vlrft.models.weights import PolicyWeights
 
-        weights = PolicyWeights(model, self.options.dtype, self.options.gather)
-        buckets = weights.buckets(self.options.bucket_bytes, "cpu")
-        if self.sync is not None:
-            self.last_sync = self.sync.sync(buckets, str(self.version + 1))
-        elif weights.sharded:  # gathering shards is collective: every rank walks the buckets
-            for bucket in buckets:
-                del bucket
-        with self._lock:
-            self.version += 1
+        with self._idle:
+            self._syncing = True
+            while self._in_flight:
+                self._idle.wait()
+        try:
+            if self.options.barrier is not None:
+                self.options.barrier()
+            weights = PolicyWeights(model, self.options.dtype, self.options.gather)
+            buckets = weights.buckets(self.options.bucket_bytes, "cpu")
+            if self.sync is not None:
+                self.last_sync = self.sync.sync(buckets, str(self.version + 1))
+            elif weights.sharded:  # gathering shards is collective: every rank walks the buckets
+                for bucket in buckets:
+                    del bucket
+            with self._lock:
+                self.version += 1
+        finally:
+            with self._idle:
+                self._syncing = False
+                self._idle.notify_all()
 
     def sleep(self) -> None:
         """The servers keep their memory (they are not on the trainer's devices)."""

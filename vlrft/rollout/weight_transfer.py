@@ -107,8 +107,9 @@ class ServerWeightSync:
     inputs processed for the model (pixels, grids), which no weight changes, so images seen before are not processed
     again.
 
-    Pause mode "wait": in-flight requests finish on the weights they started with, so every sample's tokens come
-    from one policy version (vlrft syncs between rollouts, so there are normally none). "abort" would discard work
+    Pause mode "wait": requests vLLM's scheduler runs finish on the weights they started with, so every sample's
+    tokens come from one policy version; requests still queued run after the resume, on the new weights (the
+    `ServerEngine` therefore syncs only once its own requests are answered). "abort" would discard work
     the caller then sees as aborted; "keep" freezes them and continues them on the new weights, mixing two policies
     (and stale KV) within one sample.
 
