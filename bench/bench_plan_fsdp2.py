@@ -39,7 +39,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.bench_plan_terms import Case, LiveStorages, _batch, _model, _tag_gradients  # noqa: E402
+from bench.bench_plan_terms import (Case, LiveStorages, _batch, _model, _tag_gradients,  # noqa: E402
+                                    tagged_prompt_kv)
 
 WORLD = 2
 
@@ -118,8 +119,6 @@ def _sharded(case: Case):
 
 def measure_fsdp2(case: Case) -> tuple[dict[str, int], dict[str, int]]:
     """(measured, planned) bytes of one rank's FSDP2 terms for one micro-batch (in a 2-rank process group)."""
-    import vlrft.models.actor as actor_module
-
     model, actor, tokenizer = _sharded(case)
     seqs = _batch(case, model, tokenizer)
 
@@ -130,26 +129,13 @@ def measure_fsdp2(case: Case) -> tuple[dict[str, int], dict[str, int]]:
     forward().sum().backward()  # FSDP2's lazy state, and the sharded gradients as from an earlier micro-batch
     local = [t for p in actor.parameters() for t in (p, p.grad) if t is not None]
     meter = LiveStorages(ignored=[t.to_local() if hasattr(t, "to_local") else t for t in local])
-    recorded, making = [], actor_module.recording_cache
-
-    def recording():  # the prompt pass's key/value records, to tag them
-        cache = making()
-        recorded.append(cache)
-        return cache
-
-    actor_module.recording_cache = recording
-    try:
-        with meter, _counting_fsdp(meter, actor):
-            logprobs = forward()
-            records = [record for cache in recorded for layer in cache.layers for record in (layer.keys, layer.values)]
-            for record in records:
-                meter.tag(record, "prompt_kv")
-            _tag_gradients(meter, logprobs, records, others="unsharded_grads")
-            del recorded[:], records
-            logprobs.sum().backward()
-            del logprobs
-    finally:
-        actor_module.recording_cache = making
+    with meter, _counting_fsdp(meter, actor), tagged_prompt_kv(meter) as tag_prompt_kv:
+        logprobs = forward()
+        records = tag_prompt_kv()
+        _tag_gradients(meter, logprobs, records, others="unsharded_grads")
+        del records
+        logprobs.sum().backward()
+        del logprobs
     peak, split = meter.peak_breakdown()
     gathered_parts = ("gathered", "unsharded_grads", "fsdp_comm")
     measured = {part: split.get(part, 0) for part in (*gathered_parts, "pending_grads", "activations")}

@@ -26,6 +26,7 @@ term), which docs/memory_plan.md quotes. `tests/test_plan_terms.py` checks each 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import weakref
@@ -212,6 +213,35 @@ def _batch(case: Case, model, tokenizer):
                            tokenizer.pad_token_id)
 
 
+@contextlib.contextmanager
+def tagged_prompt_kv(meter: LiveStorages):
+    """Inside the block, `ActorVL`'s shared forward records its prompt pass's keys and values as usual; `tag()` (the
+    callable yielded) tags every record made so far as `prompt_kv` and returns them. The actor module's cache
+    factory is restored after."""
+    import vlrft.models.actor as actor_module
+
+    recorded = []
+    making = actor_module.recording_cache
+
+    def recording():
+        cache = making()
+        recorded.append(cache)
+        return cache
+
+    def tag() -> list[torch.Tensor]:
+        records = [record for cache in recorded for layer in cache.layers for record in (layer.keys, layer.values)]
+        for record in records:
+            meter.tag(record, "prompt_kv")
+        del recorded[:]
+        return records
+
+    actor_module.recording_cache = recording
+    try:
+        yield tag
+    finally:
+        actor_module.recording_cache = making
+
+
 def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torch.Tensor],
                    others: str | None = None) -> None:
     """Tag, as the backward makes them, the gradients that wait in autograd's buffers: the first sent to each
@@ -256,7 +286,6 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
 
 def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
     """(measured, planned) bytes of `activations`, `prompt_kv` and `weight_casts` for one micro-batch."""
-    import vlrft.models.actor as actor_module
     from vlrft.plan import shape_from_config
     from vlrft.plan.activations import MicroBatchSize, micro_batch_terms, shared_gradients
 
@@ -266,28 +295,14 @@ def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
         p.grad = torch.zeros_like(p)  # as from an earlier micro-batch: the plan's `gradients`
     seqs = _batch(case, model, tokenizer)
     meter = LiveStorages(ignored=params + [p.grad for p in params], casts_of=params)
-    recorded = []
-    making = actor_module.recording_cache
-
-    def recording():  # the prompt pass's key/value records, to tag them
-        cache = making()
-        recorded.append(cache)
-        return cache
-
-    actor_module.recording_cache = recording
-    try:
-        with meter:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.mixed, cache_enabled=not case.checkpointing):
-                states = actor.predicting_states(seqs)
-            records = [record for cache in recorded for layer in cache.layers for record in (layer.keys, layer.values)]
-            for record in records:
-                meter.tag(record, "prompt_kv")
-            _tag_gradients(meter, states, records)
-            del recorded[:], records
-            states.float().square().mean().backward()
-            del states
-    finally:
-        actor_module.recording_cache = making
+    with meter, tagged_prompt_kv(meter) as tag_prompt_kv:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.mixed, cache_enabled=not case.checkpointing):
+            states = actor.predicting_states(seqs)
+        records = tag_prompt_kv()
+        _tag_gradients(meter, states, records)
+        del records
+        states.float().square().mean().backward()
+        del states
     _, split = meter.peak_breakdown()
     measured = {"activations": split.get("activations", 0), "prompt_kv": meter.most_alive({"prompt_kv"}),
                 "weight_casts": split.get("weight_casts", 0), "pending_grads": split.get("pending_grads", 0)}
