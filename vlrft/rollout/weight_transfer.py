@@ -25,7 +25,6 @@ transport), after vLLM has finalised the reload, and the trainer fails naming th
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -35,7 +34,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,7 +209,7 @@ class ServerWeightSync:
                 loading.result()
             except BaseException:
                 if loading is not None:
-                    concurrent.futures.wait([loading])
+                    wait([loading])
                 staged.close()
                 try:  # close the update where it was opened: vLLM finalises the reload (layers that got nothing
                     self.transport.finish(self)  # keep their weights), so a retry can start a new one
