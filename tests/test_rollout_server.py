@@ -12,7 +12,7 @@ import io
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -192,12 +192,33 @@ def test_an_unreachable_server_is_named_at_start():
 
 @dataclass
 class StandInEngine:
-    """A stand-in engine: only the weight version the async producer reads."""
+    """A stand-in server engine: the weight version the async producer reads, and a generate call in two halves
+    (`prepare`, `send`) that logs when each ran."""
 
     version: int = 1
+    log: list = field(default_factory=list)
 
     def state_dict(self):
         return {"weight_version": self.version}
+
+    def prepare(self, batch, sampling):
+        self.log.append(("prepare", batch))
+        return batch
+
+    def send(self, prepared):
+        self.log.append(("send", prepared))
+        return SimpleNamespace(weight_versions=[self.version] * 4)
+
+
+@dataclass(frozen=True)
+class StandInDeps:
+    """What the producer reads of `CollectDeps`, and the engine it gates."""
+
+    engine: StandInEngine
+    strategy: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(rank=0, world_size=1))
+    sampler: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(state_dict=dict))
+    rollout: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(server_timeout_s=5))
+    timer: object = None
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
@@ -210,12 +231,10 @@ def test_the_async_producer_never_hands_over_rollouts_older_than_max_staleness(m
 
     def stand_in_collect(deps, step):
         time.sleep(0.01)
-        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+        return SimpleNamespace(rollouts=deps.engine.generate(step, None), step=step)
 
     monkeypatch.setattr(producer_module, "collect", stand_in_collect)
-    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
-                           rollout=SimpleNamespace(server_timeout_s=5))
-    producer = producer_module.AsyncProducer(deps, max_staleness, engine, first_step=1)
+    producer = producer_module.AsyncProducer(StandInDeps(engine), max_staleness, engine, first_step=1)
     ages = []
     try:
         for step in range(1, 9):
@@ -229,6 +248,31 @@ def test_the_async_producer_never_hands_over_rollouts_older_than_max_staleness(m
         producer.close()
     assert max(ages) <= max_staleness
     assert max(ages) == max_staleness, ages
+
+
+def test_the_producer_prepares_its_next_step_before_its_turn_to_sample(monkeypatch):
+    """At max_staleness=1, with two steps handed over and no sync yet, the third step's prompts are prepared at once
+    (their processing overlaps the trainer's work) but sent only after the trainer's sync."""
+    from vlrft.trainer import producer as producer_module
+
+    engine = StandInEngine()
+    monkeypatch.setattr(producer_module, "collect",
+                        lambda deps, step: SimpleNamespace(rollouts=deps.engine.generate(step, None), step=step))
+    producer = producer_module.AsyncProducer(StandInDeps(engine), 1, engine, first_step=1)
+    try:
+        producer.next(1)
+        producer.next(2)
+        deadline = time.monotonic() + 5
+        while ("prepare", 3) not in engine.log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert ("prepare", 3) in engine.log and ("send", 3) not in engine.log, engine.log
+        engine.version += 1
+        producer.weights_synced()
+        assert producer.next(3).weight_version == 2
+        assert engine.log.index(("prepare", 3)) < engine.log.index(("send", 3))
+    finally:
+        producer.close()
 
 
 def test_request_seeds_leave_every_completion_its_own_random_stream():
@@ -386,12 +430,10 @@ def test_the_producers_cpu_time_counts_its_work_not_its_waits(monkeypatch):
         while time.thread_time() < end:  # CPU work (prompts, payloads, rewards)
             pass
         time.sleep(0.3)  # waiting on the servers' answers
-        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+        return SimpleNamespace(rollouts=deps.engine.generate(step, None), step=step)
 
     monkeypatch.setattr(producer_module, "collect", stand_in_collect)
-    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
-                           rollout=SimpleNamespace(server_timeout_s=5))
-    producer = producer_module.AsyncProducer(deps, 1, engine, first_step=1)
+    producer = producer_module.AsyncProducer(StandInDeps(engine), 1, engine, first_step=1)
     try:
         produced = producer.next(1)
         metrics = producer_module.staleness_metrics(produced, producer)
@@ -411,13 +453,12 @@ def test_each_async_step_reports_the_phases_of_its_own_collection(monkeypatch):
 
     def stand_in_collect(deps, step):
         with deps.timer("time/generate"):
+            rollouts = deps.engine.generate(step, None)
             time.sleep(spent.get(step, 0.01))
-        return SimpleNamespace(rollouts=SimpleNamespace(weight_versions=[engine.version] * 4), step=step)
+        return SimpleNamespace(rollouts=rollouts, step=step)
 
     monkeypatch.setattr(producer_module, "collect", stand_in_collect)
-    deps = SimpleNamespace(strategy=SimpleNamespace(rank=0, world_size=1), sampler=SimpleNamespace(state_dict=dict),
-                           rollout=SimpleNamespace(server_timeout_s=5), timer=PhaseTimer())
-    producer = producer_module.AsyncProducer(deps, 1, engine, first_step=1)
+    producer = producer_module.AsyncProducer(StandInDeps(engine, timer=PhaseTimer()), 1, engine, first_step=1)
     try:
         for step in (1, 2, 3):
             produced = producer.next(step)

@@ -135,6 +135,16 @@ def response_samples(response: dict[str, Any], request: PromptRequest, n: int, w
     return samples
 
 
+@dataclass(frozen=True)
+class PreparedCall:
+    """A generate call's requests with their JSON bodies (`ServerEngine.prepare`), not yet sent."""
+
+    requests: list[PromptRequest]
+    bodies: list[dict[str, Any]]
+    sampling: SamplingParams
+    asked: int  # completions asked per request (1 when greedy: the n are all the same)
+
+
 @dataclass
 class Server:
     url: str
@@ -273,6 +283,7 @@ class ServerEngine:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._syncing = False
+        self._pool: ThreadPoolExecutor | None = None  # `_senders`
 
     @classmethod
     def from_deps(cls, cfg, deps) -> "ServerEngine":
@@ -307,6 +318,12 @@ class ServerEngine:
         return request_seed(self.options.seed + self.options.rank, call, prompt)
 
     def generate(self, batch: "PromptBatch", sampling: SamplingParams) -> Rollouts:
+        return self.send(self.prepare(batch, sampling))
+
+    def prepare(self, batch: "PromptBatch", sampling: SamplingParams) -> "PreparedCall":
+        """Everything of a generate call that no weights decide: the requests and their JSON bodies (images as PNG).
+        An asynchronous producer prepares its next step's call while the trainer still trains (`send` waits for
+        no weights)."""
         from vlrft.rollout.vllm import vllm_sampling_kwargs
 
         requests = self.build_requests(batch)
@@ -315,6 +332,13 @@ class ServerEngine:
         if not self._videos_checked and any(r.payload.get("multi_modal_data", {}).get("video") for r in requests):
             self.pool.check_video_loader()
             self._videos_checked = True
+        bodies = [generate_payload(req, kwargs, seed=0) for req in requests]  # seeds: at `send`
+        return PreparedCall(requests, bodies, sampling, asked)
+
+    def send(self, prepared: "PreparedCall") -> Rollouts:
+        """Send a prepared call's requests (seeded by the call's number) and collect their completions, all sampled
+        by the weight version current when they were sent."""
+        requests, sampling, asked = prepared.requests, prepared.sampling, prepared.asked
         with self._idle:  # no sync starts while this call's requests are out, so they all run on `version`
             while self._syncing:
                 self._idle.wait()
@@ -322,10 +346,9 @@ class ServerEngine:
             call, version = self._generate_calls, self.version
             self._in_flight += 1
         try:
-            bodies = [generate_payload(req, kwargs, self.request_seed(call, p)) for p, req in enumerate(requests)]
-            workers = max(1, min(self.options.max_concurrency, len(bodies)))
-            with ThreadPoolExecutor(workers, thread_name_prefix="vlrft-rollout") as pool:
-                replies = list(pool.map(lambda body: self.pool.post(GENERATE_ROUTE, body), bodies))
+            for p, body in enumerate(prepared.bodies):
+                body["sampling_params"]["seed"] = self.request_seed(call, p)
+            replies = list(self._senders().map(lambda body: self.pool.post(GENERATE_ROUTE, body), prepared.bodies))
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -339,6 +362,14 @@ class ServerEngine:
                                [r.name for r in requests])
         rollouts.weight_versions = [version] * len(rollouts)
         return rollouts
+
+    def _senders(self) -> ThreadPoolExecutor:
+        """The threads that wait for the servers' answers: kept across calls, so each keeps its HTTP session (and
+        its connection) instead of opening new ones every step."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="vlrft-rollout")
+            return self._pool
 
     # ------------------------------------------------------------------ weights
 
@@ -385,3 +416,6 @@ class ServerEngine:
 
     def close(self) -> None:
         """The servers are not ours: they keep running."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -45,6 +45,16 @@ class PhaseTimer:
         finally:
             self._times[name] += time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def untimed(self, name: str) -> Iterator[None]:
+        """Time spent inside is left out of phase `name`, which encloses it (the async producer's wait for its turn
+        to sample is not generation)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._times[name] -= time.perf_counter() - start
+
     def take(self) -> dict[str, float]:
         """The phases timed since the last `take`, and a fresh start."""
         out, self._times = dict(self._times), defaultdict(float)

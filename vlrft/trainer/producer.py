@@ -6,10 +6,11 @@ The step is one story either way (`Trainer.train_step`): it asks its producer fo
 * `SyncProducer` (every colocated engine, and `rollout.max_staleness=0`): collects step s when
   asked, the engine awake for it: generate, then train.
 * `AsyncProducer` (`rollout.engine=vllm_server`, `rollout.max_staleness=k >= 1`): a background
-  thread collects step after step while the trainer trains. It starts step j (counted from the
-  producer's first) only once the trainer has synced at least j - k times, so every row it hands
-  over was sampled by weights at most k syncs older than the trainer's (`staleness`, checked when
-  the step takes it). Rewards are scored in that thread too; with several ranks its collectives
+  thread collects step after step while the trainer trains. It prepares step j (counted from the
+  producer's first: prompts drawn and processed, requests encoded) at once, but sends it to the
+  servers only once the trainer has synced at least j - k times, so every row it hands over was
+  sampled by weights at most k syncs older than the trainer's (`staleness`, checked when the step
+  takes it). Rewards are scored in that thread too; with several ranks its collectives
   run on a process group of their own, so they never interleave with the trainer's, and its phases
   (`time/generate`, `time/reward`) are timed apart and reported with the step they collected.
 
@@ -25,6 +26,7 @@ mode means the same prompts and sampling seeds, not the same tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import queue
@@ -112,6 +114,28 @@ class ThreadCollectives:
         return out
 
 
+class _Stopped(Exception):
+    """The producer was closed while waiting for its turn."""
+
+
+class GatedEngine:
+    """The server engine as the producer's `collect` sees it: each generate call is prepared (prompts and images
+    encoded) at once, then waits at `gate` for its turn to sample (`AsyncProducer._wait_turn`). So the next step's
+    preparation overlaps the trainer's work, and only the sampling waits for the weights."""
+
+    def __init__(self, engine, gate: Callable[[], None], timer: PhaseTimer | None):
+        self._engine, self._gate, self._timer = engine, gate, timer
+
+    def generate(self, batch, sampling):
+        prepared = self._engine.prepare(batch, sampling)
+        with self._timer.untimed("time/generate") if self._timer is not None else contextlib.nullcontext():
+            self._gate()  # waiting for its turn is not generating
+        return self._engine.send(prepared)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
 class AsyncProducer:
     """Collect ahead in a background thread, at most `max_staleness` syncs ahead (see the module docstring)."""
 
@@ -121,6 +145,7 @@ class AsyncProducer:
         self.max_staleness = max_staleness
         self.engine = engine
         self._syncs = 0  # trainer syncs since this producer started
+        self._produced = 0  # steps handed over
         self._cond = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._stop = False
@@ -131,28 +156,35 @@ class AsyncProducer:
         self._thread.start()
 
     def _run(self, step: int) -> None:
-        produced = 0
+        deps = dataclasses.replace(self.deps, engine=GatedEngine(self.engine, self._wait_turn, self.timer))
         while True:
-            with self._cond:
-                start = time.perf_counter()
-                while not self._stop and self._syncs < produced - self.max_staleness:
-                    self._cond.wait()
-                self.waited_s += time.perf_counter() - start
-                if self._stop:
-                    return
             try:
                 cpu = time.thread_time()
-                collected = collect(self.deps, step)
+                collected = collect(deps, step)
                 versions = collected.rollouts.weight_versions or [self.engine.version]
                 state = {"sampler": copy.deepcopy(self.deps.sampler.state_dict()),
                          "engine": self.engine.state_dict()}
                 self._queue.put(Produced(collected, min(versions), state, cpu_s=time.thread_time() - cpu,
                                          times=self.timer.take() if self.timer is not None else {}))
+            except _Stopped:
+                return
             except BaseException as exc:  # noqa: BLE001 - handed to the trainer's thread, which raises it
                 self._queue.put(exc)
                 return
-            produced += 1
+            with self._cond:
+                self._produced += 1
             step += 1
+
+    def _wait_turn(self) -> None:
+        """Before each generate call: wait until the trainer has synced often enough that the weights about to
+        sample are at most `max_staleness` syncs older than the ones the step will be trained on."""
+        with self._cond:
+            start = time.perf_counter()
+            while not self._stop and self._syncs < self._produced - self.max_staleness:
+                self._cond.wait()
+            self.waited_s += time.perf_counter() - start
+            if self._stop:
+                raise _Stopped
 
     def next(self, step: int) -> Produced:
         start = time.perf_counter()
