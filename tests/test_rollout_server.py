@@ -288,8 +288,9 @@ def test_request_seeds_leave_every_completion_its_own_random_stream():
 
 def test_a_sync_waits_for_the_requests_out_and_holds_new_ones_until_it_ends(tiny_vlm_dir):
     """vLLM's pause ("wait") drains the requests its scheduler runs but keeps queued ones for after the resume, on the
-    new weights. So the engine itself starts a sync only once its generate calls in flight are answered, and a call
-    made during the sync waits for it: every completion is sampled by the version it records."""
+    new weights. So the engine itself pauses the servers only once its generate calls in flight are answered (the
+    first bucket is staged meanwhile), and a call made during the sync waits for it: every completion is sampled by
+    the version it records."""
     from vlrft.models.loading import load_policy
     from vlrft.rollout.server import ServerEngine, ServerEngineOptions
     from vlrft.sampling import SamplingParams
@@ -297,9 +298,14 @@ def test_a_sync_waits_for_the_requests_out_and_holds_new_ones_until_it_ends(tiny
     server = StandInServer(delay_s=0.3)
     events = []
 
-    class StandInSync:  # what the servers saw: when the sync (its pause) started and ended
-        def sync(self, buckets, version):
-            events.append(("sync starts", time.monotonic()))
+    class StandInSync:  # what the servers saw: when the first bucket was staged, the pause, the end of the sync
+        def sync(self, buckets, version, before_pause=None):
+            buckets = iter(buckets)
+            next(buckets)
+            events.append(("first staged", time.monotonic()))
+            if before_pause is not None:
+                before_pause()
+            events.append(("sync starts", time.monotonic()))  # the pause
             list(buckets)
             time.sleep(0.3)
             events.append(("sync ends", time.monotonic()))
@@ -318,11 +324,12 @@ def test_a_sync_waits_for_the_requests_out_and_holds_new_ones_until_it_ends(tiny
             results[name] = engine.generate(None, sampling)
             events.append((f"{name} answered", time.monotonic()))
 
+        policy = load_policy(tiny_vlm_dir("qwen2_vl"))
         before = threading.Thread(target=generate, args=("before",))
         before.start()
         time.sleep(0.1)  # its request is out when the sync is asked for
         during = threading.Thread(target=generate, args=("during",))
-        syncing = threading.Thread(target=engine.update_weights, args=(load_policy(tiny_vlm_dir("qwen2_vl")),))
+        syncing = threading.Thread(target=engine.update_weights, args=(policy,))
         syncing.start()
         time.sleep(0.05)
         during.start()
@@ -331,7 +338,8 @@ def test_a_sync_waits_for_the_requests_out_and_holds_new_ones_until_it_ends(tiny
     finally:
         server.stop()
     at = dict(events)
-    assert at["before answered"] <= at["sync starts"]  # the sync waited for the request out
+    assert at["before answered"] <= at["sync starts"]  # the pause waited for the request out
+    assert at["first staged"] < at["before answered"]  # ... which the first bucket's staging did not
     assert at["sync ends"] <= at["during answered"] and at["during asks"] < at["sync ends"]
     assert server.requests == 2
     assert results["before"].weight_versions == [0, 0] and results["during"].weight_versions == [1, 1]
@@ -350,8 +358,12 @@ def _rank_syncing_while_another_rank_generates(rank: int, port: int, url: str, m
     model = load_policy(model_dir)
 
     class StandInSync:
-        def sync(self, buckets, version):
-            out.put(("sync starts", time.time()))
+        def sync(self, buckets, version, before_pause=None):
+            buckets = iter(buckets)
+            next(buckets)
+            if before_pause is not None:
+                before_pause()
+            out.put(("sync starts", time.time()))  # the pause
             list(buckets)
 
     requests = [PromptRequest({"prompt_token_ids": [1, 2]}, [1, 2], "a")]

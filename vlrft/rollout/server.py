@@ -375,31 +375,40 @@ class ServerEngine:
 
     def update_weights(self, model) -> None:
         """Push the policy's weights to every server as version `version + 1` (every rank walks the weights: a
-        sharded policy is gathered collectively; only the sending rank talks to the servers). Every rank first
-        waits for its generate calls in flight and holds back new ones (`barrier`: no rank's requests are out when
-        the servers pause), so each completion is sampled by the version it records."""
+        sharded policy is gathered collectively; only the sending rank talks to the servers). New generate calls
+        are held back at once; the first bucket is staged while the calls in flight finish, and the servers pause
+        once every rank's are answered (`_quiesce`), so each completion is sampled by the version it records."""
         from vlrft.models.weights import PolicyWeights
 
         with self._idle:
             self._syncing = True
-            while self._in_flight:
-                self._idle.wait()
         try:
-            if self.options.barrier is not None:
-                self.options.barrier()
             weights = PolicyWeights(model, self.options.dtype, self.options.gather)
             buckets = weights.buckets(self.options.bucket_bytes, "cpu")
-            if self.sync is not None:
-                self.last_sync = self.sync.sync(buckets, str(self.version + 1))
-            elif weights.sharded:  # gathering shards is collective: every rank walks the buckets
-                for bucket in buckets:
+            if self.sync is not None:  # the first bucket is staged while this rank's requests are still out
+                self.last_sync = self.sync.sync(buckets, str(self.version + 1), before_pause=self._quiesce)
+            elif weights.sharded:  # gathering shards is collective: every rank walks the buckets, and meets the
+                for count, bucket in enumerate(buckets):  # sending rank's wait after the first, as it does
                     del bucket
+                    if count == 0:
+                        self._quiesce()
+            else:
+                self._quiesce()
             with self._lock:
                 self.version += 1
         finally:
             with self._idle:
                 self._syncing = False
                 self._idle.notify_all()
+
+    def _quiesce(self) -> None:
+        """Wait for this rank's generate calls in flight (new ones are held), then for every rank's: the servers
+        pause with none of our requests running or queued."""
+        with self._idle:
+            while self._in_flight:
+                self._idle.wait()
+        if self.options.barrier is not None:
+            self.options.barrier()
 
     def sleep(self) -> None:
         """The servers keep their memory (they are not on the trainer's devices)."""

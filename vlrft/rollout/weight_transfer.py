@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,21 +177,25 @@ class ServerWeightSync:
     def versions(self) -> list[str]:
         return [r["weight_version"] for r in self._all("GET", "/weight_info")]
 
-    def sync(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str) -> SyncStats:
+    def sync(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: str,
+             before_pause: Callable[[], None] | None = None) -> SyncStats:
         """One full sync of `buckets` (lists of (checkpoint name, tensor)); `version` is set on every server.
 
         The trainer's side of a bucket (reading it, a CPU copy, its shm file or packed buffer: the transport's
         `stage`) runs while the servers still generate for the first bucket, and while they load the previous one
         for the others; the servers pause only for the loads (`SyncStats.paused_seconds`). At most two buckets are
-        staged at once."""
+        staged at once. `before_pause` runs between the first bucket's staging and the pause (the `ServerEngine`
+        waits there for its requests out)."""
         start = time.perf_counter()
         self.count += 1
         staged = self._staged(buckets)
         first = next(staged, None)  # before the pause: generation goes on meanwhile
         if first is None:
             raise WeightSyncError("a sync with no buckets")
-        paused = time.perf_counter()
         try:
+            if before_pause is not None:
+                before_pause()
+            paused = time.perf_counter()
             self.pause()
         except BaseException:
             staged.close()
@@ -219,12 +223,17 @@ class ServerWeightSync:
         reports = self.transport.finish(self)
         missing = self._check_reports(reports, tensors)
         self._all("POST", "/update_weight_version", {"new_version": version})
-        if set(self.versions()) != {version}:
-            raise WeightSyncError(f"servers report versions {self.versions()} after setting {version!r}")
-        for url, result in zip(self.urls, self._all("POST", "/reset_prefix_cache")):
+        # Three independent calls at once (each a round trip while the servers stay paused):
+        with ThreadPoolExecutor(3, thread_name_prefix="vlrft-sync") as pool:
+            versions = pool.submit(self.versions)
+            resets = pool.submit(self._all, "POST", "/reset_prefix_cache")
+            encoder = pool.submit(self._all, "POST", "/reset_encoder_cache")
+        if set(versions.result()) != {version}:
+            raise WeightSyncError(f"servers report versions {versions.result()} after setting {version!r}")
+        for url, result in zip(self.urls, resets.result()):
             if not result.get("success"):
                 raise WeightSyncError(f"vLLM server {url} refused to reset its prefix cache (requests running?)")
-        self._all("POST", "/reset_encoder_cache")
+        encoder.result()
         self.resume()
         end = time.perf_counter()
         checked_alone = max(r.get("checked_alone", 0) for workers in reports for r in workers)
