@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from vlrft.errors import MissingDependencyError, UserError
 from vlrft.models.logprobs import SamplingTruncation, token_logprobs
@@ -21,7 +22,9 @@ from vlrft.batch import SequenceBatch, last_positions, width_classes
 from vlrft.models.positions import (follow_released_rope_rule, has_rope_index, positions_after,
                                     prompt_positions)
 from vlrft.models.router_loss import RouterLogits
-from vlrft.models.prompt_cache import cache_argument, cache_through_checkpointing, prefix_cache, recording_cache
+from vlrft.models.prompt_cache import (cache_argument, cache_through_checkpointing, prefix_cache, recorded_cache,
+                                      recording_cache)
+from vlrft.models.staged_backward import StagedBackward
 from vlrft.models.vision_attention import use_segment_attention
 from vlrft.models.vision_balance import AgreeOnKinds, VisualKinds, dummy_vision_calls
 from vlrft.vision import SLICING_RULES, Layout, VisualBatch, mm_token_type_ids, token_type_kwargs
@@ -185,6 +188,10 @@ class ActorVL(nn.Module):
         # MoE: forwards with gradients also return the routers' load-balancing loss (`vlrft.models.router_loss`)
         self.router_aux_loss = router_aux_loss
         self._routers: RouterLogits | None = None  # collecting during one `logprobs` call
+        # The shared forward's backward one backbone call at a time (`vlrft.models.staged_backward`): no gradient of
+        # the completion calls waits for the prompt pass's. Needs a `.backward()` (not `torch.autograd.grad`) and
+        # gradient hooks that allow a parameter's accumulator to fire once per call: set by such strategies.
+        self.backward_in_stages = False
 
     def _router_kwargs(self) -> dict:
         return {} if self._routers is None else {"output_router_logits": True}
@@ -284,11 +291,13 @@ class ActorVL(nn.Module):
         anyone = self._agreed_kinds(ours)
         lacking = None if anyone is None else ours.lacking(anyone)
         recorded = recording_cache()
+        staged = StagedBackward() if self.backward_in_stages and torch.is_grad_enabled() else None
         with cache_through_checkpointing(backbone):
             with self._dummy_calls(lacking, ids.device):
                 prompt_out = backbone(input_ids=ids, attention_mask=mask, **types(mm), position_ids=axes(positions),
                                       use_cache=True, **cache_argument(backbone, recorded), **visual,
                                       **self._router_kwargs())
+            prompt_out, recorded = _staged_output(staged, prompt_out, recorded)
             self._keep_routers(prompt_out, batch.attention_mask[:, :p], rows)
             last_prompt_state = prompt_out.last_hidden_state[rows, p - 1:p]
             if classes is None:
@@ -297,8 +306,10 @@ class ActorVL(nn.Module):
                                               position_ids=axes(completion_positions),
                                               use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows)),
                                               **types(completion_mm), **completion_visual, **self._router_kwargs())
+                completion_out, _ = _staged_output(staged, completion_out)
                 self._keep_routers(completion_out, batch.attention_mask[:, p:])
-                return torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]], dim=1)
+                return self._exits(staged, torch.cat([last_prompt_state, completion_out.last_hidden_state[:, :c - 1]],
+                                                     dim=1))
             pieces, order = [], []
             for members, width in classes:  # one call per class of similar lengths, padded to its own width
                 idx = torch.tensor(members, device=ids.device)
@@ -307,13 +318,24 @@ class ActorVL(nn.Module):
                                position_ids=axes(completion_positions[:, idx, :width]),
                                use_cache=True, **cache_argument(backbone, prefix_cache(recorded, rows[idx])),
                                **types(completion_mm[idx, :width]), **self._router_kwargs())
+                out, _ = _staged_output(staged, out)
                 self._keep_routers(out, batch.attention_mask[idx, p:p + width])
                 states = torch.cat([last_prompt_state[idx], out.last_hidden_state[:, :width - 1]], dim=1)
                 pieces.append(nn.functional.pad(states, (0, 0, 0, c - width)))
                 order += members
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
-        return torch.cat(pieces)[back.to(ids.device)]
+        return self._exits(staged, torch.cat(pieces)[back.to(ids.device)])
+
+    def _exits(self, staged: StagedBackward | None, states: torch.Tensor) -> torch.Tensor:
+        """The shared forward's states (and the router logits it kept) through `staged`'s backward node."""
+        if staged is None:
+            return states
+        kept = [] if self._routers is None else self._routers.tensors()
+        states, *kept = staged.close([states, *kept])
+        if self._routers is not None:
+            self._routers.replace(kept)
+        return states
 
     def _width_classes(self, batch: SequenceBatch) -> list[tuple[list[int], int]] | None:
         """(rows, width) of each completion call of the shared forward (`vlrft.batch.width_classes`), or None for
@@ -351,6 +373,27 @@ class ActorVL(nn.Module):
 
     def forward(self, batch: SequenceBatch, temperature: float = 1.0) -> TokenLogprobs:
         return self.logprobs(batch, temperature)
+
+
+class _StagedOutput(NamedTuple):
+    """What the rest of the shared forward reads of a backbone call's output."""
+
+    last_hidden_state: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+def _staged_output(staged: StagedBackward | None, output, recorded: Cache | None = None
+                   ) -> tuple[object, Cache | None]:
+    """`output` (and a prompt pass's key/value records in `recorded`) as the rest of the shared forward reads them:
+    through `staged`'s leaves, or as they are without `staged`."""
+    if staged is None:
+        return output, recorded
+    records = [t for layer in recorded.layers for t in (layer.keys, layer.values)] if recorded is not None else []
+    routers = list(getattr(output, "router_logits", None) or ())
+    state, *leaves = staged.cut([output.last_hidden_state, *routers, *records])
+    kv = leaves[len(routers):]
+    read = recorded_cache(list(zip(kv[::2], kv[1::2]))) if recorded is not None else None
+    return _StagedOutput(state, tuple(leaves[:len(routers)]) if routers else None), read
 
 
 class CriticVL(nn.Module):

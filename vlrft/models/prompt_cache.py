@@ -59,6 +59,17 @@ def recording_cache() -> Cache:
     return Cache(layer_class_to_replicate=RecordingLayer)
 
 
+def recorded_cache(keys_values: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+    """A recording cache holding these (keys, values) per layer, as if a prompt pass had recorded them."""
+    layers = []
+    for keys, values in keys_values:
+        layer = RecordingLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        layers.append(layer)
+    return Cache(layers=layers)
+
+
 def prefix_cache(recorded: Cache, rows: torch.Tensor) -> Cache:
     """The recorded prompt keys/values in front of each completion row's (`rows[i]` = row i's prompt)."""
     return Cache(layers=[PrefixLayer(layer.keys, layer.values, rows) for layer in recorded.layers])

@@ -66,6 +66,15 @@ class RouterLogits:
             kept.append((layer if rows is None else layer[rows]).reshape(-1, layer.shape[-1]))
         self.masks.append(mask.reshape(-1))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every logits tensor kept, layer by layer (`replace` takes them back in this order)."""
+        return [t for kept in self.layers for t in kept]
+
+    def replace(self, tensors: list[torch.Tensor]) -> None:
+        """Keep `tensors` instead of those `tensors()` gave (the same values, another autograd node's outputs)."""
+        it = iter(tensors)
+        self.layers = [[next(it) for _ in kept] for kept in self.layers]
+
     def loss(self) -> torch.Tensor:
         """The load-balancing loss over every token kept, as transformers' forward of the same rows computes it."""
         layers = tuple(torch.cat(kept) for kept in self.layers)

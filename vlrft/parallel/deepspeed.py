@@ -64,6 +64,7 @@ class DeepSpeedStrategy(ProcessGroupStrategy):
     """Policy and critic as DeepSpeed ZeRO engines; the reference as an inference ZeRO-3 engine (stage 3)."""
 
     name = "deepspeed"
+    stages_backward = False  # ZeRO's gradient hooks reduce each parameter once per backward
     reshards_checkpoints = True
     checkpoint_holds_weights = True  # deepspeed/<part>/ (module states and optimizer partitions)
     balances_vision_calls = True  # ZeRO-3 gathers vision blocks per call; ZeRO-2 buckets gradients in call order

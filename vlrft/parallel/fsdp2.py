@@ -224,6 +224,7 @@ class FSDP2Strategy(ProcessGroupStrategy):
 
     def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
                           ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        self.stage_backwards(model)  # each call's post-backward reduces its gradients: none wait
         root = self._shard(model, _hf_model(model))
         return root, make_optimizer([p for p in root.parameters() if p.requires_grad])
 

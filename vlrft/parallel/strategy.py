@@ -130,7 +130,19 @@ class Strategy:
     def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
                           ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """(module to run forward/backward on, its optimizer) for a model being trained."""
+        self.stage_backwards(model)
         return model, make_optimizer([p for p in model.parameters() if p.requires_grad])
+
+    # Whether a parameter's gradient accumulator may fire more than once per backward (once per backbone call of
+    # the shared-prompt forward: `vlrft.models.staged_backward`), so no call's gradients wait for another's. DDP's
+    # reducer and DeepSpeed's gradient hooks take one gradient per parameter and backward: off there.
+    stages_backward = True
+
+    def stage_backwards(self, model: nn.Module) -> None:
+        """Make the ActorVLs inside `model` run their shared forward's backward one call at a time."""
+        for module in model.modules():
+            if hasattr(module, "backward_in_stages"):
+                module.backward_in_stages = self.stages_backward
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A model used for inference only (the reference policy)."""
@@ -363,6 +375,7 @@ class DDPStrategy(ProcessGroupStrategy):
     """`torch.nn.parallel.DistributedDataParallel`: every rank holds the whole model and optimizer."""
 
     name = "ddp"
+    stages_backward = False  # the reducer marks each parameter ready once per backward
 
     def prepare_trainable(self, model: nn.Module, make_optimizer: MakeOptimizer
                           ) -> tuple[nn.Module, torch.optim.Optimizer]:
