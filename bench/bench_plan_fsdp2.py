@@ -14,7 +14,8 @@ counts them (`LiveStorages`), and at the peak of forward + backward split into:
 - `gathered`: the all-gathered (unsharded) parameters alive (FSDP2 resizes their storages in place; counted when it
   allocates and frees them);
 - `pending_grads`: the completion pass's unsharded gradient of each parameter both passes use, waiting in autograd's
-  buffer for the prompt pass's;
+  buffer for the prompt pass's (in a one-graph backward; the trainer's FSDP2 runs it in stages, where none waits:
+  `vlrft.models.staged_backward`, the cases marked `staged`);
 - `unsharded_grads`: the other unsharded gradients (`.grad` of the gathered parameters until their reduce-scatter);
 - `fsdp_comm`: FSDP2's all-gather and reduce-scatter buffers;
 - `prompt_kv`, `activations`: as in bench/bench_plan_terms.py (`activations` here also holds the LM head's logits).
@@ -150,7 +151,7 @@ def planned_fsdp2(case: Case, model) -> dict[str, int]:
     """The plan's figures for the case's micro-batch under `fsdp2` on 2 ranks: its terms (`activations` with the
     logits beside it, as measured), and `pending_most`, all the waiting gradients at once."""
     from vlrft.plan import shape_from_config
-    from vlrft.plan.activations import MicroBatchSize, logits_bytes, micro_batch_terms, shared_gradients
+    from vlrft.plan.activations import MicroBatchSize, SharedGradients, logits_bytes, micro_batch_terms, shared_gradients
     from vlrft.plan.memory_plan import StrategyChoice
     from vlrft.plan.model_state import model_state
 
@@ -162,7 +163,8 @@ def planned_fsdp2(case: Case, model) -> dict[str, int]:
     batch = MicroBatchSize(case.prompts * case.prompt_len + rows * case.completion_len,
                            case.prompts * case.image_grid ** 2, rows, case.prompts * case.prompt_len,
                            rows * case.completion_len, "")
-    shared = shared_gradients(shape, hi, hi)  # unsharded gradients in FSDP2's param_dtype
+    # unsharded gradients in FSDP2's param_dtype; none wait in a staged backward
+    shared = SharedGradients() if case.stages else shared_gradients(shape, hi, hi)
     terms = micro_batch_terms(shape, batch, case.prompt_len, case.completion_len, case.checkpointing, hi,
                               float32_weights=False, shared=shared)
     return {"gathered_layers": gathered, "gathered_layers_most": gathered,
@@ -198,17 +200,17 @@ def grid(quick: bool) -> list[Case]:
     base = [Case()]
     if not quick:
         base += [Case(layers=8), Case(hidden=256, heads=8, kv_heads=2), Case(prompt_len=128, completion_len=128)]
-    return [Case(**{**c.__dict__, "checkpointing": ckpt, "mixed": mixed})
-            for c in base for ckpt in (True, False) for mixed in (True, False)]
+    return [Case(**{**c.__dict__, "checkpointing": ckpt, "mixed": mixed, "stages": stages})
+            for c in base for ckpt in (True, False) for mixed in (True, False) for stages in (True, False)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one micro-batch shape (4 cases)")
+    parser.add_argument("--quick", action="store_true", help="one micro-batch shape (8 cases)")
     args = parser.parse_args()
     cases = grid(args.quick)
     ratios: dict[str, list[float]] = {}
-    print(f"{'case':58s} {'part':16s} {'measured MiB':>12s} {'planned MiB':>12s} {'ratio':>6s}")
+    print(f"{'case':68s} {'part':16s} {'measured MiB':>12s} {'planned MiB':>12s} {'ratio':>6s}")
     for case, (measured, planned) in zip(cases, run_cases(cases)):
         for part, value in measured.items():
             plan = planned.get(part)
@@ -216,7 +218,7 @@ def main() -> None:
             if plan:
                 ratios.setdefault(part, []).append(value / plan)
             plan_text = f"{plan / 2 ** 20:12.3f}" if plan is not None else ""
-            print(f"{case.describe():58s} {part:16s} {value / 2 ** 20:12.3f} {plan_text:>12s} {ratio}")
+            print(f"{case.describe():68s} {part:16s} {value / 2 ** 20:12.3f} {plan_text:>12s} {ratio}")
     print("\npart            measured / planned (min - max over the grid)")
     for part, values in ratios.items():
         print(f"{part:15s} {min(values):.2f} - {max(values):.2f} ({len(values)} cases)")

@@ -15,7 +15,8 @@ plan's `parameters` and `gradients`.
   the live storages are split into the prompt pass's key/value records and their gradients (`prompt_kv`, taken as
   the most of them alive at once), the first gradient each parameter's accumulator receives (`pending_grads`: the
   completion pass's, waiting for the prompt pass's), bf16 copies of parameters (`weight_casts`) and the rest
-  (`activations`).
+  (`activations`). Each case runs the backward as one graph (`ddp`, DeepSpeed) or, marked `staged`, one backbone
+  call at a time (`single`, `fsdp2`: `vlrft.models.staged_backward`), where no gradient waits.
 - `logits`: `vlrft.models.logprobs.token_logprobs` and its backward on [tokens, hidden] states: the peak less the
   head's float32 gradient buffer and its bf16 copy (`head_backward`, measured beside it).
 
@@ -163,11 +164,15 @@ class Case:
     image_grid: int = 0  # an image of image_grid x image_grid patches per prompt (0: text only)
     checkpointing: bool = True
     mixed: bool = True  # bf16 autocast over float32 weights
+    # the backward one backbone call at a time (`ActorVL.backward_in_stages`: strategies single and fsdp2); False:
+    # one graph, as under ddp and deepspeed
+    stages: bool = False
 
     def describe(self) -> str:
         return (f"h{self.hidden} L{self.layers} V{self.vocab} kv{self.kv_heads}/{self.heads} "
                 f"{self.prompts}x{self.rows_per_prompt} rows P{self.prompt_len} C{self.completion_len} "
-                f"img{self.image_grid ** 2} ckpt{int(self.checkpointing)} {'bf16' if self.mixed else 'fp32'}")
+                f"img{self.image_grid ** 2} ckpt{int(self.checkpointing)} {'bf16' if self.mixed else 'fp32'} "
+                f"{'staged' if self.stages else 'one-graph'}")
 
 
 def _model(case: Case):
@@ -182,7 +187,9 @@ def _model(case: Case):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
-    return model, ActorVL(model, model.config.image_token_id, model.config.video_token_id), tokenizer
+    actor = ActorVL(model, model.config.image_token_id, model.config.video_token_id)
+    actor.backward_in_stages = case.stages
+    return model, actor, tokenizer
 
 
 def _batch(case: Case, model, tokenizer):
@@ -247,13 +254,14 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
     """Tag, as the backward makes them, the gradients that wait in autograd's buffers: the first sent to each
     parameter's accumulator (`pending_grads`: the completion pass's, which wait there for the prompt pass's) and every
     one sent to a key/value record, and their sum (`prompt_kv`), by hooks on the graph's nodes. With `others`, only
-    the first sent to an accumulator that receives two or more (a parameter both passes use) is `pending_grads`, and
-    every other gradient sent to an accumulator is tagged `others` (under FSDP2 they become the unsharded `.grad`)."""
+    the first sent to an accumulator that receives two or more in one backward (a parameter both passes use) is
+    `pending_grads`, and every other gradient sent to an accumulator is tagged `others` (under FSDP2 they become the
+    unsharded `.grad`). A backward in stages (`vlrft.models.staged_backward`) is followed into each stage's own
+    backward; the gradients a hand-off keeps for the records are `prompt_kv`."""
     record_nodes = {record.grad_fn for record in records if record.grad_fn is not None}
     arrived: set = set()
-    senders: dict = {}  # accumulator -> edges into it
 
-    def tagging(slots: list[tuple[int, object]]):
+    def tagging(slots: list[tuple[int, object]], senders: dict):
         def hook(grad_inputs, grad_outputs):
             for index, target in slots:
                 if not isinstance(grad_inputs[index], torch.Tensor):
@@ -267,27 +275,76 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
                     meter.tag(grad_inputs[index], others)
         return hook
 
-    seen, stack = set(), [output.grad_fn]
+    for roots in _backwards(output):
+        seen, stack, senders, hooked = set(), list(roots), {}, []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in record_nodes:  # the sum of the contributions
+                node.register_prehook(lambda grads: tagging([(0, next(iter(record_nodes)))], {})(grads, None))
+            if getattr(node, "stage", None) is not None:  # a staged forward's hand-off
+                _tag_handoff(meter, node, records)
+            slots = [(i, n) for i, (n, _) in enumerate(node.next_functions)
+                     if n is not None and (type(n).__name__ == "AccumulateGrad" or n in record_nodes)]
+            for _, target in slots:
+                senders[target] = senders.get(target, 0) + 1
+            if slots:
+                hooked.append((node, slots))
+            stack += [n for n, _ in node.next_functions]
+        for node, slots in hooked:
+            node.register_hook(tagging(slots, senders))
+
+
+def _tag_handoff(meter: LiveStorages, node, records: list[torch.Tensor]) -> None:
+    """Tag as `prompt_kv` the gradients a staged forward's hand-off (`_Handoff`) receives and keeps for `records`."""
+    from torch.autograd.graph import get_gradient_edge
+
+    if getattr(node, "_tagged", False):
+        return
+    node._tagged = True
+    wanted = {(get_gradient_edge(r).node, get_gradient_edge(r).output_nr) for r in records if r.requires_grad}
+    stage = node.stage
+    indices = [i for i, e in enumerate(stage.edges) if e is not None and (e.node, e.output_nr) in wanted]
+
+    def tag(grads):
+        for i in indices:
+            for grad in (grads[i] if i < len(grads) else None, stage.grads[i]):
+                if isinstance(grad, torch.Tensor):
+                    meter.tag(grad, "prompt_kv")
+
+    node.register_prehook(lambda grads: tag(grads))
+    node.register_hook(lambda grad_inputs, grad_outputs: tag(()))
+
+
+def _staged(output: torch.Tensor) -> list:
+    """The `StagedBackward`s whose exits `output` is made from (none when the forward was one graph)."""
+    found, seen, stack = [], set(), [output.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if node in record_nodes:  # the sum of the contributions
-            node.register_prehook(lambda grads: tagging([(0, next(iter(record_nodes)))])(grads, None))
-        slots = [(i, n) for i, (n, _) in enumerate(node.next_functions)
-                 if n is not None and (type(n).__name__ == "AccumulateGrad" or n in record_nodes)]
-        for _, target in slots:
-            senders[target] = senders.get(target, 0) + 1
-        if slots:
-            node.register_hook(tagging(slots))
+        if getattr(node, "staged", None) is not None:
+            found.append(node.staged)
         stack += [n for n, _ in node.next_functions]
+    return found
+
+
+def _backwards(output: torch.Tensor) -> list[list]:
+    """The top nodes of each backward `output`'s backward runs: its own, and each stage's of a staged one."""
+    runs = [[output.grad_fn]]
+    for staged in _staged(output):
+        runs.append([e.node for e in staged.exits if e is not None])
+        runs += [[e.node for e in stage.edges if e is not None] for stage in staged.stages]
+    return runs
 
 
 def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
     """(measured, planned) bytes of `activations`, `prompt_kv` and `weight_casts` for one micro-batch."""
     from vlrft.plan import shape_from_config
-    from vlrft.plan.activations import MicroBatchSize, micro_batch_terms, shared_gradients
+    from vlrft.plan.activations import MicroBatchSize, SharedGradients, micro_batch_terms, shared_gradients
 
     model, actor, tokenizer = _model(case)
     params = list(model.parameters())
@@ -313,7 +370,9 @@ def measure_micro_batch(case: Case) -> tuple[dict[str, int], dict[str, int]]:
                            rows * case.completion_len, "")
     planned = micro_batch_terms(shape, batch, case.prompt_len, case.completion_len, case.checkpointing,
                                 2 if case.mixed else 4, float32_weights=case.mixed,
-                                shared=shared_gradients(shape, 4, 2 if case.mixed else 4))  # float32, all trained
+                                # float32, all trained; none wait in a staged backward
+                                shared=SharedGradients() if case.stages else shared_gradients(shape, 4,
+                                                                                              2 if case.mixed else 4))
     return measured, planned
 
 
@@ -352,8 +411,9 @@ def micro_batch_grid(quick: bool) -> list[Case]:
         base += [Case(hidden=256, heads=8, kv_heads=2), Case(layers=8), Case(kv_heads=4),
                  Case(prompts=2, rows_per_prompt=2), Case(prompt_len=512, completion_len=16),
                  Case(prompt_len=128, completion_len=128), Case(image_grid=16)]
-    return [Case(**{**c.__dict__, "checkpointing": ckpt, "mixed": mixed})
-            for c in base for ckpt in (True, False) for mixed in (True, False)]
+    return [Case(**{**c.__dict__, "checkpointing": ckpt, "mixed": mixed, "stages": stages})
+            for c in base for ckpt in (True, False) for mixed in (True, False)
+            for stages in ((False, True) if c == base[0] else (False,))]
 
 
 LOGITS_GRID = [(512, 64, 600), (4096, 64, 600), (4096, 64, 2048), (32768, 64, 1500), (4096, 128, 300),
@@ -365,15 +425,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one micro-batch shape (4 cases) and three head cases")
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {}
-    print(f"{'case':58s} {'term':14s} {'measured MiB':>12s} {'planned MiB':>12s} {'ratio':>6s}")
+    print(f"{'case':68s} {'term':14s} {'measured MiB':>12s} {'planned MiB':>12s} {'ratio':>6s}")
 
     def report(label, measured, planned):
         for term, value in measured.items():
             if planned.get(term):
                 ratio = value / planned[term]
                 ratios.setdefault(term, []).append(ratio)
-                print(f"{label:58s} {term:14s} {value / 2 ** 20:12.2f} {planned[term] / 2 ** 20:12.2f} {ratio:6.2f}",
+                print(f"{label:68s} {term:14s} {value / 2 ** 20:12.2f} {planned[term] / 2 ** 20:12.2f} {ratio:6.2f}",
                       flush=True)
+            elif term == "pending_grads":  # a staged backward: none planned
+                print(f"{label:68s} {term:14s} {value / 2 ** 20:12.2f} {0:12.2f}", flush=True)
 
     for vocab, hidden, tokens in LOGITS_GRID[:3] if args.quick else LOGITS_GRID:
         for mixed in (True, False):

@@ -148,3 +148,12 @@ def test_under_fsdp2_each_layers_gradient_is_reduced_before_the_prompt_pass(tiny
     assert not any(result["reduced_at_prompt_start"]["plain"].values())
     for name, (staged, plain) in result["grads"].items():
         assert torch.allclose(staged, plain, rtol=1e-5, atol=1e-7), (name, (staged - plain).abs().max())
+
+
+def test_the_plan_counts_no_waiting_gradients_exactly_where_the_strategies_stage_the_backward():
+    from vlrft.parallel.deepspeed import DeepSpeedStrategy
+    from vlrft.parallel.fsdp2 import FSDP2Strategy
+    from vlrft.plan.memory import STAGED_BACKWARD
+
+    staging = {cls.name for cls in (Strategy, DDPStrategy, FSDP2Strategy, DeepSpeedStrategy) if cls.stages_backward}
+    assert staging == set(STAGED_BACKWARD) == {"single", "fsdp2"}

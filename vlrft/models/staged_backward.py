@@ -8,11 +8,14 @@ its own, a whole copy of the language model's gradients (or, under FSDP2, every 
 which its post-backward could not reduce).
 
 `StagedBackward` cuts the graph between the calls: what a call hands on (the prompt pass's key/value records, its
-last hidden states and router logits; a completion call's hidden states and router logits) is read through leaf
-tensors, and the forward's outputs go through one autograd node (`_Exits`). Its backward runs the calls' backwards
-one after the other, the newest first (the order one graph runs them in), each a `torch.autograd.backward` of the
-call's outputs with the gradients its leaves collected. In each of those backwards every parameter has one input, so
-its accumulator adds it to `.grad` (FSDP2: its post-backward reduces it) as soon as it is made.
+last hidden states and router logits; a completion call's hidden states and router logits) is read through the
+outputs of a node of its own (`_Handoff`), which keeps the gradients they receive, and the forward's outputs go
+through one more node (`_Exits`). Its backward runs the calls' backwards one after the other, the newest first (the
+order one graph runs them in), each a `torch.autograd.backward` from where the call's outputs enter its graph, with
+the gradients its hand-off kept. In each of those backwards every parameter has one input, so its accumulator adds
+it to `.grad` (FSDP2: its post-backward reduces it) as soon as it is made. The stages hold no tensor of the forward
+(only the edges into each call's graph), so nothing lives longer than in one graph: the float32 key records that
+autocast's attention does not keep are freed after the forward as before.
 
 The gradients are those of the one graph: the same contributions reach `.grad` in the same order (the first call's
 added to `.grad` before the next one's, where one graph first sums them in the buffer). It takes a `.backward()`:
@@ -26,63 +29,95 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 @dataclass
 class Stage:
-    """One backbone call: the tensors it hands on (`outputs`, with their graph) and the leaves the rest reads."""
+    """One backbone call: where each output it hands on enters its graph (None: no gradient), and the gradients the
+    rest of the forward sent them, summed (`_Handoff`)."""
 
-    outputs: list[torch.Tensor]
-    leaves: list[torch.Tensor]
+    edges: list[GradientEdge | None]
+    grads: list[torch.Tensor | None]
+
+    def receive(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.grads = [mine if new is None else new if mine is None else mine + new
+                      for mine, new in zip(self.grads, grads)]
+
+    def backward(self) -> None:
+        grads, self.grads = self.grads, [None] * len(self.grads)
+        _backward(self.edges, grads)
 
 
 @dataclass
 class StagedBackward:
-    """The stages of one training forward, in call order, and its `exits` (set by `close`)."""
+    """The stages of one training forward, in call order, and where its exits enter their graph (`close`)."""
 
     stages: list[Stage] = field(default_factory=list)
-    exits: list[torch.Tensor] = field(default_factory=list)
+    exits: list[GradientEdge | None] = field(default_factory=list)
+    anchor: torch.Tensor | None = None  # the nodes' one input: gives them a place in the graph
 
     def cut(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Leaves standing for a call's `outputs` (the same storage): what comes after reads these."""
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
-        self.stages.append(Stage(list(outputs), leaves))
-        return leaves
+        """Tensors standing for a call's `outputs` (the same storage): what comes after reads these."""
+        stage = Stage([_edge(t) for t in outputs], [None] * len(outputs))
+        self.stages.append(stage)
+        return list(_Handoff.apply(self._anchor(outputs[0].device), stage, list(outputs)))
 
     def close(self, exits: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward's outputs `exits`, through the node whose backward runs the stages' backwards."""
-        self.exits = list(exits)
-        anchor = torch.zeros((), device=exits[0].device, requires_grad=True)  # gives the node a place in the graph
-        return list(_Exits.apply(anchor, self))
+        self.exits = [_edge(t) for t in exits]
+        return list(_Exits.apply(self._anchor(exits[0].device), self, list(exits)))
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        if self.anchor is None:
+            self.anchor = torch.zeros((), device=device, requires_grad=True)
+        return self.anchor
 
     def run(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        _backward(self.exits, grads)  # the cheap ops between leaves and exits (concatenation, padding, indexing)
+        _backward(self.exits, grads)  # the cheap ops between the hand-offs and the exits (concatenation, indexing)
         for stage in reversed(self.stages):
-            grads = tuple(leaf.grad for leaf in stage.leaves)
-            for leaf in stage.leaves:
-                leaf.grad = None
-            _backward(stage.outputs, grads)
+            stage.backward()
         self.stages, self.exits = [], []
 
 
-def _backward(outputs: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
-    pairs = [(t, g) for t, g in zip(outputs, grads) if g is not None and t.requires_grad]
+def _edge(t: torch.Tensor) -> GradientEdge | None:
+    return get_gradient_edge(t) if t.requires_grad else None
+
+
+def _backward(edges: list[GradientEdge | None], grads) -> None:
+    pairs = [(e, g) for e, g in zip(edges, grads) if e is not None and g is not None]
     if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+
+
+class _Handoff(torch.autograd.Function):
+    """Identity on a call's outputs, which it is given rather than takes as inputs (so the call's graph is not part
+    of its readers' backward); its backward keeps their gradients in the `Stage`. It runs once in each backward
+    that reaches it (the exits', then each later call's), each time adding what it is sent."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, stage: Stage, outputs: list[torch.Tensor]):
+        ctx.stage = stage
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.stage.receive(grads)
+        return None, None, None
 
 
 class _Exits(torch.autograd.Function):
-    """Identity on the staged forward's outputs, which it holds rather than takes as inputs (so the graph of the
-    stages is not part of the caller's backward); its backward runs them (`StagedBackward.run`)."""
+    """Identity on the staged forward's outputs; its backward runs the stages' (`StagedBackward.run`)."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, staged: StagedBackward):
+    def forward(ctx, anchor: torch.Tensor, staged: StagedBackward, exits: list[torch.Tensor]):
         ctx.staged = staged
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in staged.exits)
+        return tuple(t.detach() for t in exits)
 
     @staticmethod
     def backward(ctx, *grads):
         staged, ctx.staged = ctx.staged, None
         staged.run(grads)
-        return None, None
+        return None, None, None

@@ -158,9 +158,11 @@ def _moments(shape: ModelShape, batch: "MicroBatchSize", copies: int, checkpoint
              shared: SharedGradients, kv_layer: int):
     """(activations, waiting parameter gradients, waiting record gradients) at each moment of forward + backward
     that can be the peak. autograd runs the whole completion pass's backward before the prompt pass's (its nodes are
-    newer), so each parameter's gradient from the completion pass waits for the prompt pass's: at the top prompt
-    layer's backward all of them are alive (`shared`), beside the prompt pass's layer inputs and one replayed layer.
-    A token budget's split between prompt and completion tokens is unknown: both extremes are tried."""
+    newer); in one graph each parameter's gradient from the completion pass waits for the prompt pass's: at the top
+    prompt layer's backward all of them are alive (`shared`), beside the prompt pass's layer inputs and one replayed
+    layer. A backward in stages (`vlrft.models.staged_backward`) has none (`shared` empty): its peak is then often a
+    completion layer's replay. A token budget's split between prompt and completion tokens is unknown: both extremes
+    are tried."""
     t, v = shape.text, shape.vision
     layer, vision_layer = per_token_layer_bytes(shape, compute_bytes)
     stream, depth, layers = 4 * t.hidden_size, v.depth, t.num_layers

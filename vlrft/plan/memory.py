@@ -120,20 +120,26 @@ def _trained_model_components(cfg, shape: ModelShape, strategy: StrategyChoice, 
     return comps
 
 
+# Strategies whose shared-prompt backward runs one backbone call at a time, so no gradient waits for another call's
+# (`vlrft.models.staged_backward`; `vlrft.parallel.strategy.Strategy.stages_backward`).
+STAGED_BACKWARD = ("single", "fsdp2")
+
+
 def _shared_gradients(cfg, shape: ModelShape, strategy: StrategyChoice, world: int, batch: MicroBatchSize,
                       grad_bytes: int, compute_bytes: int) -> SharedGradients:
     """The gradients the shared-prompt forward's completion pass makes and autograd holds until the prompt pass adds
-    its own (`vlrft.plan.activations.SharedGradients`), where they come beside the `gradients` term: under `single`
-    and `ddp` from a step's second micro-batch on (the first one's become `.grad`, which each step frees); under
-    `fsdp2` and DeepSpeed in every micro-batch, as whole (unsharded) gradients: FSDP2's in the compute dtype, ZeRO's
-    in float32 (each reduces a parameter's `.grad` after its backward and frees it, so nothing stands in for them;
-    measured on 2 CPU ranks: bench/bench_plan_fsdp2.py, bench/bench_plan_zero3.py). None for a family whose training
-    forward runs every row in full (`vlrft.families`), or where no forward shares a prompt (`_shares_prompts`)."""
+    its own (`vlrft.plan.activations.SharedGradients`), where they come beside the `gradients` term, under the
+    strategies that run that backward as one graph: under `ddp` from a step's second micro-batch on (the first one's
+    become `.grad`, which each step frees); under DeepSpeed in every micro-batch, as whole float32 gradients (ZeRO
+    reduces a parameter's `.grad` after its backward and frees it, so nothing stands in for them; measured on 2 CPU
+    ranks: bench/bench_plan_zero3.py). None under `STAGED_BACKWARD` (single, fsdp2: measured, bench/bench_plan_terms.py
+    and bench/bench_plan_fsdp2.py), for a family whose training forward runs every row in full (`vlrft.families`),
+    or where no forward shares a prompt (`_shares_prompts`)."""
     m, t = cfg.model, cfg.train
     shares = family(shape.model_type)
     rank_rows = max(1, cfg.prompts_per_step // world) * cfg.rollout.n
     one_micro_batch = t.max_tokens_per_micro_batch <= 0 and rank_rows <= t.micro_batch_completions_per_rank
-    if (shares is None or not shares.training_shares_prompt.supported
+    if (strategy.name in STAGED_BACKWARD or shares is None or not shares.training_shares_prompt.supported
             or (one_micro_batch and strategy.name in ("single", "ddp")) or not _shares_prompts(cfg, strategy, batch)):
         return SharedGradients()
     return shared_gradients(shape, grad_bytes, compute_bytes, m.lora.rank, tuple(m.lora.target_modules))

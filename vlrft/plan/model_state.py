@@ -29,12 +29,19 @@ def fsdp2_gathered_bytes(shape: ModelShape, compute_bytes: int, head_trains: boo
     """What FSDP2 holds unsharded in the backward beside a micro-batch's activations, in `compute_bytes` (its
     `param_dtype`): the root unit (embeddings, LM head, norms, merger), gathered through forward and backward; two
     decoder layers (the one computing and the last all-gather's output, which FSDP2 keeps until the next one); the
-    float32 copy of a layer's gradient its reduce-scatter reads (kept until the next layer's); and the LM head's
-    unsharded gradient, made first in the backward and reduced with the root's at its end (tied to the embeddings, it
-    is the embeddings' gradient, which waits with `pending_grads`). The root's other gradients come at the end of the
-    backward, when the activations are gone. Measured on 2 CPU ranks by bench/bench_plan_fsdp2.py."""
-    head = 0 if shape.tie_word_embeddings or not head_trains else shape.text.vocab_size * shape.text.hidden_size
-    return compute_bytes * (shape.blocks()["root"] + head) + (2 * compute_bytes + 4) * shape.largest_layer()
+    float32 copy of a layer's gradient its reduce-scatter reads (kept until the next layer's); and, when the root
+    trains, the LM head's unsharded gradient (made first in the backward, reduced with the root's at its end; tied,
+    it is the embeddings', which autograd holds until their own arrive at the end). Where the family's training
+    forward shares prompts, also the embeddings' gradient from the completion calls, alive through the prompt pass's
+    backward (`vlrft.models.staged_backward`). The root's other gradients come at the backward's end, when the
+    activations are gone. Measured on 2 CPU ranks by bench/bench_plan_fsdp2.py."""
+    from vlrft.families import family
+
+    shares = family(shape.model_type)
+    staged = shares is not None and shares.training_shares_prompt.supported
+    matrices = (1 if shape.tie_word_embeddings else 1 + int(staged)) if head_trains else 0
+    matrix = shape.text.vocab_size * shape.text.hidden_size
+    return compute_bytes * (shape.blocks()["root"] + matrices * matrix) + (2 * compute_bytes + 4) * shape.largest_layer()
 
 
 def model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> ModelState:

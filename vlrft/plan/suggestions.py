@@ -60,7 +60,7 @@ def suggestions(cfg, hardware: Hardware, strategy: StrategyChoice, plan: MemoryP
             add(f"lower train.micro_batch_completions_per_rank to {mb}", p)
             break
     t = cfg.train
-    if plan.component("pending_grads") and strategy.name in ("fsdp2", "deepspeed") and not t.max_tokens_per_micro_batch:
+    if plan.component("pending_grads") and strategy.name == "deepspeed" and not t.max_tokens_per_micro_batch:
         # one row a micro-batch, no rows left out: no forward shares a prompt, so no gradient waits for a prompt pass
         lower = ("lower train.micro_batch_completions_per_rank to 1 and "
                  if t.micro_batch_completions_per_rank > 1 else "")
