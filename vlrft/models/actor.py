@@ -385,15 +385,15 @@ class _StagedOutput(NamedTuple):
 def _staged_output(staged: StagedBackward | None, output, recorded: Cache | None = None
                    ) -> tuple[object, Cache | None]:
     """`output` (and a prompt pass's key/value records in `recorded`) as the rest of the shared forward reads them:
-    through `staged`'s leaves, or as they are without `staged`."""
+    through `staged`'s hand-off of this call, or as they are without `staged`."""
     if staged is None:
         return output, recorded
     records = [t for layer in recorded.layers for t in (layer.keys, layer.values)] if recorded is not None else []
     routers = list(getattr(output, "router_logits", None) or ())
-    state, *leaves = staged.cut([output.last_hidden_state, *routers, *records])
-    kv = leaves[len(routers):]
+    state, *handed = staged.cut([output.last_hidden_state, *routers, *records])
+    kv = handed[len(routers):]
     read = recorded_cache(list(zip(kv[::2], kv[1::2]))) if recorded is not None else None
-    return _StagedOutput(state, tuple(leaves[:len(routers)]) if routers else None), read
+    return _StagedOutput(state, tuple(handed[:len(routers)]) if routers else None), read
 
 
 class CriticVL(nn.Module):

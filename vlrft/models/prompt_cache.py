@@ -15,7 +15,8 @@ completions blind to their prompt). These two cache layers are pure with respect
   pass. For 8 rows of a 16k-token prompt of a 7B model that is about 10 GiB of copies and as much
   of their gradients.
 
-Gradients reach the prompt pass through the recorded tensors, which are ordinary autograd outputs.
+Gradients reach the prompt pass through the recorded tensors, which are ordinary autograd outputs (with the backward
+in stages, through their hand-off: `vlrft.models.staged_backward`, `recorded_cache`).
 `cache_through_checkpointing` tells transformers' checkpointed layers to keep passing the cache
 (the `_can_checkpoint_with_cache` switch transformers provides for layers that only read a cache).
 """
