@@ -12,8 +12,9 @@ interleaved in each repeat (the order rotates):
 A mode's figure is the median seconds per step over steps 2..S of one run (step 1 holds warm-ups); printed as
 min / median / max over the repeats. G (generation) and T (everything else of a step) come from the sync runs'
 `time/generate` and `time/step`; S (the weight sync, part of T) their `time/weight_sync`, P (the part of S the
-servers are paused for) their `time/weight_sync_paused`. Neither side overlaps P: the async step cannot be shorter
-than max(G, T - P) + P ("floor").
+servers are paused for) their `time/weight_sync_paused`. Neither side overlaps P, so the async step cannot be much
+shorter than max(G, T - P) + P ("floor"); it can be a little shorter, because G as the synchronous step times it
+includes preparing the requests (prompt processing, PNG-encoding images), which the async producer does ahead.
 "prod. CPU" the async runs' `async/producer_cpu_s`, the CPU the collecting thread
 takes from the trainer's core per step. `--ppo-epochs 4` makes T close to G (the setting where overlap approaches 2x).
 """
@@ -111,7 +112,8 @@ def main() -> None:
         floor = [max(g, t - w) + w for g, t, w in zip(generate_s, train_s, paused_s)]
         print(f"{'G':10s} {summary(generate_s)}\n{'T':10s} {summary(train_s)}\n{'S (in T)':10s} {summary(sync_s)}\n"
               f"{'P (in S)':10s} {summary(paused_s)}  (the servers paused)\n"
-              f"{'1.15max':10s} {summary(bound)}\n{'floor':10s} {summary(floor)}  (max(G, T - P) + P)")
+              f"{'1.15max':10s} {summary(bound)}\n{'floor':10s} {summary(floor)}  (max(G, T - P) + P; G with its "
+              "preparation, which async does ahead)")
     if producer_cpu_s:  # what the collecting thread takes from the trainer's one core
         print(f"{'prod. CPU':10s} {summary(producer_cpu_s)}  (async: CPU s/step of the producer thread)")
     if "async" in step_s and "sync" in step_s:
