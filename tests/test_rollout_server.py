@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from vlrft.rollout.outputs import PromptMismatchError
-from vlrft.rollout.requests import EngineInputError, PromptRequest
+from vlrft.rollout.requests import PromptRequest
 from vlrft.rollout.server import ServerError, ServerPool, generate_payload, response_samples
 from vlrft.rollout.video_frames import MEDIA_TYPE, VIDEO_BACKEND, NotFramesPayload, decode_frames
 
@@ -271,6 +271,39 @@ def test_the_producer_prepares_its_next_step_before_its_turn_to_sample(monkeypat
         producer.weights_synced()
         assert producer.next(3).weight_version == 2
         assert engine.log.index(("prepare", 3)) < engine.log.index(("send", 3))
+    finally:
+        producer.close()
+
+
+def test_an_engine_that_cannot_prepare_ahead_waits_for_its_turn_before_generating(monkeypatch):
+    """Multi-turn around the server engine has no `prepare`/`send` (a turn's requests depend on the turn before): the
+    producer's generate call on it waits for its turn as a whole, and still never runs ahead of max_staleness."""
+    from vlrft.trainer import producer as producer_module
+
+    @dataclass
+    class WholeCallEngine:  # as MultiTurnEngine: generate only
+        version: int = 1
+        log: list = field(default_factory=list)
+
+        def state_dict(self):
+            return {"weight_version": self.version}
+
+        def generate(self, batch, sampling):
+            self.log.append(("generate", batch))
+            return SimpleNamespace(weight_versions=[self.version] * 4)
+
+    engine = WholeCallEngine()
+    monkeypatch.setattr(producer_module, "collect",
+                        lambda deps, step: SimpleNamespace(rollouts=deps.engine.generate(step, None), step=step))
+    producer = producer_module.AsyncProducer(StandInDeps(engine), 1, engine, first_step=1)
+    try:
+        producer.next(1)
+        producer.next(2)
+        time.sleep(0.2)
+        assert ("generate", 3) not in engine.log, engine.log
+        engine.version += 1
+        producer.weights_synced()
+        assert producer.next(3).weight_version == 2
     finally:
         producer.close()
 

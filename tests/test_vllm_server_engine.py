@@ -138,6 +138,27 @@ def test_three_steps_of_vlrft_train_through_the_server(tmp_path, server, model_d
         assert all(0.5 < w < 2.0 for w in tis), tis
 
 
+def test_three_async_steps_with_a_tool_through_the_server(tmp_path, server, model_dir):
+    """`vlrft train` with a tool through the server, asynchronous: multi-turn wraps the server engine, whose calls the
+    producer cannot prepare ahead (a turn's requests depend on the turn before), so each waits for its turn as a
+    whole. Rows are at most one sync old and it ran ahead; every step reports the servers' paused time. (At the
+    demo's 3 new tokens most turns are cut by length, which runs no call: the image observations through the server
+    are checked by the multi-turn test below.)"""
+    parser = tmp_path / "always_zoom.py"  # random models write no calls: every turn calls `zoom`
+    parser.write_text("from vlrft.tools.types import ToolCall\n\n\ndef always_zoom(text):\n"
+                      "    return ToolCall('zoom', {'region': 'center'})\n")
+    steps = train(tmp_path / "run", model_dir, "rollout.engine=vllm_server", f"rollout.server_urls=[{server.url}]",
+                  "rollout.max_staleness=1", "rollout.tools=[{name: zoom}]", f"rollout.tool_parser={parser}:always_zoom",
+                  "rollout.describe_tools=false", "rollout.max_turns=2", "rollout.max_trajectory_tokens=160")
+    steps = [s for s in steps if "async/staleness_max" in s]
+    assert len(steps) == 3, steps
+    assert max(s["async/staleness_max"] for s in steps) <= 1
+    assert any(s["async/staleness_max"] == 1 for s in steps), steps  # it did run ahead
+    assert all(0 < s["time/weight_sync_paused"] < s["time/weight_sync"] for s in steps), steps
+    rows = completions(tmp_path / "run")
+    assert rows and all(row["turns"] >= 1 for row in rows), rows[:2]  # trajectories of the multi-turn engine
+
+
 def train(out: Path, model_dir: Path, *overrides: str, env: dict | None = None) -> list[dict]:
     command = [sys.executable, "-m", "vlrft", "train", "configs/demo.yaml", f"model.path={model_dir}",
                "model.build_recipe=null", "rollout.n=4", "rollout.global_batch_completions=32",

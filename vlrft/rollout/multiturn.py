@@ -187,6 +187,16 @@ class MultiTurnEngine:
     def update_weights(self, model) -> None:
         self.engine.update_weights(model)
 
+    @property
+    def version(self) -> int | None:
+        """Rollout servers: the weight version the wrapped engine samples with (what the async producer checks)."""
+        return getattr(self.engine, "version", None)
+
+    @property
+    def last_sync(self):
+        """Rollout servers: the wrapped engine's last weight sync (`time/weight_sync_paused`)."""
+        return getattr(self.engine, "last_sync", None)
+
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -121,16 +121,19 @@ class _Stopped(Exception):
 class GatedEngine:
     """The server engine as the producer's `collect` sees it: each generate call is prepared (prompts and images
     encoded) at once, then waits at `gate` for its turn to sample (`AsyncProducer._wait_turn`). So the next step's
-    preparation overlaps the trainer's work, and only the sampling waits for the weights."""
+    preparation overlaps the trainer's work, and only the sampling waits for the weights. An engine that cannot be
+    prepared ahead (multi-turn around the server engine: each turn's requests depend on the turn before) waits for
+    its turn before its generate call."""
 
     def __init__(self, engine, gate: Callable[[], None], timer: PhaseTimer | None):
         self._engine, self._gate, self._timer = engine, gate, timer
 
     def generate(self, batch, sampling):
-        prepared = self._engine.prepare(batch, sampling)
+        ahead = hasattr(self._engine, "prepare") and hasattr(self._engine, "send")
+        prepared = self._engine.prepare(batch, sampling) if ahead else None
         with self._timer.untimed("time/generate") if self._timer is not None else contextlib.nullcontext():
             self._gate()  # waiting for its turn is not generating
-        return self._engine.send(prepared)
+        return self._engine.send(prepared) if ahead else self._engine.generate(batch, sampling)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
