@@ -305,7 +305,7 @@ def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
     rows_per_mb = cfg.train.micro_batch_completions_per_rank
     prompts = min(rows_per_mb, -(-rows_per_mb // cfg.rollout.n) + 1)
     full = prompts * cfg.data.max_prompt_length + rows_per_mb * cfg.rollout.max_new_tokens
-    from vlrft.plan.activations import completion_pass_bytes
+    from vlrft.plan.activations import completion_replay_bytes
 
     def micro_batch(plan):  # activations and the gradients waiting beside them, read at the same moment
         return plan.component("activations") + plan.component("pending_grads")
@@ -314,9 +314,9 @@ def test_a_token_budget_bounds_the_activations_by_tokens_not_rows():
     prompt_len, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
     rank_rows = cfg.prompts_per_step // hw.world_size * cfg.rollout.n
     assert micro_batch(budget(full, 0)) >= micro_batch(rows)
-    def by_tokens(tokens):  # the part that grows with the budget (the rows' prompt copies are the rank's rows')
-        return budget(tokens, 0).component("activations") - completion_pass_bytes(
-            shape, rank_rows, prompt_len, tokens, new, True, 2)
+    def by_tokens(tokens):  # the part that grows with the budget (the rows' key/value copies are the rank's rows')
+        return budget(tokens, 0).component("activations") - completion_replay_bytes(
+            shape, rank_rows, prompt_len, tokens, new, 2, 2)
 
     assert by_tokens(4 * seq_len) > 1.9 * by_tokens(2 * seq_len)
     # with images, the budget admits more prompts' images than the rows did (short completions of many prompts)
@@ -548,6 +548,8 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     the backward runs one backbone call at a time (`vlrft.models.staged_backward`): none wait. Before: fsdp2's
     unsharded gradients in the compute dtype waited (2 B per language-model parameter, in every micro-batch; 59.6 GiB
     per GPU for the 32B config with rows left out), and single's float32 ones as ddp's."""
+    from vlrft.plan.activations import shared_gradients
+
     shape = load_model_shape("Qwen/Qwen2.5-VL-7B-Instruct")
     cfg = load_config(CONFIG_7B, validate=False)
     hw, ddp = Hardware(), StrategyChoice("ddp")
@@ -579,13 +581,18 @@ def test_the_completion_passs_gradients_waiting_for_the_prompt_pass_are_counted_
     # DeepSpeed (ZeRO-2 and 3): whole float32 gradients, in every micro-batch (measured: tests/test_plan_terms.py)
     for stage in (2, 3):
         zero = StrategyChoice("deepspeed", zero_stage=stage)
-        assert plan_memory(one, shape, hw, zero).component("pending_grads") > 0
         assert plan_memory(alone, shape, hw, zero).component("pending_grads") == 4 * shape.count("text")
+        # all the rank's rows at once: the peak is the top completion layer's replay before its backward (its rows'
+        # key/value copies over prompt and completion), when no gradient has been made yet, as under ddp
+        whole = plan_memory(one, shape, hw, zero)
+        assert whole.component("pending_grads") == 0
+        assert whole.component("activations") == plan_memory(one, shape, hw, ddp).component("activations")
     lora = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, rank=16, target_modules=["q_proj"])))
     t = shape.text
     per_layer = 16 * (t.hidden_size + t.num_heads * t.head_dim)
-    # the adapters' are small: the peak is then the top completion layer's backward, with that layer's alone waiting
-    assert plan_memory(lora, shape, hw, ddp).component("pending_grads") == 4 * per_layer
+    assert shared_gradients(shape, 4, 2, 16, ("q_proj",)).per_layer == 4 * per_layer
+    # the adapters' are small: the peak is then the top completion layer's replay, before any of them is made
+    assert plan_memory(lora, shape, hw, ddp).component("pending_grads") == 0
 
 
 @pytest.mark.parametrize("autocast_bf16", [True, False])

@@ -10,7 +10,7 @@ from bench.bench_plan_terms import Case, measure_logits, measure_micro_batch
 
 # measured / planned, as docs/memory_plan.md states them (activations: with and without gradient checkpointing)
 STATED = {"logits": (0.65, 1.02), "head_backward": (0.99, 1.01), "prompt_kv": (0.98, 1.08),
-          "weight_casts": (0.85, 1.02), "pending_grads": (0.79, 1.02), ("activations", True): (0.89, 1.16),
+          "weight_casts": (0.85, 1.02), "pending_grads": (0.92, 1.10), ("activations", True): (0.89, 1.03),
           ("activations", False): (0.75, 0.92)}
 
 
@@ -50,7 +50,7 @@ def test_the_micro_batch_terms_are_within_their_stated_error(checkpointing, mixe
 # measured / planned with the backward in stages (strategies single and fsdp2: `vlrft.models.staged_backward`), where
 # the peak is a completion layer's replay and the prompt pass's backward starts from its records' gradients (held
 # through it: up to one layer's more), as docs/memory_plan.md states them
-STATED_STAGED = {"prompt_kv": (0.98, 1.12), ("activations", True): (0.89, 1.16), ("activations", False): (0.75, 0.92),
+STATED_STAGED = {"prompt_kv": (0.98, 1.12), ("activations", True): (0.96, 1.03), ("activations", False): (0.75, 0.92),
                  "weight_casts": (0.85, 1.02)}
 
 
@@ -60,7 +60,9 @@ STATED_STAGED = {"prompt_kv": (0.98, 1.12), ("activations", True): (0.89, 1.16),
 def test_with_the_backward_in_stages_no_gradient_waits_and_the_terms_hold(checkpointing, mixed):
     """The same micro-batch with the backward one backbone call at a time: no parameter gradient waits in autograd's
     buffers (measured 0 where one graph holds the whole model's: 3.07 MiB of this model), the plan counts none, and
-    the other terms are within their stated error. Before: every gradient of the completion pass waited."""
+    the other terms are within their stated error. Before: every gradient of the completion pass waited; and the
+    completion layer's replay, the peak here, counted its rows' key/value copies over the prompt only, without SDPA's
+    bf16 copy of the float32 keys (activations 1.03-1.15 of the plan with checkpointing, now 0.98-1.01)."""
     measured, planned = measure_micro_batch(Case(checkpointing=checkpointing, mixed=mixed, stages=True))
     assert measured["pending_grads"] == 0 and not planned.get("pending_grads")
     for term, value in measured.items():

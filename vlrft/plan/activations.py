@@ -66,6 +66,22 @@ def completion_pass_bytes(shape: ModelShape, rows: int, prompt_len: int, complet
     return copies + mask
 
 
+def completion_replay_bytes(shape: ModelShape, rows: int, prompt_len: int, completion_tokens: int,
+                            completion_len: int, key_bytes: int, compute_bytes: int) -> int:
+    """`completion_pass_bytes` of one layer as a completion layer's replay (gradient checkpointing) holds it: each
+    row's key/value copies span its prompt and its completion (`PrefixLayer` returns cat(prompt_kv[rows], new_kv)),
+    and, keys wider than the compute dtype (float32 under autocast), SDPA gets a low-precision copy of the keys it
+    attends over (repeated to every query head where they are). Measured where this replay is the peak (the backward
+    in stages): bench/bench_plan_terms.py."""
+    t = shape.text
+    repeated = t.num_heads * t.head_dim if t.num_heads > t.num_kv_heads else 0
+    completions = rows * completion_len * (t.kv_dim + repeated) * (4 + compute_bytes)
+    cast = rows * (prompt_len + completion_len) * (repeated or t.kv_dim) * compute_bytes if key_bytes > compute_bytes \
+        else 0
+    return (completion_pass_bytes(shape, rows, prompt_len, completion_tokens, completion_len, True, compute_bytes)
+            + completions + cast)
+
+
 def prompt_kv_bytes(shape: ModelShape, prompt_tokens: int, key_bytes: int, value_bytes: int,
                     keys_kept: bool = True) -> int:
     """The shared-prompt forward's record of every layer's prompt keys and values, and every layer's gradients of them.
@@ -155,14 +171,15 @@ def _pixel_bytes(shape: ModelShape, patches: int, compute_bytes: int) -> int:
 
 
 def _moments(shape: ModelShape, batch: "MicroBatchSize", copies: int, checkpointing: bool, compute_bytes: int,
-             shared: SharedGradients, kv_layer: int):
+             shared: SharedGradients, kv_layer: int, replay: int = 0):
     """(activations, waiting parameter gradients, waiting record gradients) at each moment of forward + backward
     that can be the peak. autograd runs the whole completion pass's backward before the prompt pass's (its nodes are
     newer); in one graph each parameter's gradient from the completion pass waits for the prompt pass's: at the top
     prompt layer's backward all of them are alive (`shared`), beside the prompt pass's layer inputs and one replayed
     layer. A backward in stages (`vlrft.models.staged_backward`) has none (`shared` empty): its peak is then often a
-    completion layer's replay. A token budget's split between prompt and completion tokens is unknown: both extremes
-    are tried."""
+    completion layer's replay, before that layer's backward, with its key/value copies over prompt and completion
+    (`replay`: `completion_replay_bytes`; in one graph too, where the layers above's gradients wait). A token
+    budget's split between prompt and completion tokens is unknown: both extremes are tried."""
     t, v = shape.text, shape.vision
     layer, vision_layer = per_token_layer_bytes(shape, compute_bytes)
     stream, depth, layers = 4 * t.hidden_size, v.depth, t.num_layers
@@ -182,8 +199,10 @@ def _moments(shape: ModelShape, batch: "MicroBatchSize", copies: int, checkpoint
         kept = prompt * stream * (layers + 1) + vision  # the prompt pass's layer inputs and last output
         yield kept + prompt * layer + shared.in_flight, waiting, layers * kv_layer  # the top prompt layer replayed
         for below in range(1, layers + 1):  # completion layer `below` replayed, the inputs of those under it kept
-            done = layers - below + 1
-            yield (kept + completion * (stream * below + layer) + copies, shared.per_layer * done, kv_layer * done)
+            done, replayed = layers - below + 1, kept + completion * (stream * below + layer)
+            yield replayed + copies, shared.per_layer * done, kv_layer * done  # in its backward, its gradients made
+            # before its backward: its key/value copies over prompt and completion, the layers above's gradients
+            yield replayed + replay, shared.per_layer * (done - 1), kv_layer * done
 
 
 def micro_batch_terms(shape: ModelShape, batch: "MicroBatchSize", prompt_len: int, completion_len: int,
@@ -197,9 +216,11 @@ def micro_batch_terms(shape: ModelShape, batch: "MicroBatchSize", prompt_len: in
     key_bytes = 4 if float32_weights else compute_bytes
     copies = completion_pass_bytes(shape, batch.rows, prompt_len, batch.completion_tokens, completion_len,
                                    checkpointing, compute_bytes)
+    replay = completion_replay_bytes(shape, batch.rows, prompt_len, batch.completion_tokens, completion_len,
+                                     key_bytes, compute_bytes)
     kv_layer = _kv_layer_bytes(shape, batch.prompt_tokens, key_bytes, compute_bytes)
-    activations, pending, _ = max(_moments(shape, batch, copies, checkpointing, compute_bytes, shared, kv_layer),
-                                  key=sum)
+    activations, pending, _ = max(_moments(shape, batch, copies, checkpointing, compute_bytes, shared, kv_layer,
+                                           replay), key=sum)
     keys_kept = checkpointing or key_bytes == compute_bytes
     terms = {"activations": activations,
              "prompt_kv": prompt_kv_bytes(shape, batch.prompt_tokens, key_bytes, compute_bytes, keys_kept)}
