@@ -41,6 +41,8 @@ from torch.utils._pytree import tree_flatten
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vlrft.models.staged_backward import Stage, StagedBackward  # noqa: E402
+
 
 def _has_storage(tensor: torch.Tensor) -> bool:
     """Whether `tensor` has a storage of its own (not a wrapper subclass such as DTensor, whose local tensor does)."""
@@ -284,7 +286,7 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
             seen.add(node)
             if node in record_nodes:  # the sum of the contributions
                 node.register_prehook(lambda grads: tagging([(0, next(iter(record_nodes)))], {})(grads, None))
-            if getattr(node, "stage", None) is not None:  # a staged forward's hand-off
+            if _tap_owner(node, Stage) is not None:  # a staged forward's hand-off
                 _tag_handoff(meter, node, records)
             slots = [(i, n) for i, (n, _) in enumerate(node.next_functions)
                      if n is not None and (type(n).__name__ == "AccumulateGrad" or n in record_nodes)]
@@ -298,14 +300,14 @@ def _tag_gradients(meter: LiveStorages, output: torch.Tensor, records: list[torc
 
 
 def _tag_handoff(meter: LiveStorages, node, records: list[torch.Tensor]) -> None:
-    """Tag as `prompt_kv` the gradients a staged forward's hand-off (`_Handoff`) receives and keeps for `records`."""
+    """Tag as `prompt_kv` the gradients a staged forward's hand-off (a `_Tap` node) receives and keeps for `records`."""
     from torch.autograd.graph import get_gradient_edge
 
     if getattr(node, "_tagged", False):
         return
     node._tagged = True
     wanted = {(get_gradient_edge(r).node, get_gradient_edge(r).output_nr) for r in records if r.requires_grad}
-    stage = node.stage
+    stage = _tap_owner(node, Stage)
     indices = [i for i, e in enumerate(stage.edges) if e is not None and (e.node, e.output_nr) in wanted]
 
     def tag(grads):
@@ -318,6 +320,13 @@ def _tag_handoff(meter: LiveStorages, node, records: list[torch.Tensor]) -> None
     node.register_hook(lambda grad_inputs, grad_outputs: tag(()))
 
 
+def _tap_owner(node, kind: type):
+    """The `Stage` (a hand-off) or `StagedBackward` (the exits) whose method a staged forward's tap node calls in its
+    backward (`vlrft.models.staged_backward._Tap`), if `node` is such a node of `kind`."""
+    owner = getattr(getattr(node, "receive", None), "__self__", None)
+    return owner if isinstance(owner, kind) else None
+
+
 def _staged(output: torch.Tensor) -> list:
     """The `StagedBackward`s whose exits `output` is made from (none when the forward was one graph)."""
     found, seen, stack = [], set(), [output.grad_fn]
@@ -326,8 +335,8 @@ def _staged(output: torch.Tensor) -> list:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if getattr(node, "staged", None) is not None:
-            found.append(node.staged)
+        if _tap_owner(node, StagedBackward) is not None:
+            found.append(_tap_owner(node, StagedBackward))
         stack += [n for n, _ in node.next_functions]
     return found
 

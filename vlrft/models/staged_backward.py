@@ -9,8 +9,8 @@ which its post-backward could not reduce).
 
 `StagedBackward` cuts the graph between the calls: what a call hands on (the prompt pass's key/value records, its
 last hidden states and router logits; a completion call's hidden states and router logits) is read through the
-outputs of a node of its own (`_Handoff`), which keeps the gradients they receive, and the forward's outputs go
-through one more node (`_Exits`). Its backward runs the calls' backwards one after the other, the newest first (the
+outputs of a node of its own (`_Tap`), which keeps the gradients they receive, and the forward's outputs go
+through one more such node. Its backward runs the calls' backwards one after the other, the newest first (the
 order one graph runs them in), each a `torch.autograd.backward` from where the call's outputs enter its graph, with
 the gradients its hand-off kept. In each of those backwards every parameter has one input, so its accumulator adds
 it to `.grad` (FSDP2: its post-backward reduces it) as soon as it is made. The stages hold no tensor of the forward
@@ -26,6 +26,7 @@ accumulator to fire more than once per backward: `vlrft.parallel.strategy.Strate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 @dataclass
 class Stage:
     """One backbone call: where each output it hands on enters its graph (None: no gradient), and the gradients the
-    rest of the forward sent them, summed (`_Handoff`)."""
+    rest of the forward sent them, summed (`_Tap`)."""
 
     edges: list[GradientEdge | None]
     grads: list[torch.Tensor | None]
@@ -56,17 +57,18 @@ class StagedBackward:
     stages: list[Stage] = field(default_factory=list)
     exits: list[GradientEdge | None] = field(default_factory=list)
     anchor: torch.Tensor | None = None  # the nodes' one input: gives them a place in the graph
+    ran: bool = False  # `run` happened: its stages are gone
 
     def cut(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tensors standing for a call's `outputs` (the same storage): what comes after reads these."""
         stage = Stage([_edge(t) for t in outputs], [None] * len(outputs))
         self.stages.append(stage)
-        return list(_Handoff.apply(self._anchor(outputs[0].device), stage, list(outputs)))
+        return list(_Tap.apply(self._anchor(outputs[0].device), stage.receive, list(outputs)))
 
     def close(self, exits: list[torch.Tensor]) -> list[torch.Tensor]:
         """The forward's outputs `exits`, through the node whose backward runs the stages' backwards."""
         self.exits = [_edge(t) for t in exits]
-        return list(_Exits.apply(self._anchor(exits[0].device), self, list(exits)))
+        return list(_Tap.apply(self._anchor(exits[0].device), self.run, list(exits)))
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
         if self.anchor is None:
@@ -74,6 +76,10 @@ class StagedBackward:
         return self.anchor
 
     def run(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        if self.ran:
+            raise RuntimeError("a staged backward runs once (a second backward through the graph, retain_graph, is "
+                               "not supported)")
+        self.ran = True
         _backward(self.exits, grads)  # the cheap ops between the hand-offs and the exits (concatenation, indexing)
         for stage in reversed(self.stages):
             stage.backward()
@@ -90,34 +96,19 @@ def _backward(edges: list[GradientEdge | None], grads) -> None:
         torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
 
 
-class _Handoff(torch.autograd.Function):
-    """Identity on a call's outputs, which it is given rather than takes as inputs (so the call's graph is not part
-    of its readers' backward); its backward keeps their gradients in the `Stage`. It runs once in each backward
-    that reaches it (the exits', then each later call's), each time adding what it is sent."""
+class _Tap(torch.autograd.Function):
+    """Identity on `outputs`, which it is given rather than takes as inputs (so the graph that made them is not part of
+    its readers' backward); its backward hands the gradients it is sent to `receive`. A call's hand-off
+    (`Stage.receive`) runs once in each backward that reaches it (the exits', then each later call's), each time
+    adding what it is sent; the exits' (`StagedBackward.run`) runs the stages' backwards."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, stage: Stage, outputs: list[torch.Tensor]):
-        ctx.stage = stage
+    def forward(ctx, anchor: torch.Tensor, receive: Callable[[tuple], None], outputs: list[torch.Tensor]):
+        ctx.receive = receive
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.stage.receive(grads)
-        return None, None, None
-
-
-class _Exits(torch.autograd.Function):
-    """Identity on the staged forward's outputs; its backward runs the stages' (`StagedBackward.run`)."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, staged: StagedBackward, exits: list[torch.Tensor]):
-        ctx.staged = staged
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in exits)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        staged, ctx.staged = ctx.staged, None
-        staged.run(grads)
+        ctx.receive(grads)
         return None, None, None
