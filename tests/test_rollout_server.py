@@ -191,15 +191,24 @@ def test_an_unreachable_server_is_named_at_start():
 
 
 @dataclass
-class StandInEngine:
-    """A stand-in server engine: the weight version the async producer reads, and a generate call in two halves
-    (`prepare`, `send`) that logs when each ran."""
+class WholeCallEngine:
+    """A stand-in engine with a generate call only (as multi-turn around the server engine): the weight version the
+    async producer reads, and a log of its calls."""
 
     version: int = 1
     log: list = field(default_factory=list)
 
     def state_dict(self):
         return {"weight_version": self.version}
+
+    def generate(self, batch, sampling):
+        self.log.append(("generate", batch))
+        return SimpleNamespace(weight_versions=[self.version] * 4)
+
+
+@dataclass
+class StandInEngine(WholeCallEngine):
+    """A stand-in server engine: its generate call also in two halves (`prepare`, `send`), each logged when it ran."""
 
     def prepare(self, batch, sampling):
         self.log.append(("prepare", batch))
@@ -214,7 +223,7 @@ class StandInEngine:
 class StandInDeps:
     """What the producer reads of `CollectDeps`, and the engine it gates."""
 
-    engine: StandInEngine
+    engine: WholeCallEngine
     strategy: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(rank=0, world_size=1))
     sampler: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(state_dict=dict))
     rollout: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(server_timeout_s=5))
@@ -279,18 +288,6 @@ def test_an_engine_that_cannot_prepare_ahead_waits_for_its_turn_before_generatin
     """Multi-turn around the server engine has no `prepare`/`send` (a turn's requests depend on the turn before): the
     producer's generate call on it waits for its turn as a whole, and still never runs ahead of max_staleness."""
     from vlrft.trainer import producer as producer_module
-
-    @dataclass
-    class WholeCallEngine:  # as MultiTurnEngine: generate only
-        version: int = 1
-        log: list = field(default_factory=list)
-
-        def state_dict(self):
-            return {"weight_version": self.version}
-
-        def generate(self, batch, sampling):
-            self.log.append(("generate", batch))
-            return SimpleNamespace(weight_versions=[self.version] * 4)
 
     engine = WholeCallEngine()
     monkeypatch.setattr(producer_module, "collect",
