@@ -12,6 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _prompt_pass_watch import layer_gradients_when_the_prompt_pass_starts  # noqa: E402
+
 from vlrft.batch import build_sequences  # noqa: E402
 from vlrft.config import DataConfig  # noqa: E402
 from vlrft.data import PromptEncoder, Sample  # noqa: E402
@@ -37,32 +39,16 @@ def rows(folder: str, rank: int, image: Path, tokens: TokenSpec):
 
 def backward(root, seqs, stages: bool, strategy) -> dict[str, bool]:
     """One training backward; whether each decoder-layer parameter had its sharded gradient when the prompt pass's
-    backward started (when the final norm's output of the first backbone call got its gradient)."""
+    backward started (`layer_gradients_when_the_prompt_pass_starts`)."""
     for module in root.modules():
         if hasattr(module, "backward_in_stages"):
             module.backward_in_stages = stages
-    layers = {name: p for name, p in root.named_parameters() if ".layers." in name and "visual" not in name}
-    norm = next(m for name, m in root.named_modules() if name.endswith("language_model.norm"))
-    seen: dict[str, bool] = {}
-    calls = []
 
-    def look(grad):
-        if not seen:
-            seen.update({name: p.grad is not None for name, p in layers.items()})
-        return grad
+    def forward_backward():
+        out = root(seqs)
+        strategy.backward(out.logprobs.sum() + 0.1 * out.entropy.sum(), root)
 
-    def hooking(module, args, output):
-        if not calls:
-            output.register_hook(look)
-        calls.append(1)
-
-    handle = norm.register_forward_hook(hooking)
-    root.zero_grad(set_to_none=True)
-    out = root(seqs)
-    strategy.backward(out.logprobs.sum() + 0.1 * out.entropy.sum(), root)
-    handle.remove()
-    assert len(calls) > 1 and seen
-    return seen
+    return layer_gradients_when_the_prompt_pass_starts(root, forward_backward)
 
 
 def main(folder: str, out: str) -> None:

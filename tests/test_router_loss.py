@@ -5,40 +5,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_actor import three_prompt_rows
 
 from vlrft.algo import Stats
 from vlrft.algo.losses import LossOutput
-from vlrft.batch import build_sequences
-from vlrft.config import DataConfig
-from vlrft.data import PromptEncoder, Sample
 from vlrft.errors import UserError
 from vlrft.models.actor import ActorVL
-from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.loading import load_policy
 from vlrft.models.router_loss import check_router_loss
-from vlrft.tokens import TokenSpec
 
 
 @pytest.fixture(scope="module")
 def moe_batch(tiny_vlm_dir, tmp_path_factory):
     """A tiny Qwen3-VL-MoE in float64, and 6 rows over 3 prompts of different lengths (left padding) with
     completions of different lengths (right padding)."""
-    from PIL import Image
-
     folder = tiny_vlm_dir("qwen3_vl_moe")
-    processor = load_processor(folder)
-    root = tmp_path_factory.mktemp("moe_images")
-    Image.new("RGB", (64, 96), (200, 40, 40)).save(root / "red.png")
-    samples = [Sample(id="img", prompt="<image>Color?", images=[str(root / "red.png")]),
-               Sample(id="text", prompt="A longer text-only prompt here"),
-               Sample(id="two", prompt="<image><image>Same?", images=[str(root / "red.png")] * 2)]
-    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=8192)).encode(samples).batch
     completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14], [15, 16, 17, 18, 19, 20, 21], [22, 23],
                                                    [24, 25, 26], [27]]]
     row_prompt = [0, 0, 1, 1, 2, 2]
     model = load_policy(folder).to(torch.float64)
     model.set_experts_implementation("eager")  # torch's grouped matmul takes no float64
-    tokens = TokenSpec.from_model(processor, model.config)
-    seqs = build_sequences(batch.prompt_ids, batch.visual, completions, row_prompt, tokens.pad_id)
+    tokens, seqs = three_prompt_rows(folder, tmp_path_factory.mktemp("moe_images"), completions, model.config)
     return model, tokens, seqs, row_prompt
 
 

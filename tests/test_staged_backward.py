@@ -6,36 +6,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_actor import three_prompt_rows
+from _prompt_pass_watch import layer_gradients_when_the_prompt_pass_starts
 from _torchrun import torchrun
 
-from vlrft.batch import build_sequences
-from vlrft.config import DataConfig
-from vlrft.data import PromptEncoder, Sample
 from vlrft.models.actor import ActorVL, CriticVL
-from vlrft.models.loading import load_policy, load_processor
+from vlrft.models.loading import load_policy
 from vlrft.parallel.strategy import DDPStrategy, Strategy
-from vlrft.tokens import TokenSpec
 
 
 @pytest.fixture(scope="module")
 def moe_rows(tiny_vlm_dir, tmp_path_factory):
     """A tiny Qwen3-VL-MoE's folder and 6 rows over 3 prompts (an image, text, two images), completions of different
     lengths (so the completion pass runs in classes of similar length)."""
-    from PIL import Image
-
     folder = tiny_vlm_dir("qwen3_vl_moe")
-    processor = load_processor(folder)
-    root = tmp_path_factory.mktemp("staged_images")
-    Image.new("RGB", (64, 96), (200, 40, 40)).save(root / "red.png")
-    samples = [Sample(id="img", prompt="<image>Color?", images=[str(root / "red.png")]),
-               Sample(id="text", prompt="A longer text-only prompt here"),
-               Sample(id="two", prompt="<image><image>Same?", images=[str(root / "red.png")] * 2)]
-    batch = PromptEncoder(processor, DataConfig(min_pixels=784, max_pixels=8192)).encode(samples).batch
     completions = [[t + 100 for t in c] for c in [[11, 12, 13], [14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
                                                    [26, 27], [28, 29, 30], [31]]]
-    tokens = TokenSpec.from_model(processor, load_policy(folder).config)
-    return folder, tokens, build_sequences(batch.prompt_ids, batch.visual, completions, [0, 0, 1, 1, 2, 2],
-                                           tokens.pad_id)
+    tokens, seqs = three_prompt_rows(folder, tmp_path_factory.mktemp("staged_images"), completions,
+                                     load_policy(folder).config)
+    return folder, tokens, seqs
 
 
 def _actor(folder, tokens, checkpointing: bool) -> ActorVL:
@@ -54,31 +43,7 @@ def _loss(actor: ActorVL, seqs) -> torch.Tensor:
 
 
 def _layer_gradients_when_the_prompt_pass_starts(actor: ActorVL, seqs) -> dict[str, bool]:
-    """Whether each decoder-layer parameter has its `.grad` when the prompt pass's backward starts: when the final
-    norm's output of the first backbone call (the prompt pass, whose top node that is) has its gradient."""
-    seen: dict[str, bool] = {}
-    layers = {name: p for name, p in actor.model.named_parameters() if ".layers." in name and "visual" not in name}
-    norm = actor.model.get_submodule("model.language_model.norm")
-    calls = []
-
-    def look(grad):
-        if not seen:
-            seen.update({name: p.grad is not None for name, p in layers.items()})
-        return grad
-
-    def hooking(module, args, output):
-        if not calls:
-            output.register_hook(look)
-        calls.append(1)
-
-    handle = norm.register_forward_hook(hooking)
-    actor.model.zero_grad(set_to_none=True)
-    try:
-        _loss(actor, seqs).backward()
-    finally:
-        handle.remove()
-    assert len(calls) > 1 and seen, "no prompt pass and completion calls"
-    return seen
+    return layer_gradients_when_the_prompt_pass_starts(actor.model, lambda: _loss(actor, seqs).backward())
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
