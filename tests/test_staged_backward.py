@@ -122,3 +122,16 @@ def test_the_plan_counts_no_waiting_gradients_exactly_where_the_strategies_stage
 
     staging = {cls.name for cls in (Strategy, DDPStrategy, FSDP2Strategy, DeepSpeedStrategy) if cls.stages_backward}
     assert staging == set(STAGED_BACKWARD) == {"single", "fsdp2"}
+
+
+def test_the_plan_counts_waiting_gradients_where_the_strategies_keep_one_graph():
+    """`vlrft plan` leaves `pending_grads` out for exactly the strategies that run the backward in stages: its list
+    (`STAGED_BACKWARD`) and the strategies' own `stages_backward` are two statements of one fact."""
+    from vlrft.parallel.deepspeed import DeepSpeedStrategy
+    from vlrft.parallel.fsdp2 import FSDP2Strategy
+    from vlrft.plan.memory import STAGED_BACKWARD
+    from vlrft.plan.memory_plan import STRATEGIES
+
+    classes = {"single": Strategy, "ddp": DDPStrategy, "fsdp2": FSDP2Strategy, "deepspeed": DeepSpeedStrategy}
+    assert set(classes) == set(STRATEGIES)
+    assert set(STAGED_BACKWARD) == {name for name, cls in classes.items() if cls.stages_backward}

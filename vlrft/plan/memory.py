@@ -31,13 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vlrft.families import family
 from vlrft.plan.activations import (MicroBatchSize, SharedGradients, chunk_tokens, head_backward_bytes, logits_bytes,
                                     micro_batch_size, micro_batch_terms, prompt_patches, shared_gradients)
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.engine import engine_components
 from vlrft.plan.memory_plan import CUDA_RESERVE, Component, Hardware, MemoryPlan, StrategyChoice
-from vlrft.plan.model_state import host_memory, model_state, offloaded_during_rollout
+from vlrft.plan.model_state import host_memory, model_state, offloaded_during_rollout, trains_sharing_prompts
 from vlrft.plan.reward_models import RewardModelShape, reward_model_components
 from vlrft.plan.suggestions import suggestions
 
@@ -136,10 +135,9 @@ def _shared_gradients(cfg, shape: ModelShape, strategy: StrategyChoice, world: i
     and bench/bench_plan_fsdp2.py), for a family whose training forward runs every row in full (`vlrft.families`),
     or where no forward shares a prompt (`_shares_prompts`)."""
     m, t = cfg.model, cfg.train
-    shares = family(shape.model_type)
     rank_rows = max(1, cfg.prompts_per_step // world) * cfg.rollout.n
     one_micro_batch = t.max_tokens_per_micro_batch <= 0 and rank_rows <= t.micro_batch_completions_per_rank
-    if (strategy.name in STAGED_BACKWARD or shares is None or not shares.training_shares_prompt.supported
+    if (strategy.name in STAGED_BACKWARD or not trains_sharing_prompts(shape)
             or (one_micro_batch and strategy.name in ("single", "ddp")) or not _shares_prompts(cfg, strategy, batch)):
         return SharedGradients()
     return shared_gradients(shape, grad_bytes, compute_bytes, m.lora.rank, tuple(m.lora.target_modules))

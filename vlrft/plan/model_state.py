@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vlrft.families import family
 from vlrft.plan.architecture import ModelShape
 from vlrft.plan.memory_plan import STRATEGIES, Component, Hardware, StrategyChoice
 
@@ -25,6 +26,13 @@ class ModelState:
     resident_buffers: bool = True  # False: allocated for each backward and freed after it (ZeRO-2's bucket)
 
 
+def trains_sharing_prompts(shape: ModelShape) -> bool:
+    """Whether the family's training forward runs each distinct prompt once for its rows (`vlrft.families`; else
+    every row in full)."""
+    shares = family(shape.model_type)
+    return shares is not None and shares.training_shares_prompt.supported
+
+
 def fsdp2_gathered_bytes(shape: ModelShape, compute_bytes: int, head_trains: bool = True) -> int:
     """What FSDP2 holds unsharded in the backward beside a micro-batch's activations, in `compute_bytes` (its
     `param_dtype`): the root unit (embeddings, LM head, norms, merger), gathered through forward and backward; two
@@ -35,13 +43,10 @@ def fsdp2_gathered_bytes(shape: ModelShape, compute_bytes: int, head_trains: boo
     forward shares prompts, also the embeddings' gradient from the completion calls, alive through the prompt pass's
     backward (`vlrft.models.staged_backward`). The root's other gradients come at the backward's end, when the
     activations are gone. Measured on 2 CPU ranks by bench/bench_plan_fsdp2.py."""
-    from vlrft.families import family
-
-    shares = family(shape.model_type)
-    staged = shares is not None and shares.training_shares_prompt.supported
-    matrices = (1 if shape.tie_word_embeddings else 1 + int(staged)) if head_trains else 0
+    matrices = (1 if shape.tie_word_embeddings else 1 + int(trains_sharing_prompts(shape))) if head_trains else 0
     matrix = shape.text.vocab_size * shape.text.hidden_size
-    return compute_bytes * (shape.blocks()["root"] + matrices * matrix) + (2 * compute_bytes + 4) * shape.largest_layer()
+    return (compute_bytes * (shape.blocks()["root"] + matrices * matrix)
+            + (2 * compute_bytes + 4) * shape.largest_layer())
 
 
 def model_state(params: int, trainable: int, shape: ModelShape, s: StrategyChoice, world: int) -> ModelState:
